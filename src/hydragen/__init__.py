@@ -1,0 +1,1 @@
+"""hydragen: LLM inference built around shared prefixes."""

@@ -1,0 +1,74 @@
+"""One attention partial: queries against one block of keys, returning output and natural-log LSE.
+
+Everything else in hydragen (shared prefixes, tree decode, chunked prefill) is built from this one
+operation plus the LSE merge. Two implementations share one signature:
+
+* ``fused``: on CPU, ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the LSE and
+  handles GQA natively (query head h reads KV head h // (Hq // Hkv)); it runs the whole block as a
+  tiled matrix-matrix product.
+* ``torch``: plain matmul + softmax in fp32, the reference that runs on any device.
+
+Layout is SDPA's: q [N, Hq, L, D], k/v [N, Hkv, S, D] (any strides), additive or boolean ``visible``
+mask broadcastable to [N, 1, L, S]. Rows that see no key get out = 0 and lse = -inf (the fused
+kernel reports lse = 0 for them, which would corrupt a merge, so we patch them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _torch_partial(q, k, v, scale, visible):
+    n, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    # Fold the GQA group into query rows: [N, Hkv, g*L, D] against [N, Hkv, S, D]; no KV repeat.
+    qf = q.reshape(n, hkv, g * lq, d).float()
+    scores = torch.matmul(qf, k.float().transpose(-1, -2)) * scale
+    if visible is not None:
+        vis = visible.expand(n, 1, lq, k.shape[2]).unsqueeze(2).expand(n, 1, g, lq, k.shape[2])
+        scores = scores.masked_fill(~vis.reshape(n, 1, g * lq, k.shape[2]), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(probs, v.float())
+    return out.reshape(n, hq, lq, d), lse.reshape(n, hq, lq)
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None = None,
+    causal: bool = False,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over one key block. Returns (out [N, Hq, L, D] in q's dtype, lse [N, Hq, L] fp32).
+
+    ``visible`` is a boolean mask (True = may attend) broadcastable to [N, 1, L, S]; ``causal`` means
+    square top-left causal (L == S). The caller guarantees S > 0.
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError("causal partials must be square (L == S); pass a visibility mask otherwise")
+    use_fused = impl == "fused" or (impl == "auto" and q.device.type == "cpu" and _CPU_FLASH is not None)
+    if not use_fused:
+        if causal:
+            visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        out, lse = _torch_partial(q, k, v, scale, visible)
+        return out.to(q.dtype), lse
+    if visible is None:
+        out, lse = _CPU_FLASH(q, k, v, is_causal=causal, scale=scale)
+        return out, lse.float()
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out, lse = _CPU_FLASH(q, k, v, attn_mask=bias, scale=scale)
+    lse = lse.float()
+    blind = ~visible.any(-1)  # rows that see no key at all
+    if bool(blind.any()):
+        blind = blind.expand(q.shape[0], q.shape[1], q.shape[2])
+        lse = lse.masked_fill(blind, float("-inf"))
+        out = out.masked_fill(blind.unsqueeze(-1), 0.0)
+    return out, lse
