@@ -1,0 +1,1 @@
+"""Engine: requests, sampling, the decode batch and the offline LLM API."""

@@ -1,0 +1,127 @@
+"""The offline entry point: ``LLM(...).generate(prompts, SamplingParams(...))``, vLLM-style."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hydragen.engine.engine import Engine
+from hydragen.engine.outputs import RequestOutput
+from hydragen.engine.sampling_params import SamplingParams
+from hydragen.model.loader import load_model, resolve_device, resolve_dtype
+
+PromptType = str | list[int]
+
+
+def default_kv_cache_tokens(bytes_per_token: int, device: torch.device, max_tokens_useful: int) -> int:
+    """A quarter of free memory (RAM on CPU, VRAM on GPU), never more than the engine could use."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1024, min(int(free * 0.25) // bytes_per_token, max_tokens_useful))
+
+
+class LLM:
+    """Load a Llama-family model and generate with shared-prefix attention over a radix-tree KV cache.
+
+    ``prefix_sharing=False`` runs the same engine with every sequence holding a private copy of its whole
+    KV (the no-sharing baseline); ``attention="none"`` skips attention (a throughput ceiling for
+    benchmarks, its text is meaningless); ``attention="torch"`` uses the plain reference kernels.
+    """
+
+    def __init__(self, model: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
+                 prefix_sharing: bool = True, attention: str = "auto", kv_cache_tokens: int | None = None,
+                 max_num_seqs: int = 256):
+        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.model, self.config, self.model_path = load_model(model, dev, dt)
+        has_tokenizer = self.model_path.suffix == ".gguf" or any(
+            (self.model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+        # A directory without tokenizer files still runs on token-id prompts (texts are then empty).
+        if has_tokenizer:
+            from hydragen.model.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.model_path)
+        else:
+            self.tokenizer = None
+        c = self.config
+        bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(dt).bits // 8
+        if kv_cache_tokens is None:
+            kv_cache_tokens = default_kv_cache_tokens(bytes_per_token, dev, max_num_seqs * c.max_position_embeddings)
+        elif not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
+        self.engine = Engine(self.model, c, self.tokenizer, dev, dt, prefix_sharing=prefix_sharing,
+                             attention=attention, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def _normalise(self, prompts) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, Seq) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [list(prompts)]
+        if not isinstance(prompts, Seq) or isinstance(prompts, (bytes, bytearray)) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty str, list[str], list[int] or list[list[int]]")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("this model has no tokenizer files: pass prompts as token ids")
+                out.append((p, self.tokenizer.encode(p)))
+            elif isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+            if not out[-1][1]:
+                raise ValueError(f"prompt {i} is empty")
+        return out
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Sharing between prompts is discovered from token ids."""
+        items = self._normalise(prompts)
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """``messages``: one conversation (list of {"role", "content"}) or a list of conversations."""
+        if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, Seq) or not messages:
+            raise ValueError("messages must be a conversation (list of dicts) or a non-empty list of them")
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer files")
+        items = []
+        for conv in messages:
+            ids = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        engine = self.engine
+        reqs = [engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(items, params, strict=True)]
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        results: list[RequestOutput | None] = [None] * len(reqs)
+        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated0 = time.perf_counter(), engine.stats.generated_tokens
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    results[index[out.request_id]] = out
+                    bar.update(1)
+                rate = (engine.stats.generated_tokens - generated0) / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,26 @@
+"""What generate() returns: one RequestOutput per prompt, each with n CompletionOutputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length"
+    # Per generated token: {token_id: logprob} with the sampled token plus the top-`logprobs` alternatives.
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it, if any
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    cached_prompt_tokens: int = 0  # prompt tokens served from KV already cached before this request

@@ -1,0 +1,66 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, with counter-based per-sequence randomness.
+
+Each sequence draws its uniforms from a hash of (its seed, its step, the vocabulary index), so a
+sequence's samples depend only on its own seed and history, never on which other sequences share the
+batch: seeded runs reproduce exactly with sharing on or off and at any batch size, and the n samples of
+one prompt (seeds derived from (seed, index)) differ. Sampling is an exponential race
+``argmax(p / E)`` with E ~ Exp(1), which draws exactly from p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply) on int64 tensors holding values < 2**32."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def _mix32_int(x: int) -> int:
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed (32-bit) of sample ``index`` of a request seeded with ``seed`` (any Python int)."""
+    folded = _mix32_int(seed & _M32) ^ _mix32_int((seed >> 32) & _M32)
+    return _mix32_int(folded ^ (index * 0x9E3779B1 & _M32))
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device):
+        self.vocab_mix = mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) * 0x85EBCA77 & _M32)
+
+    def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """[B, V] uniforms in (0, 1) from per-row seeds and step counters (int64 [B])."""
+        row = mix32(mix32(seeds & _M32) ^ (steps * 0xC2B2AE3D & _M32))
+        x = mix32(row.unsqueeze(1) ^ self.vocab_mix.unsqueeze(0))
+        return (x.float() + 0.5) * (1.0 / 4294967296.0)
+
+    def __call__(self, logits, temperature, top_k, top_p, seeds, steps, any_random: bool,
+                 any_top_k: bool, any_top_p: bool) -> torch.Tensor:
+        """logits [B, V] fp32; per-row tensors [B]. Returns sampled token ids [B] (int64)."""
+        greedy = logits.argmax(-1)
+        if not any_random:
+            return greedy
+        scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+        if any_top_k:
+            k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp_max(logits.shape[1])
+            kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if any_top_p:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # Drop tokens whose preceding mass already reaches top_p; the top token always stays.
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p.unsqueeze(1)
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        race = probs / -torch.log(self.uniforms(seeds, steps))
+        sampled = race.argmax(-1)
+        return torch.where(temperature > 0, sampled, greedy)

@@ -1,0 +1,57 @@
+"""Request and Sequence state: what the scheduler, the batch and the output builder share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydragen.engine.sampling_params import SamplingParams
+from hydragen.kv.radix import Node
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finished for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int
+    seed: int
+    node: Node | None = None  # tree node where prompt[:-1] ends (pinned while running)
+    cut: int = 0  # positions < cut are read from shared tree nodes, the rest from the private tail
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    row: int = -1  # row of the decode batch's tail block
+    tail_len: int = 0  # tokens stored in the tail (positions cut .. cut + tail_len)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_len(self) -> int:
+        """Longest this sequence can get: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.request.params.max_tokens
+
+    @property
+    def order_key(self) -> tuple:
+        """Sorting by the shared part gives depth-first order of the prefix tree."""
+        return (self.prompt_ids[:-1], self.request.request_id, self.index)

@@ -1,0 +1,86 @@
+"""Model configuration, normalised from a Hugging Face config (old and new RoPE layouts) or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else str(cfg.get("model_type", "unknown"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model architecture {arch!r}; hydragen supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // heads
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        # Rope: new layout keeps everything in `rope_parameters`; old layout uses rope_theta + rope_scaling.
+        params = dict(cfg.get("rope_parameters") or {})
+        theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = params or cfg.get("rope_scaling") or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+            scaling["rope_type"] = rope_type
+            if rope_type == "default":
+                scaling = None
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        # Sliding-window models run full attention: capping the context at the window makes that exact.
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+            max_pos = min(max_pos, int(window))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        """Number of K and V elements one token stores across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
