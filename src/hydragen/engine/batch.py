@@ -20,12 +20,13 @@ from hydragen.kv.pool import KVPool
 
 
 class DecodeBatch:
-    def __init__(self, pool: KVPool, seqs: list[Sequence], cap: int, device):
+    def __init__(self, pool: KVPool, seqs: list[Sequence], cap: int, base: int, device):
+        """``base``: first slot of an already allocated run of len(seqs) * cap slots."""
         self.pool, self.device = pool, device
         self.seqs = seqs
         self.rows = len(seqs)
         self.cap = cap
-        self.base = pool.alloc(self.rows * cap)
+        self.base = base
         # Slots a view may read must hold finite values (0 * NaN would poison masked-out keys).
         pool.k[:, self.base : self.base + self.rows * cap].zero_()
         pool.v[:, self.base : self.base + self.rows * cap].zero_()
@@ -43,6 +44,7 @@ class DecodeBatch:
         self.tail_lens = torch.tensor([s.tail_len for s in seqs], dtype=torch.long, device=dev)
         self.positions = torch.tensor([s.cut + s.tail_len for s in seqs], dtype=torch.long, device=dev)
         self.max_len = max((s.tail_len for s in seqs), default=0)
+        self.tail_tokens = sum(s.tail_len for s in seqs)
         self.uniform = len({s.tail_len for s in seqs}) <= 1 and len(seqs) == self.rows
         self.items = plan_items(seqs)
 
@@ -75,6 +77,7 @@ class DecodeBatch:
         slots = self.base + self.row_index * self.cap + self.tail_lens
         self.tail_lens += 1
         self.max_len += 1
+        self.tail_tokens += len(self.seqs)
         for s in self.seqs:
             s.tail_len += 1
         if not self.uniform:
@@ -104,8 +107,13 @@ class DecodeBatch:
             return out.view(b, -1, d)
         acc, acc_lse = out.view(b, -1, d).float(), lse.view(b, -1).contiguous()
         for start, end, i, j in self.items:
-            o, lo = level_attention(q[i:j].unsqueeze(1), pool.k[layer, start:end].unsqueeze(0),
-                                    pool.v[layer, start:end].unsqueeze(0), scale, impl)
+            o, lo = level_attention(
+                q[i:j].unsqueeze(1),
+                pool.k[layer, start:end].unsqueeze(0),
+                pool.v[layer, start:end].unsqueeze(0),
+                scale,
+                impl,
+            )
             merge_into(acc[i:j], acc_lse[i:j], o.squeeze(1), lo.squeeze(1))
         return acc.to(q.dtype)
 

@@ -35,6 +35,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     per_sequence_kv_tokens: int = 0  # KV tokens the finished sequences would hold as private copies
+    peak_kv_tokens: int = 0  # most KV tokens stored at once (tree nodes + private tails)
 
     @property
     def shared_prompt_tokens(self) -> int:
@@ -42,9 +43,20 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model, cfg, tokenizer, device, dtype, *, prefix_sharing: bool = True,
-                 attention: str = "auto", kv_cache_tokens: int = 65536, max_num_seqs: int = 256,
-                 prefill_chunk: int = 2048):
+    def __init__(
+        self,
+        model,
+        cfg,
+        tokenizer,
+        device,
+        dtype,
+        *,
+        prefix_sharing: bool = True,
+        attention: str = "auto",
+        kv_cache_tokens: int = 65536,
+        max_num_seqs: int = 256,
+        prefill_chunk: int = 2048,
+    ):
         if attention not in ("auto", "fused", "torch", "none"):
             raise ValueError(f"attention must be 'auto', 'fused', 'torch' or 'none', got {attention!r}")
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
@@ -62,13 +74,22 @@ class Engine:
         self.vocab_limit = max(cfg.vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None) -> Request:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
+        bad = [
+            t
+            for t in prompt_ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size
+        ]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {self.cfg.vocab_size})")
         ctx = self.cfg.max_position_embeddings
@@ -76,9 +97,13 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens")
         need = len(prompt_ids) + params.n * (len(prompt_ids) + params.max_tokens + 1)
         if need > self.pool.num_slots:
-            raise ValueError(f"request needs up to {need} KV slots but the cache has {self.pool.num_slots}; "
-                             "raise kv_cache_tokens or lower n/max_tokens")
-        req = Request(str(next(self._ids)) if request_id is None else request_id, prompt, list(prompt_ids), params)
+            raise ValueError(
+                f"request needs up to {need} KV slots but the cache has {self.pool.num_slots}; "
+                "raise kv_cache_tokens or lower n/max_tokens"
+            )
+        req = Request(
+            str(next(self._ids)) if request_id is None else request_id, prompt, list(prompt_ids), params
+        )
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         req.seqs = [Sequence(req, i, derive_seed(base_seed, i)) for i in range(params.n)]
         self.waiting.append(req)
@@ -89,11 +114,13 @@ class Engine:
 
     # ---- admission and prefill ----------------------------------------------------------------
     def _alloc(self, n: int) -> int:
-        try:
-            return self.pool.alloc(n)
-        except OutOfSlots:
-            self.tree.evict(n)
-            return self.pool.alloc(n)
+        """Allocate n contiguous slots, evicting least-recently-used cached prefixes as needed."""
+        while True:
+            try:
+                return self.pool.alloc(n)
+            except OutOfSlots:
+                if self.tree.evict(n) == 0:
+                    raise
 
     def _prefill_node(self, node: Node) -> None:
         """Compute and store node's KV once; its queries attend to the ancestors' KV in place."""
@@ -115,57 +142,81 @@ class Engine:
                 pv = [v_pool[layer, a:b].unsqueeze(0) for a, b in ancestors]
                 own_k = k_pool[layer, slot : slot + c1].unsqueeze(0)
                 own_v = v_pool[layer, slot : slot + c1].unsqueeze(0)
-                return shared_prefix_attention(q.unsqueeze(0), pk, pv, own_k, own_v, scale=self.scale,
-                                               impl=self.attention_impl)[0]
+                return shared_prefix_attention(
+                    q.unsqueeze(0), pk, pv, own_k, own_v, scale=self.scale, impl=self.attention_impl
+                )[0]
 
             self.model(ids, pos, attend)
         self.tree.assign_kv(node, slot)
         self.stats.prefill_tokens += len(node.tokens)
 
     def _admit(self) -> None:
+        """Admit waiting requests in order while memory and the batch-size limit allow."""
         running = self.batch.seqs if self.batch is not None else []
-        if not self.waiting or len(running) >= self.max_num_seqs:
-            return
         t0 = time.perf_counter()
         admitted: list[Request] = []
-        private_trees: list[RadixTree] = []
-        while self.waiting and len(running) + sum(len(r.seqs) for r in admitted) + self.waiting[0].params.n \
-                <= self.max_num_seqs:
+        while self.waiting:
             req = self.waiting[0]
-            tree = self.tree if self.prefix_sharing else RadixTree(self.pool)
-            shared = req.prompt_ids[:-1]
-            _, hit = tree.match(shared)
-            node = tree.insert(shared)
+            if len(running) + sum(len(r.seqs) for r in admitted) + len(req.seqs) > self.max_num_seqs:
+                break
             try:
-                for n in node.path():
-                    if not n.has_kv:
-                        self._prefill_node(n)
+                self._prefill_request(req)
             except OutOfSlots:
                 if admitted or running:
                     break  # wait for running sequences to free memory
                 raise
             self.waiting.popleft()
-            req.cached_tokens = hit
-            tree.pin(node, len(req.seqs))
-            for s in req.seqs:
-                s.node = node if node.parent is not None else None
-            self.stats.cache_hit_tokens += hit * len(req.seqs)
-            self.stats.prompt_tokens += len(req.prompt_ids) * len(req.seqs)
-            self.stats.prefill_tokens += len(req.seqs)  # the last prompt token, run per sequence
             admitted.append(req)
-            if not self.prefix_sharing:
-                private_trees.append(tree)
-        if not admitted:
-            return
-        new = [s for r in admitted for s in r.seqs]
-        self._decide_cuts(running, new)
-        self._rebuild(running, new)
-        if not self.prefix_sharing:  # sharing off: each sequence holds its own copy in its tail now
-            for s in new:
-                s.node = None
-            for tree in private_trees:
-                tree.clear()
+        while admitted:
+            new = [s for r in admitted for s in r.seqs]
+            try:
+                self._decide_cuts(running, new)
+                self._rebuild(running, new)
+                break
+            except OutOfSlots:
+                if len(admitted) == 1 and not running:
+                    raise
+                req = admitted.pop()  # too much at once: the last one waits for the next step
+                self._unadmit(req)
+                self.waiting.appendleft(req)
+        for req in admitted:
+            self.stats.cache_hit_tokens += req.cached_tokens * len(req.seqs)
+            self.stats.prompt_tokens += len(req.prompt_ids) * len(req.seqs)
+            self.stats.prefill_tokens += len(req.seqs)  # the last prompt token, run once per sequence
+            if req.private_tree is not None:  # sharing off: each sequence holds its own copy now
+                for s in req.seqs:
+                    s.node = None
+                req.private_tree.clear()
+                req.private_tree = None
         self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _prefill_request(self, req: Request) -> None:
+        """Insert prompt[:-1] into the tree, prefill its uncached nodes parent-first, pin the path."""
+        tree = self.tree if self.prefix_sharing else RadixTree(self.pool)
+        shared = req.prompt_ids[:-1]
+        _, req.cached_tokens = tree.match(shared)
+        node = tree.insert(shared)
+        tree.pin(node, len(req.seqs))  # before prefill, so eviction cannot take the path from under us
+        try:
+            for n in node.path():
+                if not n.has_kv:
+                    self._prefill_node(n)
+        except OutOfSlots:
+            tree.pin(node, -len(req.seqs))
+            raise
+        req.private_tree = None if self.prefix_sharing else tree
+        for s in req.seqs:
+            s.node = node if node.parent is not None else None
+
+    def _unadmit(self, req: Request) -> None:
+        tree = req.private_tree or self.tree
+        if req.seqs[0].node is not None:
+            tree.pin(req.seqs[0].node, -len(req.seqs))
+        for s in req.seqs:
+            s.node, s.cut, s.tail_len = None, 0, 0
+        if req.private_tree is not None:
+            req.private_tree.clear()
+            req.private_tree = None
 
     def _decide_cuts(self, running: list[Sequence], new: list[Sequence]) -> None:
         """Per new sequence, how much of its prompt is read from shared nodes (the cost rule).
@@ -192,18 +243,17 @@ class Engine:
         old_rows = [s.row for s in running]
         seqs = sorted(running + new, key=lambda s: s.order_key)
         cap = max(s.max_len - s.cut for s in seqs)
-        try:
-            batch = DecodeBatch(self.pool, seqs, cap, self.device)
-        except OutOfSlots:
-            self.tree.evict(len(seqs) * cap)
-            batch = DecodeBatch(self.pool, seqs, cap, self.device)
+        batch = DecodeBatch(self.pool, seqs, cap, self._alloc(len(seqs) * cap), self.device)
         src, dst = [], []
         for s, old_row in zip(running, old_rows, strict=True):
             src.append(torch.arange(s.tail_len) + old.base + old_row * old.cap)
             dst.append(torch.arange(s.tail_len) + batch.base + s.row * cap)
         for s in new:
-            runs = [(n.slot, len(n.tokens)) for n in (s.node.path() if s.node is not None else ())
-                    if n.start_pos >= s.cut]
+            runs = [
+                (n.slot, len(n.tokens))
+                for n in (s.node.path() if s.node is not None else ())
+                if n.start_pos >= s.cut
+            ]
             priv = [torch.arange(a, a + n) for a, n in runs]
             if priv:
                 p = torch.cat(priv)
@@ -216,8 +266,11 @@ class Engine:
             old.release()
         batch.refresh()
         self.batch = batch
-        self.next_tokens = torch.tensor([s.generated[-1] if s.generated else s.prompt_ids[-1] for s in seqs],
-                                        dtype=torch.long, device=self.device)
+        self.next_tokens = torch.tensor(
+            [s.generated[-1] if s.generated else s.prompt_ids[-1] for s in seqs],
+            dtype=torch.long,
+            device=self.device,
+        )
         self._sampling_state()
 
     def _sampling_state(self) -> None:
@@ -228,8 +281,11 @@ class Engine:
         self.s_top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
         self.s_seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
         self.s_steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=dev)
-        self.s_flags = (any(p.temperature > 0 for p in ps), any(p.top_k > 0 for p in ps),
-                        any(p.top_p < 1 for p in ps))
+        self.s_flags = (
+            any(p.temperature > 0 for p in ps),
+            any(p.top_k > 0 for p in ps),
+            any(p.top_p < 1 for p in ps),
+        )
         self.s_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
 
     # ---- decoding -----------------------------------------------------------------------------
@@ -252,9 +308,13 @@ class Engine:
 
         hidden = self.model(self.next_tokens, batch.positions, attend)
         logits = self.model.logits(hidden)
-        tokens = self.sampler(logits, self.s_temp, self.s_top_k, self.s_top_p, self.s_seeds, self.s_steps,
-                              *self.s_flags)
+        tokens = self.sampler(
+            logits, self.s_temp, self.s_top_k, self.s_top_p, self.s_seeds, self.s_steps, *self.s_flags
+        )
         batch.end_step()
+        self.stats.peak_kv_tokens = max(
+            self.stats.peak_kv_tokens, self.tree.cached_tokens + batch.tail_tokens
+        )
         self.s_steps += 1
         self.next_tokens = tokens
         token_list = tokens.tolist()
@@ -310,8 +370,10 @@ class Engine:
                 i, x = min(hits)
                 s.text = text[:i]
                 s.finish_reason, s.stop_reason = "stop", x
-        if s.finish_reason is None and (len(s.generated) >= p.max_tokens
-                                        or len(s.prompt_ids) + len(s.generated) >= self.cfg.max_position_embeddings):
+        if s.finish_reason is None and (
+            len(s.generated) >= p.max_tokens
+            or len(s.prompt_ids) + len(s.generated) >= self.cfg.max_position_embeddings
+        ):
             s.finish_reason = "length"
         return s.finish_reason is not None
 
@@ -324,8 +386,10 @@ class Engine:
             s.text = self.tokenizer.decode(ids)
 
     def _output(self, r: Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.generated), s.finish_reason, s.logprobs, s.stop_reason)
-                for s in r.seqs]
+        outs = [
+            CompletionOutput(s.index, s.text, list(s.generated), s.finish_reason, s.logprobs, s.stop_reason)
+            for s in r.seqs
+        ]
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, outs, True, r.cached_tokens)
 
 

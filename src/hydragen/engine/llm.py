@@ -35,15 +35,24 @@ class LLM:
     benchmarks, its text is meaningless); ``attention="torch"`` uses the plain reference kernels.
     """
 
-    def __init__(self, model: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
-                 prefix_sharing: bool = True, attention: str = "auto", kv_cache_tokens: int | None = None,
-                 max_num_seqs: int = 256):
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        prefix_sharing: bool = True,
+        attention: str = "auto",
+        kv_cache_tokens: int | None = None,
+        max_num_seqs: int = 256,
+    ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.model, self.config, self.model_path = load_model(model, dev, dt)
         has_tokenizer = self.model_path.suffix == ".gguf" or any(
-            (self.model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+            (self.model_path / f).exists()
+            for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+        )
         # A directory without tokenizer files still runs on token-id prompts (texts are then empty).
         if has_tokenizer:
             from hydragen.model.tokenizer import load_tokenizer
@@ -54,11 +63,22 @@ class LLM:
         c = self.config
         bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(dt).bits // 8
         if kv_cache_tokens is None:
-            kv_cache_tokens = default_kv_cache_tokens(bytes_per_token, dev, max_num_seqs * c.max_position_embeddings)
+            kv_cache_tokens = default_kv_cache_tokens(
+                bytes_per_token, dev, max_num_seqs * c.max_position_embeddings
+            )
         elif not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
-        self.engine = Engine(self.model, c, self.tokenizer, dev, dt, prefix_sharing=prefix_sharing,
-                             attention=attention, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+        self.engine = Engine(
+            self.model,
+            c,
+            self.tokenizer,
+            dev,
+            dt,
+            prefix_sharing=prefix_sharing,
+            attention=attention,
+            kv_cache_tokens=kv_cache_tokens,
+            max_num_seqs=max_num_seqs,
+        )
 
     # ---- prompts ------------------------------------------------------------------------------
     def _normalise(self, prompts) -> list[tuple[str | None, list[int]]]:
@@ -77,19 +97,30 @@ class LLM:
             elif isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 out.append((None, list(p)))
             else:
-                raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+                raise ValueError(
+                    f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}"
+                )
             if not out[-1][1]:
                 raise ValueError(f"prompt {i} is empty")
         return out
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Sharing between prompts is discovered from token ids."""
         items = self._normalise(prompts)
         return self._run(items, sampling_params, use_tqdm)
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """``messages``: one conversation (list of {"role", "content"}) or a list of conversations."""
         if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
             messages = [messages]

@@ -43,8 +43,18 @@ class Sampler:
         x = mix32(row.unsqueeze(1) ^ self.vocab_mix.unsqueeze(0))
         return (x.float() + 0.5) * (1.0 / 4294967296.0)
 
-    def __call__(self, logits, temperature, top_k, top_p, seeds, steps, any_random: bool,
-                 any_top_k: bool, any_top_p: bool) -> torch.Tensor:
+    def __call__(
+        self,
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        steps,
+        any_random: bool,
+        any_top_k: bool,
+        any_top_p: bool,
+    ) -> torch.Tensor:
         """logits [B, V] fp32; per-row tensors [B]. Returns sampled token ids [B] (int64)."""
         greedy = logits.argmax(-1)
         if not any_random:

@@ -17,6 +17,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
     error: str | None = None
+    private_tree: object | None = None  # sharing off: the request's own throwaway tree
 
     @property
     def finished(self) -> bool:

@@ -22,8 +22,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch sees no CUDA device")
@@ -54,7 +57,11 @@ def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = json.loads((path / "config.json").read_text())
     gen = path / "generation_config.json"
     if gen.exists() and "eos_token_id" in (g := json.loads(gen.read_text())):
-        eos = [cfg.get("eos_token_id")] if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"]
+        eos = (
+            [cfg.get("eos_token_id")]
+            if not isinstance(cfg.get("eos_token_id"), list)
+            else cfg["eos_token_id"]
+        )
         extra = g["eos_token_id"] if isinstance(g["eos_token_id"], list) else [g["eos_token_id"]]
         cfg["eos_token_id"] = sorted({e for e in eos + extra if e is not None})
     files = sorted(path.glob("*.safetensors"))

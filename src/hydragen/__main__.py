@@ -1,0 +1,5 @@
+import sys
+
+from hydragen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random Llama-family checkpoints saved with save_pretrained (exact, fast oracles)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = {
+    "llama": dict(
+        arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    ),
+    # MQA, explicit head_dim != hidden/heads, tied embeddings, Llama-3 RoPE scaling in the old config layout.
+    "llama3_mqa": dict(
+        arch="LlamaForCausalLM", vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=20, max_position_embeddings=1024,
+        tie_word_embeddings=True, old_rope=dict(rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}),
+    ),
+    "mistral": dict(
+        arch="MistralForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, sliding_window=None,
+    ),
+    "qwen2": dict(
+        arch="Qwen2ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+    ),
+}
+
+
+def _save_tiny(name: str, root) -> str:
+    import transformers
+
+    spec = dict(TINY[name])
+    arch = spec.pop("arch")
+    old_rope = spec.pop("old_rope", None)
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cfg = config_cls(bos_token_id=1, eos_token_id=2, **spec)
+    torch.manual_seed(1234)
+    model = getattr(transformers, arch)(cfg)
+    with torch.no_grad():  # larger weights than the default init give peaky, well-separated logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    path = root / name
+    model.save_pretrained(path)
+    if old_rope is not None:  # rewrite the config in the old (rope_theta + rope_scaling) layout
+        cfg_path = path / "config.json"
+        d = json.loads(cfg_path.read_text())
+        d.pop("rope_parameters", None)
+        d.update(old_rope)
+        cfg_path.write_text(json.dumps(d))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: _save_tiny(name, root) for name in TINY}
+
+
+@pytest.fixture(scope="session")
+def embedded_llm():
+    from hydragen import LLM
+
+    return LLM(kv_cache_tokens=32768)

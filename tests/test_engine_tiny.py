@@ -1,0 +1,190 @@
+"""Engine vs transformers on tiny random checkpoints: greedy tokens must match exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydragen import LLM, SamplingParams
+
+# Prompts that share at several depths: a common stem, two branches, a prompt that is a prefix of
+# another, a duplicate, and an unrelated one.
+STEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+PROMPTS = [
+    STEM + [30, 31, 32, 33, 34],
+    STEM + [30, 31, 40],
+    STEM + [50, 51, 52, 53, 54, 55, 56],
+    STEM,
+    STEM + [30, 31, 32, 33, 34],
+    [7, 8, 9, 10, 60, 61],
+]
+T = 10
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    return {name: hf_greedy(path, PROMPTS, T) for name, path in tiny_models.items()}
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3_mqa", "mistral", "qwen2"])
+@pytest.mark.parametrize("sharing", [True, False])
+def test_greedy_matches_transformers(tiny_models, references, name, sharing):
+    llm = LLM(tiny_models[name], prefix_sharing=sharing, kv_cache_tokens=4096)
+    outs = llm.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=T, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == PROMPTS
+    for out, ref in zip(outs, references[name], strict=True):
+        assert len(out.outputs) == 2
+        for c in out.outputs:
+            assert c.token_ids == ref
+            assert c.finish_reason == "length"
+
+
+def test_prefill_once_per_tree_node(tiny_models):
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
+    llm.generate(PROMPTS, SamplingParams(n=3, temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    st = llm.engine.stats
+    # Unique tokens of the tree over prompt[:-1], plus the last prompt token once per sequence.
+    unique = set()
+    for p in PROMPTS:
+        unique.update(tuple(p[: i + 1]) for i in range(len(p) - 1))
+    assert st.prefill_tokens == len(unique) + 3 * len(PROMPTS)
+    assert st.prompt_tokens == 3 * sum(len(p) for p in PROMPTS)
+    off = LLM(tiny_models["llama"], prefix_sharing=False, kv_cache_tokens=4096)
+    off.generate(PROMPTS, SamplingParams(n=3, temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert off.engine.stats.prefill_tokens == sum(len(p) - 1 for p in PROMPTS) + 3 * len(PROMPTS)
+
+
+def test_shared_nodes_are_batched_not_copied(tiny_models):
+    """With sharing on, the decode plan reads the shared stem once for the whole range of sequences."""
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
+    eng = llm.engine
+    for p in PROMPTS[:3]:
+        eng.add_request(p, SamplingParams(n=4, temperature=0, max_tokens=3, ignore_eos=True))
+    eng.step()
+    batch = eng.batch
+    assert len(batch.seqs) == 12
+    stem_items = [it for it in batch.items if it[3] - it[2] == 12]
+    assert stem_items, f"no plan item covers all 12 sequences: {batch.items}"
+    # Private tails hold only the last prompt token + generated ones (nothing of the shared prompt).
+    assert max(s.tail_len for s in batch.seqs) == 1
+    assert eng.stats.peak_kv_tokens < 12 * len(PROMPTS[0])
+
+
+def test_alone_equals_batched(tiny_models):
+    llm = LLM(tiny_models["qwen2"], kv_cache_tokens=8192)
+    params = SamplingParams(n=1, temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].token_ids
+    many = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    outs = llm.generate(many, params, use_tqdm=False)
+    assert all(o.outputs[0].token_ids == alone for o in outs[2::len(PROMPTS)])
+
+
+def test_seeded_sampling_reproducible_and_distinct(tiny_models):
+    path = tiny_models["llama"]
+    params = SamplingParams(n=4, temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=7, ignore_eos=True)
+    a = LLM(path, kv_cache_tokens=4096).generate(PROMPTS[:2], params, use_tqdm=False)
+    b = LLM(path, prefix_sharing=False, kv_cache_tokens=4096).generate(PROMPTS[:2], params, use_tqdm=False)
+    ids_a = [[c.token_ids for c in o.outputs] for o in a]
+    ids_b = [[c.token_ids for c in o.outputs] for o in b]
+    assert ids_a == ids_b
+    assert len({tuple(x) for x in ids_a[0]}) > 1, "n samples of one prompt must differ"
+    c = LLM(path, kv_cache_tokens=4096).generate(PROMPTS[:2], SamplingParams(**{**params.__dict__, "seed": 8}),
+                                                 use_tqdm=False)
+    assert [[x.token_ids for x in o.outputs] for o in c] != ids_a
+
+
+def test_logprobs_match_transformers(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["mistral"]
+    llm = LLM(path, kv_cache_tokens=4096)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=3,
+                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 6
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    full = torch.tensor([PROMPTS[0] + out.token_ids])
+    logp = torch.log_softmax(hf(full).logits[0].float(), -1)
+    for t, (tok, row) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        expect = logp[len(PROMPTS[0]) - 1 + t]
+        assert tok in row and len(row) >= 3
+        for k, v in row.items():
+            assert abs(v - expect[k].item()) < 1e-4
+
+
+def test_stop_token_ids_max_tokens_and_eos(tiny_models):
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
+    ref = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = ref[3]
+    first = ref.index(stop_at)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at],
+                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    # The model's EOS (id 2 in the tiny config) ends a sequence unless ignore_eos.
+    llm.engine.eos_ids = {ref[1]}
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[: ref.index(ref[1]) + 1] and out.finish_reason == "stop"
+
+
+def test_bad_inputs_raise_clear_errors(tiny_models):
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.generate([], SamplingParams())
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 2, 999]], SamplingParams())
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[3] * 600], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate("text needs a tokenizer", SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
+                dict(max_tokens=0), dict(stop=[""]), dict(stop_token_ids=[-1]), dict(logprobs=50),
+                dict(seed="x"), dict(temperature=float("nan"))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(tiny_models["llama"], dtype="float64")
+    with pytest.raises(ValueError, match="device"):
+        LLM(tiny_models["llama"], device="tpu")
+
+
+def test_unsupported_architecture_named(tmp_path, tiny_models):
+    import json
+    import shutil
+
+    path = tmp_path / "gpt"
+    shutil.copytree(tiny_models["llama"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
+        LLM(str(path))
+
+
+def test_memory_pressure_runs_in_waves(tiny_models):
+    """A cache too small for all requests at once still completes every request, in waves."""
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=200)
+    params = SamplingParams(n=2, temperature=0, max_tokens=T, ignore_eos=True)
+    outs = llm.generate(PROMPTS * 3, params, use_tqdm=False)
+    ref = LLM(tiny_models["llama"], kv_cache_tokens=8192).generate(PROMPTS * 3, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+
+
+def test_bf16_runs_close_to_fp32(tiny_models):
+    out = LLM(tiny_models["llama"], dtype="bfloat16", kv_cache_tokens=4096).generate(
+        PROMPTS[:2], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
