@@ -78,8 +78,9 @@ def _check(q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens) -> None:
     for i, (k, v) in enumerate(levels):
         name = f"prefix level {i}" if i < len(prefix_ks) else "suffix"
         if k.dim() != 4 or k.shape != v.shape:
-            raise ValueError(f"{name}: k/v must be equal-shaped [G, P, Hkv, D], got {tuple(k.shape)} / "
-                             f"{tuple(v.shape)}")
+            raise ValueError(
+                f"{name}: k/v must be equal-shaped [G, P, Hkv, D], got {tuple(k.shape)} / {tuple(v.shape)}"
+            )
         if k.shape[3] != d:
             raise ValueError(f"{name}: head dim {k.shape[3]} != query head dim {d}")
         if hq % k.shape[2]:

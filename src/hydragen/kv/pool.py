@@ -42,7 +42,9 @@ class SlotAllocator:
                 if length == n:
                     break
         if best < 0:
-            raise OutOfSlots(f"no free run of {n} KV slots (free {self.free}, largest run {self.largest_run()})")
+            raise OutOfSlots(
+                f"no free run of {n} KV slots (free {self.free}, largest run {self.largest_run()})"
+            )
         start = self._starts[best]
         if self._lengths[best] == n:
             del self._starts[best], self._lengths[best]

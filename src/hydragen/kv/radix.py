@@ -82,8 +82,14 @@ class RadixTree:
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after k tokens; returns the new upper half, which takes node's place."""
-        upper = Node(tokens=node.tokens[:k], parent=node.parent, start_pos=node.start_pos,
-                     slot=node.slot, refs=node.refs, last_used=node.last_used)
+        upper = Node(
+            tokens=node.tokens[:k],
+            parent=node.parent,
+            start_pos=node.start_pos,
+            slot=node.slot,
+            refs=node.refs,
+            last_used=node.last_used,
+        )
         node.parent.children[upper.tokens[0]] = upper
         node.tokens = node.tokens[k:]
         node.start_pos += k

@@ -34,14 +34,17 @@ class ModelConfig:
         arch = archs[0] if archs else str(cfg.get("model_type", "unknown"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported model architecture {arch!r}; hydragen supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported model architecture {arch!r}; "
+                f"hydragen supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         # Rope: new layout keeps everything in `rope_parameters`; old layout uses rope_theta + rope_scaling.
         params = dict(cfg.get("rope_parameters") or {})
         theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -50,7 +53,9 @@ class ModelConfig:
             scaling = dict(scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+                raise ValueError(
+                    f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+                )
             scaling["rope_type"] = rope_type
             if rope_type == "default":
                 scaling = None

@@ -46,7 +46,9 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         self.rotary: Rotary | None = None
 
     def setup_rotary(self, device) -> None:
@@ -54,7 +56,9 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, hidden] (normalised)."""
         c = self.cfg
         t = input_ids.shape[0]
@@ -94,7 +98,9 @@ class LlamaModel(nn.Module):
             if c.attention_bias:
                 layer.qkv.bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
             layer.o.weight.copy_(take(a + "o_proj.weight"))
-            layer.gate_up.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            layer.gate_up.weight.copy_(
+                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            )
             layer.down.weight.copy_(take(p + "mlp.down_proj.weight"))
             layer.attn_norm.copy_(take(p + "input_layernorm.weight"))
             layer.mlp_norm.copy_(take(p + "post_attention_layernorm.weight"))
