@@ -65,7 +65,7 @@ class Engine:
         self.scale = cfg.head_dim**-0.5
         self.pool = KVPool(cfg.num_layers, kv_cache_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.tree = RadixTree(self.pool)
-        self.sampler = Sampler(cfg.vocab_size, device)
+        self.sampler = Sampler()
         self.waiting: deque[Request] = deque()
         self.batch: DecodeBatch | None = None
         self.stats = EngineStats()

@@ -1,10 +1,10 @@
 """Batched sampling: greedy, temperature, top-k, top-p, with counter-based per-sequence randomness.
 
-Each sequence draws its uniforms from a hash of (its seed, its step, the vocabulary index), so a
-sequence's samples depend only on its own seed and history, never on which other sequences share the
-batch: seeded runs reproduce exactly with sharing on or off and at any batch size, and the n samples of
-one prompt (seeds derived from (seed, index)) differ. Sampling is an exponential race
-``argmax(p / E)`` with E ~ Exp(1), which draws exactly from p.
+Each sequence draws one uniform per step from a hash of (its seed, its step), so a sequence's samples
+depend only on its own seed and history, never on which other sequences share the batch: seeded runs
+reproduce exactly with sharing on or off and at any batch size, and the n samples of one prompt (seeds
+derived from (seed, index)) differ. The token is found by inverse-CDF search over the filtered
+distribution, one batched cumsum + searchsorted for the whole batch.
 """
 
 from __future__ import annotations
@@ -34,27 +34,13 @@ def derive_seed(seed: int, index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device):
-        self.vocab_mix = mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) * 0x85EBCA77 & _M32)
-
     def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """[B, V] uniforms in (0, 1) from per-row seeds and step counters (int64 [B])."""
-        row = mix32(mix32(seeds & _M32) ^ (steps * 0xC2B2AE3D & _M32))
-        x = mix32(row.unsqueeze(1) ^ self.vocab_mix.unsqueeze(0))
-        return (x.float() + 0.5) * (1.0 / 4294967296.0)
+        """[B] uniforms in (0, 1) from per-row seeds and step counters (int64 [B])."""
+        x = mix32(mix32(seeds & _M32) ^ (steps * 0xC2B2AE3D & _M32))
+        return (x.double() + 0.5) * (1.0 / 4294967296.0)
 
-    def __call__(
-        self,
-        logits,
-        temperature,
-        top_k,
-        top_p,
-        seeds,
-        steps,
-        any_random: bool,
-        any_top_k: bool,
-        any_top_p: bool,
-    ) -> torch.Tensor:
+    def __call__(self, logits, temperature, top_k, top_p, seeds, steps, any_random: bool,
+                 any_top_k: bool, any_top_p: bool) -> torch.Tensor:
         """logits [B, V] fp32; per-row tensors [B]. Returns sampled token ids [B] (int64)."""
         greedy = logits.argmax(-1)
         if not any_random:
@@ -71,6 +57,7 @@ class Sampler:
             drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p.unsqueeze(1)
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-        race = probs / -torch.log(self.uniforms(seeds, steps))
-        sampled = race.argmax(-1)
+        cdf = probs.double().cumsum(-1)
+        target = (self.uniforms(seeds, steps) * cdf[:, -1]).unsqueeze(1)
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
         return torch.where(temperature > 0, sampled, greedy)
