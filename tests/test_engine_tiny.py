@@ -27,9 +27,10 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new: int) -> list[list[in
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     outs = []
     for p in prompts:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
+        ids = hf.generate(
+            torch.tensor([p]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        outs.append(ids[0, len(p) :].tolist())
     return outs
 
 
@@ -42,8 +43,9 @@ def references(tiny_models):
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_transformers(tiny_models, references, name, sharing):
     llm = LLM(tiny_models[name], prefix_sharing=sharing, kv_cache_tokens=4096)
-    outs = llm.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=T, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=T, ignore_eos=True), use_tqdm=False
+    )
     assert [o.prompt_token_ids for o in outs] == PROMPTS
     for out, ref in zip(outs, references[name], strict=True):
         assert len(out.outputs) == 2
@@ -89,7 +91,7 @@ def test_alone_equals_batched(tiny_models):
     alone = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].token_ids
     many = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
     outs = llm.generate(many, params, use_tqdm=False)
-    assert all(o.outputs[0].token_ids == alone for o in outs[2::len(PROMPTS)])
+    assert all(o.outputs[0].token_ids == alone for o in outs[2 :: len(PROMPTS)])
 
 
 def test_seeded_sampling_reproducible_and_distinct(tiny_models):
@@ -101,8 +103,9 @@ def test_seeded_sampling_reproducible_and_distinct(tiny_models):
     ids_b = [[c.token_ids for c in o.outputs] for o in b]
     assert ids_a == ids_b
     assert len({tuple(x) for x in ids_a[0]}) > 1, "n samples of one prompt must differ"
-    c = LLM(path, kv_cache_tokens=4096).generate(PROMPTS[:2], SamplingParams(**{**params.__dict__, "seed": 8}),
-                                                 use_tqdm=False)
+    c = LLM(path, kv_cache_tokens=4096).generate(
+        PROMPTS[:2], SamplingParams(**{**params.__dict__, "seed": 8}), use_tqdm=False
+    )
     assert [[x.token_ids for x in o.outputs] for o in c] != ids_a
 
 
@@ -111,8 +114,11 @@ def test_logprobs_match_transformers(tiny_models):
 
     path = tiny_models["mistral"]
     llm = LLM(path, kv_cache_tokens=4096)
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=3,
-                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.logprobs) == 6
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     full = torch.tensor([PROMPTS[0] + out.token_ids])
@@ -126,16 +132,26 @@ def test_logprobs_match_transformers(tiny_models):
 
 def test_stop_token_ids_max_tokens_and_eos(tiny_models):
     llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
-    ref = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
+    ref = (
+        llm.generate(
+            [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     stop_at = ref[3]
     first = ref.index(stop_at)
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at],
-                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
     # The model's EOS (id 2 in the tiny config) ends a sequence unless ignore_eos.
     llm.engine.eos_ids = {ref[1]}
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[
+        0
+    ]
     assert out.token_ids == ref[: ref.index(ref[1]) + 1] and out.finish_reason == "stop"
 
 
@@ -151,9 +167,19 @@ def test_bad_inputs_raise_clear_errors(tiny_models):
         llm.generate("text needs a tokenizer", SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], SamplingParams())
-    for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
-                dict(max_tokens=0), dict(stop=[""]), dict(stop_token_ids=[-1]), dict(logprobs=50),
-                dict(seed="x"), dict(temperature=float("nan"))):
+    for bad in (
+        dict(n=0),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(max_tokens=0),
+        dict(stop=[""]),
+        dict(stop_token_ids=[-1]),
+        dict(logprobs=50),
+        dict(seed="x"),
+        dict(temperature=float("nan")),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="dtype"):
@@ -186,5 +212,6 @@ def test_memory_pressure_runs_in_waves(tiny_models):
 
 def test_bf16_runs_close_to_fp32(tiny_models):
     out = LLM(tiny_models["llama"], dtype="bfloat16", kv_cache_tokens=4096).generate(
-        PROMPTS[:2], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        PROMPTS[:2], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)

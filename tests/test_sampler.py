@@ -12,8 +12,17 @@ def _draw(logits, temperature=1.0, top_k=0, top_p=1.0, n=20000, seed=3):
     rows = logits.expand(b, -1)
     sampler = Sampler()
     seeds = torch.tensor([derive_seed(seed, i) for i in range(b)])
-    return sampler(rows, torch.full((b,), temperature), torch.full((b,), top_k), torch.full((b,), top_p),
-                   seeds, torch.zeros(b, dtype=torch.long), temperature > 0, top_k > 0, top_p < 1)
+    return sampler(
+        rows,
+        torch.full((b,), temperature),
+        torch.full((b,), top_k),
+        torch.full((b,), top_p),
+        seeds,
+        torch.zeros(b, dtype=torch.long),
+        temperature > 0,
+        top_k > 0,
+        top_p < 1,
+    )
 
 
 def test_matches_softmax_distribution():

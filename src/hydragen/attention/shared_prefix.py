@@ -16,6 +16,8 @@ import torch
 from hydragen.attention.merge import merge_into
 from hydragen.attention.primitives import partial_attention
 
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
 
 def suffix_visibility(suffix_lens: torch.Tensor, n_queries: int, s: int) -> torch.Tensor:
     """[B, 1, Nq, S] boolean: query i of sequence b sees suffix key j iff j <= len_b - Nq + i."""
@@ -27,15 +29,17 @@ def suffix_visibility(suffix_lens: torch.Tensor, n_queries: int, s: int) -> torc
 def level_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, impl: str = "auto"):
     """All queries of each group against that group's keys, in one batched call.
 
-    q [B, Nq, Hq, D]; k/v [G, P, Hkv, D] with G | B. Returns (out [B, Nq, Hq, D], lse [B, Nq, Hq]).
+    q [B, Nq, Hq, D]; k/v [G, P, Hkv, D] with G | B. The rows of a group's sequences, queries and GQA
+    heads are folded into one [m * Nq * g, D] matrix per KV head: a GEMM that reads the prefix once.
+    Returns (out [B, Nq, Hq, D], lse [B, Nq, Hq]).
     """
     b, nq, hq, d = q.shape
-    g = k.shape[0]
-    m = b // g
-    rows = q.view(g, m, nq, hq, d).permute(0, 3, 1, 2, 4).reshape(g, hq, m * nq, d)
+    groups, hkv = k.shape[0], k.shape[2]
+    m, g = b // groups, hq // hkv
+    rows = q.view(groups, m, nq, hkv, g, d).permute(0, 3, 1, 2, 4, 5).reshape(groups, hkv, m * nq * g, d)
     out, lse = partial_attention(rows, k.transpose(1, 2), v.transpose(1, 2), scale, impl=impl)
-    out = out.view(g, hq, m, nq, d).permute(0, 2, 3, 1, 4).reshape(b, nq, hq, d)
-    lse = lse.view(g, hq, m, nq).permute(0, 2, 3, 1).reshape(b, nq, hq)
+    out = out.view(groups, hkv, m, nq, g, d).permute(0, 2, 3, 1, 4, 5).reshape(b, nq, hq, d)
+    lse = lse.view(groups, hkv, m, nq, g).permute(0, 2, 3, 1, 4).reshape(b, nq, hq)
     return out, lse
 
 
@@ -92,7 +96,7 @@ def _check(q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens) -> None:
     if suffix_lens is not None:
         if suffix_k is None:
             raise ValueError("suffix_lens given without suffix_k")
-        if suffix_lens.shape != (b,) or suffix_lens.is_floating_point():
+        if suffix_lens.shape != (b,) or suffix_lens.dtype not in _INT_DTYPES:
             raise ValueError(f"suffix_lens must be an integer tensor of shape [{b}]")
         if bool((suffix_lens < 0).any()) or bool((suffix_lens > suffix_k.shape[1]).any()):
             raise ValueError(f"suffix_lens must lie in [0, {suffix_k.shape[1]}]")

@@ -1,0 +1,148 @@
+"""Tokenizer: a thin wrapper over a transformers fast tokenizer, loadable from a HF directory or a GGUF file.
+
+Converting a GGUF vocab through transformers costs ~10 s, so the converted tokenizer is cached on disk
+(keyed by the file's name, size and mtime) and later loads read the cached tokenizer.json in well under 1 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+_META = "hydragen_tokenizer.json"  # extra eos ids from the GGUF metadata, kept beside the cached tokenizer
+
+
+class Tokenizer:
+    """The few tokenizer operations the engine needs, with every end-of-sequence id gathered in one set."""
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: Iterable[int | None] = ()) -> None:
+        self._tok = hf_tokenizer
+        eos = {int(i) for i in extra_eos_ids if i is not None}
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self._eos = frozenset(eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render with the model's template, then tokenize without adding specials (the template has them)."""
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError("conversation must be a non-empty list of {'role': str, 'content': str} dicts")
+        for i, msg in enumerate(conversation):
+            if not isinstance(msg, dict):
+                raise ValueError(f"message {i} must be a dict, got {type(msg).__name__}")
+            for key in ("role", "content"):
+                if not isinstance(value := msg.get(key), str):
+                    raise ValueError(f"message {i} needs a string {key!r} (got {type(value).__name__})")
+        from jinja2 import TemplateError
+
+        try:
+            text = self._tok.apply_chat_template(
+                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as e:  # e.g. templates that raise on non-alternating roles
+            raise ValueError(f"the chat template rejected the conversation: {e}") from e
+        return self.encode(text, add_special_tokens=False)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Size including added tokens (may differ from the model's embedding rows)."""
+        return len(self._tok)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _json_eos(path: Path) -> list[int]:
+    try:
+        return _ids(json.loads(path.read_text()).get("eos_token_id"))
+    except (OSError, ValueError):
+        return []
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HYDRAGEN_CACHE") or Path.home() / ".cache" / "hydragen")
+
+
+def _cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.name}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "tokenizers" / f"{gguf_path.stem}-{key}"
+
+
+def _save_cache(hf_tokenizer: Any, extra_eos: list[int], target: Path) -> None:
+    """Write to a temp dir and rename it into place, so readers never see half a tokenizer."""
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=target.parent)
+        hf_tokenizer.save_pretrained(tmp)
+        Path(tmp, _META).write_text(json.dumps({"extra_eos_token_ids": extra_eos}))
+        os.rename(tmp, target)
+        tmp = None
+    except OSError:
+        pass  # read-only or full cache dir, or another process won the race: just don't cache
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf(path: Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    cached = _cache_dir(path)
+    if (cached / _META).is_file():
+        try:
+            extra = json.loads((cached / _META).read_text())["extra_eos_token_ids"]
+            return Tokenizer(AutoTokenizer.from_pretrained(str(cached), local_files_only=True), extra)
+        except Exception:  # a damaged cache entry must not break loading; rebuild it below
+            shutil.rmtree(cached, ignore_errors=True)
+    from hydragen.model.gguf import read_gguf_metadata
+
+    meta = read_gguf_metadata(path)
+    extra = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                    "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    _save_cache(tok, extra, cached)
+    return Tokenizer(tok, extra)
+
+
+def load_tokenizer(model_path: str | Path) -> Tokenizer:
+    """Tokenizer for a HF model directory (tokenizer.json; eos ids also from config/generation_config)
+    or a .gguf file (converted once, then cached)."""
+    path = Path(model_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no tokenizer at {path}: expected a .gguf file or a Hugging Face model dir")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return Tokenizer(tok, _json_eos(path / "config.json") + _json_eos(path / "generation_config.json"))

@@ -1,0 +1,130 @@
+"""Tokenizer wrapper: parity with transformers' GGUF tokenizer, the on-disk conversion cache, HF dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+
+import pytest
+
+from hydragen.model.default_model import default_model_path
+from hydragen.model.tokenizer import _save_cache, load_tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines ", "Ünïcödé – 日本語 🙂",
+         "x = [1, 2, 3]  # code", "<|im_start|>user\nhi<|im_end|>", ""]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hydragen-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYDRAGEN_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def cold(cache):
+    start = time.perf_counter()
+    tok = load_tokenizer(default_model_path())
+    return tok, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def ref():
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _ref_chat_ids(ref, conversation, add_generation_prompt=True) -> list[int]:
+    out = ref.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+def test_encode_decode_match_transformers(cold, ref) -> None:
+    tok, _ = cold
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
+
+
+def test_model_facts(cold) -> None:
+    tok, _ = cold
+    im_end, im_start = tok.encode("<|im_end|><|im_start|>")
+    assert im_end in tok.eos_token_ids and tok.eos_token_ids == frozenset({2})
+    assert tok.bos_token_id == im_start == 1
+    assert tok.encode("Hi")[0] != tok.bos_token_id  # SmolLM2 adds no BOS (GGUF add_bos_token = false)
+    assert tok.vocab_size == 49152 and tok.has_chat_template
+
+
+def test_chat_template_matches_transformers(cold, ref) -> None:
+    tok, _ = cold
+    for conv in (CHAT, CHAT[1:2]):
+        assert tok.apply_chat_template(conv) == _ref_chat_ids(ref, conv)
+    assert tok.apply_chat_template(CHAT, add_generation_prompt=False) == _ref_chat_ids(ref, CHAT, False)
+    assert tok.decode(tok.apply_chat_template(CHAT[1:2]), skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "conversation,match",
+    [([], "non-empty"), ("hi", "non-empty"), (["hi"], "message 0 must be a dict"),
+     ([{"role": "user"}], "'content'"), ([{"role": "user", "content": 3}], "'content'"),
+     ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 .*'role'")],
+)
+def test_chat_template_validates_messages(cold, conversation, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        cold[0].apply_chat_template(conversation)
+
+
+def test_warm_load_hits_cache(cold, cache) -> None:
+    tok, cold_s = cold
+    entries = list((cache / "tokenizers").iterdir())
+    assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
+    start = time.perf_counter()
+    warm = load_tokenizer(default_model_path())
+    warm_s = time.perf_counter() - start
+    assert warm_s < 3.0 and warm_s < cold_s, (cold_s, warm_s)
+    assert warm.eos_token_ids == tok.eos_token_ids and warm.bos_token_id == tok.bos_token_id
+    assert all(warm.encode(t) == tok.encode(t) for t in TEXTS)
+    assert warm.apply_chat_template(CHAT) == tok.apply_chat_template(CHAT)
+
+
+def test_unwritable_cache_is_skipped(ref, tmp_path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    _save_cache(ref, [], blocker / "tokenizers" / "x")  # mkdir under a file fails: must not raise
+    assert blocker.is_file()
+
+
+def test_hf_directory(ref, tmp_path) -> None:
+    ref.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = load_tokenizer(tmp_path / "hf")
+    assert tok.eos_token_ids == frozenset({0, 2}) and tok.vocab_size == len(ref)
+    assert all(tok.encode(t) == ref.encode(t) for t in TEXTS)
+    assert tok.apply_chat_template(CHAT) == _ref_chat_ids(ref, CHAT)
+
+    shutil.copytree(tmp_path / "hf", tmp_path / "plain")
+    (tmp_path / "plain" / "chat_template.jinja").unlink()
+    plain = load_tokenizer(tmp_path / "plain")
+    assert not plain.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.apply_chat_template(CHAT)
+
+
+def test_missing_path(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "nope")
