@@ -17,6 +17,17 @@ from hydragen.attention import reference_attention, shared_prefix_attention
 
 sp_module = importlib.import_module("hydragen.attention.shared_prefix")
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    # Hundreds of tiny kernels: intra-op threading only adds overhead (and stalls badly on a busy box).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 IMPLS = ["fused", "torch", None]  # None: leave ``impl`` at its default
 IMPL_IDS = ["fused", "torch", "default"]
 
@@ -231,6 +242,30 @@ def test_different_kv_heads_per_level(impl):
         suffix_lens=torch.tensor([3, 2, 1, 0]),
     )
     check_against_oracle(case, impl, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("nq", [1, 3])
+def test_non_contiguous_inputs(nq, impl):
+    # Same values, different memory layouts: q with strided heads, k/v stored head-major.
+    case = make_case(4, nq, 6, 2, 16, [(1, 5), (2, 3)], 5, [5, 2, 0, 4], seed=20)
+    ref = run(case, impl, return_lse=True)
+
+    def head_major(x):  # [N, L, H, D] stored as [N, H, L, D]
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    q_wide = torch.zeros(4, nq, 12, 16)
+    q_wide[:, :, ::2] = case["q"]
+    strided = dict(q=q_wide[:, :, ::2], prefix_ks=[head_major(k) for k in case["prefix_ks"]],
+                   prefix_vs=[head_major(v) for v in case["prefix_vs"]],
+                   suffix_k=head_major(case["suffix_k"]),
+                   suffix_v=case["suffix_v"].transpose(0, 1).contiguous().transpose(0, 1),
+                   suffix_lens=case["suffix_lens"])
+    assert not strided["q"].is_contiguous() and not strided["suffix_k"].is_contiguous()
+    out, lse = run(strided, impl, return_lse=True)
+    torch.testing.assert_close(out, ref[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref[1], atol=1e-6, rtol=1e-6)
+    check_against_oracle(strided, impl, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("spec", CASES[:8], ids=CASE_IDS[:8])
@@ -536,3 +571,18 @@ def test_invalid_inputs_raise_value_error(name, impl):
     args.update(INVALID[name])
     with pytest.raises(ValueError):
         run(args, impl)
+
+
+@pytest.mark.parametrize("impl", ["fused", "torch", "auto"])
+@pytest.mark.parametrize("shape", [(2, 0, 6, 16), (0, 1, 6, 16)])
+def test_empty_queries_return_empty(impl, shape):
+    k = [torch.randn(1, 3, 2, 16)]
+    suffix = torch.randn(shape[0], 2, 2, 16)
+    out, lse = shared_prefix_attention(torch.zeros(shape), k, k, suffix, suffix, impl=impl, return_lse=True)
+    assert out.shape == shape and lse.shape == shape[:3]
+
+
+def test_unknown_impl_rejected():
+    k = [torch.randn(1, 3, 2, 16)]
+    with pytest.raises(ValueError, match="impl"):
+        shared_prefix_attention(torch.zeros(2, 1, 6, 16), k, k, None, None, impl="bogus")

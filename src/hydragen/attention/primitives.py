@@ -25,14 +25,15 @@ def _torch_partial(q, k, v, scale, visible):
     hkv = k.shape[1]
     g = hq // hkv
     # Fold the GQA group into query rows: [N, Hkv, g*L, D] against [N, Hkv, S, D]; no KV repeat.
-    qf = q.reshape(n, hkv, g * lq, d).float()
-    scores = torch.matmul(qf, k.float().transpose(-1, -2)) * scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    qf = q.reshape(n, hkv, g * lq, d).to(acc)
+    scores = torch.matmul(qf, k.to(acc).transpose(-1, -2)) * scale
     if visible is not None:
         vis = visible.expand(n, 1, lq, k.shape[2]).unsqueeze(2).expand(n, 1, g, lq, k.shape[2])
         scores = scores.masked_fill(~vis.reshape(n, 1, g * lq, k.shape[2]), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.matmul(probs, v.float())
+    out = torch.matmul(probs, v.to(acc))
     return out.reshape(n, hq, lq, d), lse.reshape(n, hq, lq)
 
 
@@ -50,11 +51,17 @@ def partial_attention(
     ``visible`` is a boolean mask (True = may attend) broadcastable to [N, 1, L, S]; ``causal`` means
     square top-left causal (L == S). The caller guarantees S > 0.
     """
+    if impl not in ("auto", "fused", "torch"):
+        raise ValueError(f"impl must be 'auto', 'fused' or 'torch', got {impl!r}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError("causal partials must be square (L == S); pass a visibility mask otherwise")
-    use_fused = impl == "fused" or (impl == "auto" and q.device.type == "cpu" and _CPU_FLASH is not None)
+    if q.numel() == 0:  # the fused CPU kernel faults on empty queries
+        return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device)
+    use_fused = q.dtype != torch.float64 and (
+        impl == "fused" or (impl == "auto" and q.device.type == "cpu" and _CPU_FLASH is not None)
+    )
     if not use_fused:
         if causal:
             visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()

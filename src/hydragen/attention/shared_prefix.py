@@ -89,7 +89,7 @@ def _check(q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens) -> None:
             raise ValueError(f"{name}: head dim {k.shape[3]} != query head dim {d}")
         if hq % k.shape[2]:
             raise ValueError(f"{name}: query heads {hq} not a multiple of KV heads {k.shape[2]}")
-        if k.shape[0] == 0 or b % k.shape[0]:
+        if name != "suffix" and (k.shape[0] == 0 or b % k.shape[0]):
             raise ValueError(f"{name}: {k.shape[0]} groups do not divide batch {b}")
         if k.dtype != q.dtype or k.device != q.device:
             raise ValueError(f"{name}: dtype/device {k.dtype}/{k.device} != q's {q.dtype}/{q.device}")

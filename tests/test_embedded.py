@@ -1,0 +1,79 @@
+"""The embedded SmolLM2-135M-Instruct GGUF: same greedy tokens as transformers, chat, sampling, stops, CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydragen import SamplingParams
+from hydragen.model.default_model import default_model_path
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+def test_greedy_matches_transformers_on_gguf(embedded_llm, hf_model):
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    outs = embedded_llm.chat(convs, params, use_tqdm=False)
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        # An explicit mask: the prompt contains <|im_end|> (id 2), which is also this GGUF's pad token,
+        # and generate() would otherwise mask those prompt tokens out as padding.
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                eos_token_id=None, pad_token_id=2)
+        ref = ref[0, ids.shape[1] :].tolist()
+        assert [c.token_ids for c in out.outputs] == [ref, ref]
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_chat_stops_at_eos_and_shares_system_prompt(embedded_llm):
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    before = embedded_llm.engine.stats.cache_hit_tokens
+    outs = embedded_llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.text and "<|im_end|>" not in c.text
+        assert c.token_ids[-1] in embedded_llm.tokenizer.eos_token_ids
+    # Both conversations start with the template's default system prompt: the second finds it cached.
+    assert embedded_llm.engine.stats.cache_hit_tokens > before
+
+
+def test_seeded_sampling_is_reproducible(embedded_llm):
+    params = SamplingParams(n=4, temperature=0.9, top_p=0.95, max_tokens=16, seed=11)
+    a = embedded_llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    b = embedded_llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({c.text for c in a.outputs}) > 1
+
+
+def test_stop_string_is_cut_from_text(embedded_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = embedded_llm.generate("The alphabet goes: A, B, C,", greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text.strip().split()[2]
+    out = embedded_llm.generate("The alphabet goes: A, B, C,", SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+
+
+def test_prompt_longer_than_context_is_rejected(embedded_llm):
+    with pytest.raises(ValueError, match="context"):
+        embedded_llm.generate([[5] * 9000], SamplingParams())
+
+
+def test_cli_generate(capsys):
+    from hydragen.cli import main
+
+    assert main(["generate", "Say hi.", "-n", "3", "--max-tokens", "8", "--seed", "0", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- completion") == 3
+    assert "tok/s" in out and "served from shared KV" in out and "per-sequence copies" in out
+    assert main(["generate", "x", "-n", "0"]) == 2
