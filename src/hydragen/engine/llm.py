@@ -134,6 +134,10 @@ class LLM:
             items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
         return self._run(items, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
+        self.engine.tree.evict(self.engine.tree.cached_tokens)
+
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -35,9 +35,9 @@ def derive_seed(seed: int, index: int) -> int:
 
 class Sampler:
     def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """[B] uniforms in (0, 1) from per-row seeds and step counters (int64 [B])."""
+        """[B] uniforms strictly inside (0, 1) (24 bits, exact in fp32) from seeds and step counters."""
         x = mix32(mix32(seeds & _M32) ^ (steps * 0xC2B2AE3D & _M32))
-        return (x.double() + 0.5) * (1.0 / 4294967296.0)
+        return ((x >> 8).float() + 0.5) * (1.0 / 16777216.0)
 
     def __call__(self, logits, temperature, top_k, top_p, seeds, steps, any_random: bool,
                  any_top_k: bool, any_top_p: bool) -> torch.Tensor:
@@ -57,7 +57,9 @@ class Sampler:
             drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p.unsqueeze(1)
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-        cdf = probs.double().cumsum(-1)
-        target = (self.uniforms(seeds, steps) * cdf[:, -1]).unsqueeze(1)
-        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
+        cdf = probs.cumsum(-1)
+        total = cdf[:, -1]
+        # Strictly below the total, so the search lands on a token with nonzero probability.
+        target = torch.minimum(self.uniforms(seeds, steps) * total, torch.nextafter(total, torch.zeros_like(total)))
+        sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
         return torch.where(temperature > 0, sampled, greedy)

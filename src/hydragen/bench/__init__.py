@@ -1,0 +1,1 @@
+"""Benchmarks that reproduce the papers' measurements on whatever machine runs them."""
