@@ -39,8 +39,18 @@ class Sampler:
         x = mix32(mix32(seeds & _M32) ^ (steps * 0xC2B2AE3D & _M32))
         return ((x >> 8).float() + 0.5) * (1.0 / 16777216.0)
 
-    def __call__(self, logits, temperature, top_k, top_p, seeds, steps, any_random: bool,
-                 any_top_k: bool, any_top_p: bool) -> torch.Tensor:
+    def __call__(
+        self,
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        steps,
+        any_random: bool,
+        any_top_k: bool,
+        any_top_p: bool,
+    ) -> torch.Tensor:
         """logits [B, V] fp32; per-row tensors [B]. Returns sampled token ids [B] (int64)."""
         greedy = logits.argmax(-1)
         if not any_random:
@@ -60,6 +70,8 @@ class Sampler:
         cdf = probs.cumsum(-1)
         total = cdf[:, -1]
         # Strictly below the total, so the search lands on a token with nonzero probability.
-        target = torch.minimum(self.uniforms(seeds, steps) * total, torch.nextafter(total, torch.zeros_like(total)))
+        target = torch.minimum(
+            self.uniforms(seeds, steps) * total, torch.nextafter(total, torch.zeros_like(total))
+        )
         sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
         return torch.where(temperature > 0, sampled, greedy)
