@@ -107,3 +107,14 @@ def embedded_llm():
     from hydragen import LLM
 
     return LLM(kv_cache_tokens=32768)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model():
+    """transformers' own load of the embedded GGUF (it un-permutes q/k itself): the model oracle."""
+    from transformers import AutoModelForCausalLM
+
+    from hydragen.model.default_model import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

@@ -6,20 +6,11 @@ import pytest
 import torch
 
 from hydragen import SamplingParams
-from hydragen.model.default_model import default_model_path
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-
-
-def test_greedy_matches_transformers_on_gguf(embedded_llm, hf_model):
+def test_greedy_matches_transformers_on_gguf(embedded_llm, hf_gguf_model):
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
     outs = embedded_llm.chat(convs, params, use_tqdm=False)
@@ -27,8 +18,14 @@ def test_greedy_matches_transformers_on_gguf(embedded_llm, hf_model):
         ids = torch.tensor([out.prompt_token_ids])
         # An explicit mask: the prompt contains <|im_end|> (id 2), which is also this GGUF's pad token,
         # and generate() would otherwise mask those prompt tokens out as padding.
-        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                eos_token_id=None, pad_token_id=2)
+        ref = hf_gguf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
         ref = ref[0, ids.shape[1] :].tolist()
         assert [c.token_ids for c in out.outputs] == [ref, ref]
     assert "Paris" in outs[0].outputs[0].text
@@ -58,8 +55,11 @@ def test_stop_string_is_cut_from_text(embedded_llm):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     text = embedded_llm.generate("The alphabet goes: A, B, C,", greedy, use_tqdm=False)[0].outputs[0].text
     stop = text.strip().split()[2]
-    out = embedded_llm.generate("The alphabet goes: A, B, C,", SamplingParams(
-        temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = embedded_llm.generate(
+        "The alphabet goes: A, B, C,",
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
 

@@ -22,12 +22,8 @@ def ours() -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.state_dict()
+def reference(hf_gguf_model) -> dict[str, torch.Tensor]:
+    return hf_gguf_model.state_dict()
 
 
 def test_default_model_path() -> None:
