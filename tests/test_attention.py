@@ -18,7 +18,6 @@ from hydragen.attention import reference_attention, shared_prefix_attention
 sp_module = importlib.import_module("hydragen.attention.shared_prefix")
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
     # Hundreds of tiny kernels: intra-op threading only adds overhead (and stalls badly on a busy box).
@@ -61,7 +60,7 @@ def oracle(q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens=None, scale=
             vb = suffix_v[b].double()[:, heads].permute(1, 0, 2)
             sc = qb @ kb.transpose(1, 2) * scale  # [Hq, Nq, S]
             for i in range(nq):
-                sc[:, i, max(n - nq + i + 1, 0):] = -math.inf  # query i sees suffix keys j <= n - nq + i
+                sc[:, i, max(n - nq + i + 1, 0) :] = -math.inf  # query i sees suffix keys j <= n - nq + i
             scores.append(sc)
             values.append(vb)
         if not scores or sum(x.shape[2] for x in scores) == 0:
@@ -84,8 +83,9 @@ def oracle(q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens=None, scale=
 # --------------------------------------------------------------------------------------------------
 
 
-def make_case(b, nq, hq, hkv, d, levels, s, lens=None, dtype=torch.float32, seed=0, q_mult=1.0,
-              lens_dtype=torch.int64):
+def make_case(
+    b, nq, hq, hkv, d, levels, s, lens=None, dtype=torch.float32, seed=0, q_mult=1.0, lens_dtype=torch.int64
+):
     """levels: list of (G, P); s: suffix length or None (no suffix); lens: list or None."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -100,20 +100,40 @@ def make_case(b, nq, hq, hkv, d, levels, s, lens=None, dtype=torch.float32, seed
         suffix_k = rnd(b, s, hkv, d).to(dtype)
         suffix_v = rnd(b, s, hkv, d).to(dtype)
     suffix_lens = None if lens is None else torch.tensor(lens, dtype=lens_dtype)
-    return dict(q=q, prefix_ks=prefix_ks, prefix_vs=prefix_vs, suffix_k=suffix_k, suffix_v=suffix_v,
-                suffix_lens=suffix_lens)
+    return dict(
+        q=q,
+        prefix_ks=prefix_ks,
+        prefix_vs=prefix_vs,
+        suffix_k=suffix_k,
+        suffix_v=suffix_v,
+        suffix_lens=suffix_lens,
+    )
 
 
 def run(case, impl, **kwargs):
     if impl is not None:
         kwargs["impl"] = impl
-    return shared_prefix_attention(case["q"], case["prefix_ks"], case["prefix_vs"], case["suffix_k"],
-                                   case["suffix_v"], case["suffix_lens"], **kwargs)
+    return shared_prefix_attention(
+        case["q"],
+        case["prefix_ks"],
+        case["prefix_vs"],
+        case["suffix_k"],
+        case["suffix_v"],
+        case["suffix_lens"],
+        **kwargs,
+    )
 
 
 def run_oracle(case, scale=None):
-    return oracle(case["q"], case["prefix_ks"], case["prefix_vs"], case["suffix_k"], case["suffix_v"],
-                  case["suffix_lens"], scale=scale)
+    return oracle(
+        case["q"],
+        case["prefix_ks"],
+        case["prefix_vs"],
+        case["suffix_k"],
+        case["suffix_v"],
+        case["suffix_lens"],
+        scale=scale,
+    )
 
 
 def check_against_oracle(case, impl, atol, rtol, lse_atol=None, lse_rtol=None, scale=None):
@@ -128,8 +148,12 @@ def check_against_oracle(case, impl, atol, rtol, lse_atol=None, lse_rtol=None, s
     assert not torch.isnan(out).any() and not torch.isinf(out).any()
     assert not torch.isnan(lse).any()
     torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=lse_atol if lse_atol is not None else atol,
-                               rtol=lse_rtol if lse_rtol is not None else rtol)
+    torch.testing.assert_close(
+        lse.double(),
+        ref_lse,
+        atol=lse_atol if lse_atol is not None else atol,
+        rtol=lse_rtol if lse_rtol is not None else rtol,
+    )
     return out, lse
 
 
@@ -186,11 +210,24 @@ def test_return_lse_false_returns_same_output(spec, impl):
     torch.testing.assert_close(out, out2, atol=0, rtol=0)
 
 
-LOW_PRECISION_CASES = [c for c in CASES if c[0] in {
-    "mha_noprefix", "gqa9_3_d40_G1_decode_ragged", "mqa8_1_d72_two_levels", "gqa6_2_d80_three_levels_G1_2_B",
-    "d128_prefill_causal", "d17_prefill_ragged", "suffix_none", "nq_gt_lens", "lens_none_nq_lt_s",
-    "empty_middle_level", "s0",
-}]
+LOW_PRECISION_CASES = [
+    c
+    for c in CASES
+    if c[0]
+    in {
+        "mha_noprefix",
+        "gqa9_3_d40_G1_decode_ragged",
+        "mqa8_1_d72_two_levels",
+        "gqa6_2_d80_three_levels_G1_2_B",
+        "d128_prefill_causal",
+        "d17_prefill_ragged",
+        "suffix_none",
+        "nq_gt_lens",
+        "lens_none_nq_lt_s",
+        "empty_middle_level",
+        "s0",
+    }
+]
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LOW_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -256,11 +293,14 @@ def test_non_contiguous_inputs(nq, impl):
 
     q_wide = torch.zeros(4, nq, 12, 16)
     q_wide[:, :, ::2] = case["q"]
-    strided = dict(q=q_wide[:, :, ::2], prefix_ks=[head_major(k) for k in case["prefix_ks"]],
-                   prefix_vs=[head_major(v) for v in case["prefix_vs"]],
-                   suffix_k=head_major(case["suffix_k"]),
-                   suffix_v=case["suffix_v"].transpose(0, 1).contiguous().transpose(0, 1),
-                   suffix_lens=case["suffix_lens"])
+    strided = dict(
+        q=q_wide[:, :, ::2],
+        prefix_ks=[head_major(k) for k in case["prefix_ks"]],
+        prefix_vs=[head_major(v) for v in case["prefix_vs"]],
+        suffix_k=head_major(case["suffix_k"]),
+        suffix_v=case["suffix_v"].transpose(0, 1).contiguous().transpose(0, 1),
+        suffix_lens=case["suffix_lens"],
+    )
     assert not strided["q"].is_contiguous() and not strided["suffix_k"].is_contiguous()
     out, lse = run(strided, impl, return_lse=True)
     torch.testing.assert_close(out, ref[0], atol=1e-6, rtol=1e-6)
@@ -271,8 +311,14 @@ def test_non_contiguous_inputs(nq, impl):
 @pytest.mark.parametrize("spec", CASES[:8], ids=CASE_IDS[:8])
 def test_oracle_agrees_with_package_reference(spec):
     case = case_from(spec, seed=21)
-    ref_out, ref_lse = reference_attention(case["q"], case["prefix_ks"], case["prefix_vs"], case["suffix_k"],
-                                           case["suffix_v"], case["suffix_lens"])
+    ref_out, ref_lse = reference_attention(
+        case["q"],
+        case["prefix_ks"],
+        case["prefix_vs"],
+        case["suffix_k"],
+        case["suffix_v"],
+        case["suffix_lens"],
+    )
     my_out, my_lse = run_oracle(case)
     torch.testing.assert_close(ref_out, my_out, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(ref_lse, my_lse, atol=1e-10, rtol=1e-10)
@@ -295,8 +341,11 @@ def test_oracle_sanity_single_key():
 
 @pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
 @pytest.mark.parametrize("q_mult", [50.0, 100.0])
-@pytest.mark.parametrize("spec", [CASES[2], CASES[3], CASES[10], CASES[6]],
-                         ids=[CASES[2][0], CASES[3][0], CASES[10][0], CASES[6][0]])
+@pytest.mark.parametrize(
+    "spec",
+    [CASES[2], CASES[3], CASES[10], CASES[6]],
+    ids=[CASES[2][0], CASES[3][0], CASES[10][0], CASES[6][0]],
+)
 def test_large_logits_fp32(spec, q_mult, impl):
     case = case_from(spec, seed=5, q_mult=q_mult)
     _, ref_lse = run_oracle(case)
@@ -364,8 +413,9 @@ def test_split_level_matches_single_level(split, g, impl):
     out, lse = run(case, impl, return_lse=True)
     pieces_k, pieces_v = [k[:, :split], k[:, split:]], [v[:, :split], v[:, split:]]
     for order in ([0, 1], [1, 0]):
-        split_case = dict(case, prefix_ks=[pieces_k[i] for i in order],
-                          prefix_vs=[pieces_v[i] for i in order])
+        split_case = dict(
+            case, prefix_ks=[pieces_k[i] for i in order], prefix_vs=[pieces_v[i] for i in order]
+        )
         out_s, lse_s = run(split_case, impl, return_lse=True)
         torch.testing.assert_close(out_s, out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse_s, lse, atol=1e-5, rtol=1e-5)
@@ -377,8 +427,11 @@ def test_level_order_independent(impl):
     case = make_case(4, 2, 6, 3, 16, [(1, 4), (2, 3), (4, 2)], 3, [3, 1, 0, 2], seed=15)
     out, lse = run(case, impl, return_lse=True)
     for perm in ([2, 1, 0], [1, 0, 2], [0, 2, 1]):
-        permuted = dict(case, prefix_ks=[case["prefix_ks"][i] for i in perm],
-                        prefix_vs=[case["prefix_vs"][i] for i in perm])
+        permuted = dict(
+            case,
+            prefix_ks=[case["prefix_ks"][i] for i in perm],
+            prefix_vs=[case["prefix_vs"][i] for i in perm],
+        )
         out_p, lse_p = run(permuted, impl, return_lse=True)
         torch.testing.assert_close(out_p, out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse_p, lse, atol=1e-5, rtol=1e-5)
@@ -391,9 +444,13 @@ def test_prefix_level_equals_prefix_moved_into_suffix(impl):
     b, hq, hkv, d = 3, 4, 2, 16
     case = make_case(b, 1, hq, hkv, d, [(1, 3), (b, 4)], 2, None, seed=16)
     out, lse = run(case, impl, return_lse=True)
-    merged = dict(case, prefix_ks=case["prefix_ks"][:1], prefix_vs=case["prefix_vs"][:1],
-                  suffix_k=torch.cat([case["prefix_ks"][1], case["suffix_k"]], 1),
-                  suffix_v=torch.cat([case["prefix_vs"][1], case["suffix_v"]], 1))
+    merged = dict(
+        case,
+        prefix_ks=case["prefix_ks"][:1],
+        prefix_vs=case["prefix_vs"][:1],
+        suffix_k=torch.cat([case["prefix_ks"][1], case["suffix_k"]], 1),
+        suffix_v=torch.cat([case["prefix_vs"][1], case["suffix_v"]], 1),
+    )
     out_m, lse_m = run(merged, impl, return_lse=True)
     torch.testing.assert_close(out_m, out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_m, lse, atol=1e-5, rtol=1e-5)
@@ -407,11 +464,12 @@ def test_batch_rows_independent(impl):
     out, lse = run(case, impl, return_lse=True)
     for bi in range(4):
         single = dict(
-            q=case["q"][bi:bi + 1],
+            q=case["q"][bi : bi + 1],
             prefix_ks=[k[bi // (4 // k.shape[0])][None] for k in case["prefix_ks"]],
             prefix_vs=[v[bi // (4 // v.shape[0])][None] for v in case["prefix_vs"]],
-            suffix_k=case["suffix_k"][bi:bi + 1], suffix_v=case["suffix_v"][bi:bi + 1],
-            suffix_lens=case["suffix_lens"][bi:bi + 1],
+            suffix_k=case["suffix_k"][bi : bi + 1],
+            suffix_v=case["suffix_v"][bi : bi + 1],
+            suffix_lens=case["suffix_lens"][bi : bi + 1],
         )
         out_1, lse_1 = run(single, impl, return_lse=True)
         torch.testing.assert_close(out_1[0], out[bi], atol=1e-5, rtol=1e-5)
@@ -490,8 +548,10 @@ def _blind_cases():
 @pytest.mark.parametrize("name", list(_blind_cases()))
 def test_query_seeing_no_key(name, dtype, impl):
     case = _blind_cases()[name]
-    case = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-            for k, v in case.items()}
+    case = {
+        k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in case.items()
+    }
     case["prefix_ks"] = [k.to(dtype) for k in case["prefix_ks"]]
     case["prefix_vs"] = [v.to(dtype) for v in case["prefix_vs"]]
     out, lse = run(case, impl, return_lse=True)
@@ -521,9 +581,14 @@ B, NQ, HQ, HKV, D, S = 4, 2, 6, 2, 8, 3
 
 
 def _valid():
-    return dict(q=_t(B, NQ, HQ, D), prefix_ks=[_t(1, 3, HKV, D), _t(2, 2, HKV, D)],
-                prefix_vs=[_t(1, 3, HKV, D), _t(2, 2, HKV, D)], suffix_k=_t(B, S, HKV, D),
-                suffix_v=_t(B, S, HKV, D), suffix_lens=torch.tensor([3, 2, 1, 0]))
+    return dict(
+        q=_t(B, NQ, HQ, D),
+        prefix_ks=[_t(1, 3, HKV, D), _t(2, 2, HKV, D)],
+        prefix_vs=[_t(1, 3, HKV, D), _t(2, 2, HKV, D)],
+        suffix_k=_t(B, S, HKV, D),
+        suffix_v=_t(B, S, HKV, D),
+        suffix_lens=torch.tensor([3, 2, 1, 0]),
+    )
 
 
 INVALID = {
@@ -540,8 +605,9 @@ INVALID = {
     "prefix_kv_shape_mismatch_groups": dict(prefix_ks=[_t(1, 3, HKV, D)], prefix_vs=[_t(2, 3, HKV, D)]),
     "prefix_v_head_dim_mismatch": dict(prefix_ks=[_t(1, 3, HKV, D)], prefix_vs=[_t(1, 3, HKV, 16)]),
     "suffix_kv_shape_mismatch": dict(suffix_k=_t(B, S, HKV, D), suffix_v=_t(B, S + 1, HKV, D)),
-    "suffix_batch_mismatch": dict(suffix_k=_t(2, S, HKV, D), suffix_v=_t(2, S, HKV, D),
-                                  suffix_lens=torch.tensor([3, 2])),
+    "suffix_batch_mismatch": dict(
+        suffix_k=_t(2, S, HKV, D), suffix_v=_t(2, S, HKV, D), suffix_lens=torch.tensor([3, 2])
+    ),
     "suffix_v_missing": dict(suffix_v=None),
     "suffix_k_missing": dict(suffix_k=None),
     "prefix_level_count_mismatch": dict(prefix_vs=[_t(1, 3, HKV, D)]),
@@ -560,8 +626,9 @@ INVALID = {
 
 def test_valid_baseline_does_not_raise():
     v = _valid()
-    shared_prefix_attention(v["q"], v["prefix_ks"], v["prefix_vs"], v["suffix_k"], v["suffix_v"],
-                            v["suffix_lens"])
+    shared_prefix_attention(
+        v["q"], v["prefix_ks"], v["prefix_vs"], v["suffix_k"], v["suffix_v"], v["suffix_lens"]
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)

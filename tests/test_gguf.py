@@ -103,9 +103,17 @@ def _write_tiny(path, arch: str, tensors: dict[str, np.ndarray], quant: dict[str
 def _tiny_weights(rng: np.random.Generator, bias: bool) -> dict[str, np.ndarray]:
     r = lambda *s: rng.standard_normal(s).astype(np.float32)
     t = {"token_embd.weight": r(96, 64), "output_norm.weight": r(64), "output.weight": r(96, 64)}
-    shapes = {"attn_norm.weight": (64,), "ffn_norm.weight": (64,), "attn_q.weight": (64, 64),
-              "attn_k.weight": (32, 64), "attn_v.weight": (32, 64), "attn_output.weight": (64, 64),
-              "ffn_gate.weight": (128, 64), "ffn_up.weight": (128, 64), "ffn_down.weight": (64, 128)}
+    shapes = {
+        "attn_norm.weight": (64,),
+        "ffn_norm.weight": (64,),
+        "attn_q.weight": (64, 64),
+        "attn_k.weight": (32, 64),
+        "attn_v.weight": (32, 64),
+        "attn_output.weight": (64, 64),
+        "ffn_gate.weight": (128, 64),
+        "ffn_up.weight": (128, 64),
+        "ffn_down.weight": (64, 128),
+    }
     if bias:
         shapes |= {"attn_q.bias": (64,), "attn_k.bias": (32,), "attn_v.bias": (32,)}
     return t | {f"blk.0.{k}": r(*v) for k, v in shapes.items()}
@@ -131,9 +139,11 @@ def test_tiny_llama_unpermutes_and_dequantizes(tmp_path) -> None:
         want = torch.from_numpy(hf[f"blk.0.{g}.weight"])
         assert torch.equal(sd[f"model.layers.0.self_attn.{h}.weight"], want), g
     torch.testing.assert_close(sd["lm_head.weight"], torch.from_numpy(hf["output.weight"]))
-    for gname, hname, atol in [("token_embd.weight", "model.embed_tokens.weight", 0.05),
-                               ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", 0.01),
-                               ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 0.5)]:
+    for gname, hname, atol in [
+        ("token_embd.weight", "model.embed_tokens.weight", 0.05),
+        ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", 0.01),
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 0.5),
+    ]:
         assert sd[hname].dtype == torch.float32
         torch.testing.assert_close(sd[hname], torch.from_numpy(hf[gname]), atol=atol, rtol=0)
 
@@ -144,9 +154,12 @@ def test_tiny_qwen2_keeps_layout_and_bias(tmp_path) -> None:
     cfg, sd = read_gguf(tmp_path / "q.gguf")
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["model_type"] == "qwen2"
     assert cfg["attention_bias"] is True and cfg["rope_scaling"] is None
-    pairs = [("attn_q.weight", "self_attn.q_proj.weight"), ("attn_k.bias", "self_attn.k_proj.bias"),
-             ("attn_norm.weight", "input_layernorm.weight"),
-             ("ffn_norm.weight", "post_attention_layernorm.weight")]
+    pairs = [
+        ("attn_q.weight", "self_attn.q_proj.weight"),
+        ("attn_k.bias", "self_attn.k_proj.bias"),
+        ("attn_norm.weight", "input_layernorm.weight"),
+        ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ]
     for g, h in pairs:
         assert torch.equal(sd[f"model.layers.0.{h}"], torch.from_numpy(hf[f"blk.0.{g}"]))
 
@@ -168,8 +181,13 @@ def test_unsupported_architecture(tmp_path) -> None:
 def test_llama3_rope_scaling_recovers_inverse_frequencies(factor, lo, hi, orig) -> None:
     theta, head_dim = 500000.0, 128
     got = llama3_rope_scaling(_llama3_factors(factor, lo, hi, orig, theta, head_dim), head_dim, theta, orig)
-    assert got == {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
-                   "original_max_position_embeddings": orig}
+    assert got == {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": lo,
+        "high_freq_factor": hi,
+        "original_max_position_embeddings": orig,
+    }
     # without the original context length the parameters differ but the rotary frequencies must not
     alt = llama3_rope_scaling(_llama3_factors(factor, lo, hi, orig, theta, head_dim), head_dim, theta)
     inv = theta ** (-np.arange(0, head_dim, 2) / head_dim)
@@ -177,7 +195,8 @@ def test_llama3_rope_scaling_recovers_inverse_frequencies(factor, lo, hi, orig) 
     def scaled(p: dict) -> np.ndarray:
         wl = 2 * math.pi / inv
         s = (p["original_max_position_embeddings"] / wl - p["low_freq_factor"]) / (
-            p["high_freq_factor"] - p["low_freq_factor"])
+            p["high_freq_factor"] - p["low_freq_factor"]
+        )
         mid = (1 - s) * inv / p["factor"] + s * inv
         return np.where(s > 1, inv, np.where(s < 0, inv / p["factor"], mid))
 

@@ -15,10 +15,20 @@ from hydragen.model.tokenizer import _save_cache, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines ", "Ünïcödé – 日本語 🙂",
-         "x = [1, 2, 3]  # code", "<|im_start|>user\nhi<|im_end|>", ""]
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
-        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2+2?"}]
+TEXTS = [
+    "Hello world",
+    "  leading spaces and\ttabs\n\nnewlines ",
+    "Ünïcödé – 日本語 🙂",
+    "x = [1, 2, 3]  # code",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "What is 2+2?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +85,20 @@ def test_chat_template_matches_transformers(cold, ref) -> None:
         assert tok.apply_chat_template(conv) == _ref_chat_ids(ref, conv)
     assert tok.apply_chat_template(CHAT, add_generation_prompt=False) == _ref_chat_ids(ref, CHAT, False)
     assert tok.decode(tok.apply_chat_template(CHAT[1:2]), skip_special_tokens=False).endswith(
-        "<|im_start|>assistant\n")
+        "<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize(
     "conversation,match",
-    [([], "non-empty"), ("hi", "non-empty"), (["hi"], "message 0 must be a dict"),
-     ([{"role": "user"}], "'content'"), ([{"role": "user", "content": 3}], "'content'"),
-     ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 .*'role'")],
+    [
+        ([], "non-empty"),
+        ("hi", "non-empty"),
+        (["hi"], "message 0 must be a dict"),
+        ([{"role": "user"}], "'content'"),
+        ([{"role": "user", "content": 3}], "'content'"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 .*'role'"),
+    ],
 )
 def test_chat_template_validates_messages(cold, conversation, match) -> None:
     with pytest.raises(ValueError, match=match):

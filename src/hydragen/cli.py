@@ -50,6 +50,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hydragen import LLM
+    from hydragen.server.app import create_app
+
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_num_seqs=args.max_num_seqs,
+        prefix_sharing=not args.no_sharing,
+    )
+    name = args.served_model_name or llm.model_path.stem
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+BENCHMARKS = {"e2e": "hydragen.bench.e2e", "serve": "hydragen.bench.serve"}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(BENCHMARKS[args.which]).main(args.rest)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hydragen", description="LLM inference built around shared prefixes."
@@ -87,6 +117,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_generate)
+
+    v = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with a persistent prefix cache",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics. Requests that share prefixes share KV, across time.",
+    )
+    v.add_argument(
+        "--model", default=None, help="a .gguf file or Hugging Face model directory (default: embedded)"
+    )
+    v.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument(
+        "--served-model-name", default=None, help="model name clients send (default: file/dir name)"
+    )
+    v.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens (default: 1/4 of RAM)"
+    )
+    v.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most sequences decoded at once (default 256)"
+    )
+    v.add_argument("--no-sharing", action="store_true", help="baseline: no prefix cache, no shared attention")
+    v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    v.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    v.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="benchmarks (e2e decoding, serving); `hydragen bench NAME --help`")
+    b.add_argument("which", choices=sorted(BENCHMARKS), help="which benchmark")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    b.set_defaults(func=_bench)
     return parser
 
 

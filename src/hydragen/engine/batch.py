@@ -48,18 +48,20 @@ class DecodeBatch:
         self.uniform = len({s.tail_len for s in seqs}) <= 1 and len(seqs) == self.rows
         self.items = plan_items(seqs)
 
-    def drop_finished(self) -> None:
-        """Free finished rows at once; keep the block until half of it is dead."""
-        keep = []
-        for s in self.seqs:
-            if s.finished:
-                self.pool.release(self.base + s.row * self.cap, self.cap)
-                self.row_alive[s.row] = False
-            else:
-                keep.append(s)
-        if len(keep) != len(self.seqs):
-            self.seqs = keep
-            self.refresh()
+    def retire(self, seq: Sequence, keep: tuple[int, int] | None = None) -> None:
+        """Free a leaving sequence's row at once, except slots [keep) that now belong to the tree."""
+        base = self.base + seq.row * self.cap
+        if keep is None:
+            self.pool.release(base, self.cap)
+        else:
+            self.pool.release(base, keep[0])
+            self.pool.release(base + keep[1], self.cap - keep[1])
+        self.row_alive[seq.row] = False
+
+    def remove(self, leaving: set[int]) -> None:
+        """Drop retired sequences (by id) from the running list; the block stays until compaction."""
+        self.seqs = [s for s in self.seqs if id(s) not in leaving]
+        self.refresh()
 
     def release(self) -> None:
         for r, alive in enumerate(self.row_alive):

@@ -1,12 +1,24 @@
-"""The step-driven engine: admit requests (prefill each new tree node once), then decode step by step.
+"""The step-driven engine: continuous batching over a persistent radix-tree prefix cache.
 
-``add_request`` queues; each ``step`` admits what fits (prefix-tree insert, prefill of uncached nodes,
-rebuild of the decode batch) and runs one decode step for every running sequence. The offline
-``LLM`` drives it to completion; a server can drive it the same way.
+``add_request`` queues a request's n sequences; every ``step``:
+
+1. **schedules** waiting sequences, longest cached prefix first (the seeds' longest-shared-prefix-first,
+   which approximates depth-first order), but any sequence that has waited ``max_wait_steps`` goes first;
+2. **prefills** at most ``prefill_budget`` uncached prompt tokens, node by node and chunk by chunk, so a
+   long prompt never stalls the running sequences for more than one chunk per step;
+3. **joins** fully prefilled sequences into the decode batch (the tails are rebuilt once);
+4. **grows** the private tails when one is full; if memory runs out, the newest sequences are
+   **preempted**: their KV goes into the prefix tree (nothing is lost unless evicted, then recomputed) and
+   they wait to be readmitted;
+5. **decodes** one token for every running sequence.
+
+Finished sequences hand the KV of their prompt and generated text to the tree, where later requests find
+it, and free the rest of their private slots at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import time
@@ -29,17 +41,24 @@ from hydragen.kv.radix import Node, RadixTree
 class EngineStats:
     prompt_tokens: int = 0  # sum over sequences of prompt length
     prefill_tokens: int = 0  # prompt tokens actually run through the model
-    cache_hit_tokens: int = 0  # prompt tokens found already cached when a request arrived
+    cache_hit_tokens: int = 0  # prompt tokens found already cached when a sequence was scheduled
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     per_sequence_kv_tokens: int = 0  # KV tokens the finished sequences would hold as private copies
     peak_kv_tokens: int = 0  # most KV tokens stored at once (tree nodes + private tails)
+    preemptions: int = 0
+    requests_finished: int = 0
 
     @property
     def shared_prompt_tokens(self) -> int:
         return self.prompt_tokens - self.prefill_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached prefill tokens / prefill tokens (the prefix-cache hit rate)."""
+        return self.cache_hit_tokens / max(self.prompt_tokens, 1)
 
 
 class Engine:
@@ -55,23 +74,35 @@ class Engine:
         attention: str = "auto",
         kv_cache_tokens: int = 65536,
         max_num_seqs: int = 256,
-        prefill_chunk: int = 2048,
+        prefill_chunk: int = 512,
+        prefill_budget: int = 2048,
+        max_wait_steps: int = 64,
+        tail_growth: int = 128,
     ):
         if attention not in ("auto", "fused", "torch", "none"):
             raise ValueError(f"attention must be 'auto', 'fused', 'torch' or 'none', got {attention!r}")
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
         self.prefix_sharing, self.attention_impl = prefix_sharing, attention
-        self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
+        self.max_num_seqs, self.prefill_chunk, self.prefill_budget = (
+            max_num_seqs,
+            prefill_chunk,
+            prefill_budget,
+        )
+        self.max_wait_steps, self.tail_growth = max_wait_steps, tail_growth
         self.scale = cfg.head_dim**-0.5
         self.pool = KVPool(cfg.num_layers, kv_cache_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.tree = RadixTree(self.pool)
         self.sampler = Sampler()
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
         self.batch: DecodeBatch | None = None
+        self.requests: dict[str, Request] = {}
+        self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
         self.stats = EngineStats()
+        self.step_count = 0
         self._ids = itertools.count()
+        self._joins = itertools.count()
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
-        self.vocab_limit = max(cfg.vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -85,36 +116,65 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        bad = [
-            t
-            for t in prompt_ids
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size
-        ]
+        vocab = self.cfg.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {self.cfg.vocab_size})")
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
         ctx = self.cfg.max_position_embeddings
         if len(prompt_ids) >= ctx:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens")
-        need = len(prompt_ids) + params.n * (len(prompt_ids) + params.max_tokens + 1)
+        # Worst case for this request alone: the prompt once in the tree, plus each sequence's tail
+        # (which holds a copy of the prompt when it is not shared: sharing off, or n == 1).
+        private_prompt = len(prompt_ids) if (params.n == 1 or not self.prefix_sharing) else 0
+        need = len(prompt_ids) + params.n * (private_prompt + params.max_tokens + 1)
         if need > self.pool.num_slots:
             raise ValueError(
                 f"request needs up to {need} KV slots but the cache has {self.pool.num_slots}; "
                 "raise kv_cache_tokens or lower n/max_tokens"
             )
-        req = Request(
-            str(next(self._ids)) if request_id is None else request_id, prompt, list(prompt_ids), params
-        )
+        rid = str(next(self._ids)) if request_id is None else request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, prompt, list(prompt_ids), params)
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req.seqs = [Sequence(req, i, derive_seed(base_seed, i)) for i in range(params.n)]
-        self.waiting.append(req)
+        req.seqs = [
+            Sequence(req, i, derive_seed(base_seed, i), arrival_step=self.step_count) for i in range(params.n)
+        ]
+        self.requests[rid] = req
+        self.waiting.extend(req.seqs)
         return req
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting) or (self.batch is not None and bool(self.batch.seqs))
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its pages are freed (its computed KV stays cached)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for s in req.seqs:
+            if not s.finished:
+                s.finish_reason = "abort"
+                self._leave(s)
+        self.waiting = deque(s for s in self.waiting if s.request is not req)
+        if req.private_tree is not None:
+            req.private_tree.clear()
+            req.private_tree = None
+        self.requests.pop(request_id, None)
+        return True
 
-    # ---- admission and prefill ----------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or (self.batch is not None and self.batch.seqs))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.batch.seqs) if self.batch is not None else 0
+
+    # ---- memory -------------------------------------------------------------------------------
     def _alloc(self, n: int) -> int:
         """Allocate n contiguous slots, evicting least-recently-used cached prefixes as needed."""
+        try:
+            return self.pool.alloc(n)
+        except OutOfSlots:
+            if self.pool.allocator.free + self.tree.evictable_tokens() < n:
+                raise  # hopeless: keep the cache instead of flushing it for nothing
         while True:
             try:
                 return self.pool.alloc(n)
@@ -122,160 +182,278 @@ class Engine:
                 if self.tree.evict(n) == 0:
                     raise
 
-    def _prefill_node(self, node: Node) -> None:
-        """Compute and store node's KV once; its queries attend to the ancestors' KV in place."""
-        slot = self._alloc(len(node.tokens))
+    def _tree_for(self, s: Sequence) -> RadixTree:
+        return self.tree if self.prefix_sharing else s.request.private_tree
+
+    # ---- scheduling and prefill ---------------------------------------------------------------
+    def _schedule(self) -> None:
+        """Move waiting sequences to prefill: aged ones first, then the longest cached prefix."""
+        room = self.max_num_seqs - self.num_running - len(self.prefilling)
+        if room <= 0 or not self.waiting:
+            return
+        aged = [s for s in self.waiting if self.step_count - s.arrival_step >= self.max_wait_steps]
+        if len(aged) >= room or not self.prefix_sharing:
+            chosen = (aged + [s for s in self.waiting if s not in aged])[:room]
+        else:
+            hits: dict[int, int] = {}
+            rest = [s for s in self.waiting if self.step_count - s.arrival_step < self.max_wait_steps]
+            for s in rest:  # sequences of one request share a context: match it once
+                key = id(s.request) if not s.generated else id(s)
+                if key not in hits:
+                    hits[key] = self.tree.match_len(s.context[:-1])
+            rest.sort(key=lambda s: -hits[id(s.request) if not s.generated else id(s)])
+            chosen = aged + rest[: room - len(aged)]
+        taken = {id(s) for s in chosen}
+        self.waiting = deque(s for s in self.waiting if id(s) not in taken)
+        for s in chosen:
+            self._start_prefill(s)
+
+    def _start_prefill(self, s: Sequence) -> None:
+        req = s.request
+        if not self.prefix_sharing and req.private_tree is None:
+            req.private_tree = RadixTree(self.pool)
+        tree = self._tree_for(s)
+        context = s.context[:-1]
+        hit = tree.match_len(context)
+        s.node = tree.insert(context)
+        tree.pin(s.node, 1)
+        if not s.counted:
+            s.counted = True
+            self.stats.cache_hit_tokens += hit
+            self.stats.prompt_tokens += len(s.prompt_ids)
+            self.stats.prefill_tokens += 1  # the last prompt token, fed by the first decode step
+            req.cached_tokens = max(req.cached_tokens, hit)
+        self.prefilling.append(s)
+
+    def _prefill(self) -> list[Sequence]:
+        """Spend up to ``prefill_budget`` tokens on uncached nodes; returns sequences ready to decode."""
+        budget, ready, still, out_of_memory = self.prefill_budget, [], [], False
+        for s in self.prefilling:
+            tree = self._tree_for(s)
+            for node in s.node.path() if s.node.parent is not None else ():
+                while not node.has_kv and budget > 0:
+                    try:
+                        budget -= self._prefill_chunk(tree, node, budget)
+                    except OutOfSlots:
+                        budget, out_of_memory = 0, True
+            (ready if all(n.has_kv for n in s.node.path()) else still).append(s)
+        self.prefilling = still
+        if out_of_memory and len(still) > 1 and not ready and self.num_running == 0:
+            # Out of memory with nothing running to free any: partial prefills would deadlock each
+            # other, so all but the oldest go back to wait (their partial KV becomes evictable).
+            for s in still[1:]:
+                self._tree_for(s).pin(s.node, -1)
+                s.node = None
+                self.waiting.appendleft(s)
+            self.prefilling = still[:1]
+        return ready
+
+    def _prefill_chunk(self, tree: RadixTree, node: Node, budget: int) -> int:
+        """Compute the next chunk of node's KV; its queries attend to the ancestors' KV in place."""
+        if node.slot < 0:
+            tree.assign_kv(node, self._alloc(len(node.tokens)), filled=0)
+        slot, c0 = node.slot, node.filled
+        c1 = min(len(node.tokens), c0 + self.prefill_chunk, c0 + max(budget, 1))
         ancestors = _coalesce([(n.slot, n.slot + len(n.tokens)) for n in node.path()[:-1]])
+        ids = torch.tensor(node.tokens[c0:c1], device=self.device)
+        pos = torch.arange(node.start_pos + c0, node.start_pos + c1, device=self.device)
+        slots = torch.arange(slot + c0, slot + c1, device=self.device)
         k_pool, v_pool = self.pool.k, self.pool.v
-        for c0 in range(0, len(node.tokens), self.prefill_chunk):
-            c1 = min(c0 + self.prefill_chunk, len(node.tokens))
-            ids = torch.tensor(node.tokens[c0:c1], device=self.device)
-            pos = torch.arange(node.start_pos + c0, node.start_pos + c1, device=self.device)
-            slots = torch.arange(slot + c0, slot + c1, device=self.device)
 
-            def attend(layer, q, k, v, c1=c1, slots=slots):
-                k_pool[layer].index_copy_(0, slots, k)
-                v_pool[layer].index_copy_(0, slots, v)
-                if self.attention_impl == "none":
-                    return torch.zeros_like(q)
-                pk = [k_pool[layer, a:b].unsqueeze(0) for a, b in ancestors]
-                pv = [v_pool[layer, a:b].unsqueeze(0) for a, b in ancestors]
-                own_k = k_pool[layer, slot : slot + c1].unsqueeze(0)
-                own_v = v_pool[layer, slot : slot + c1].unsqueeze(0)
-                return shared_prefix_attention(
-                    q.unsqueeze(0), pk, pv, own_k, own_v, scale=self.scale, impl=self.attention_impl
-                )[0]
+        def attend(layer, q, k, v):
+            k_pool[layer].index_copy_(0, slots, k)
+            v_pool[layer].index_copy_(0, slots, v)
+            if self.attention_impl == "none":
+                return torch.zeros_like(q)
+            pk = [k_pool[layer, a:b].unsqueeze(0) for a, b in ancestors]
+            pv = [v_pool[layer, a:b].unsqueeze(0) for a, b in ancestors]
+            own_k = k_pool[layer, slot : slot + c1].unsqueeze(0)
+            own_v = v_pool[layer, slot : slot + c1].unsqueeze(0)
+            return shared_prefix_attention(
+                q.unsqueeze(0), pk, pv, own_k, own_v, scale=self.scale, impl=self.attention_impl
+            )[0]
 
-            self.model(ids, pos, attend)
-        self.tree.assign_kv(node, slot)
-        self.stats.prefill_tokens += len(node.tokens)
+        self.model(ids, pos, attend)
+        node.filled = c1
+        self.stats.prefill_tokens += c1 - c0
+        return c1 - c0
 
-    def _admit(self) -> None:
-        """Admit waiting requests in order while memory and the batch-size limit allow."""
-        running = self.batch.seqs if self.batch is not None else []
-        t0 = time.perf_counter()
-        admitted: list[Request] = []
-        while self.waiting:
-            req = self.waiting[0]
-            if len(running) + sum(len(r.seqs) for r in admitted) + len(req.seqs) > self.max_num_seqs:
-                break
-            try:
-                self._prefill_request(req)
-            except OutOfSlots:
-                if admitted or running:
-                    break  # wait for running sequences to free memory
-                raise
-            self.waiting.popleft()
-            admitted.append(req)
-        while admitted:
-            new = [s for r in admitted for s in r.seqs]
-            try:
-                self._decide_cuts(running, new)
-                self._rebuild(running, new)
-                break
-            except OutOfSlots:
-                if len(admitted) == 1 and not running:
-                    raise
-                req = admitted.pop()  # too much at once: the last one waits for the next step
-                self._unadmit(req)
-                self.waiting.appendleft(req)
-        for req in admitted:
-            self.stats.cache_hit_tokens += req.cached_tokens * len(req.seqs)
-            self.stats.prompt_tokens += len(req.prompt_ids) * len(req.seqs)
-            self.stats.prefill_tokens += len(req.seqs)  # the last prompt token, run once per sequence
-            if req.private_tree is not None:  # sharing off: each sequence holds its own copy now
-                for s in req.seqs:
-                    s.node = None
-                req.private_tree.clear()
-                req.private_tree = None
-        self.stats.prefill_seconds += time.perf_counter() - t0
+    # ---- the decode batch ---------------------------------------------------------------------
+    def _decide_cuts(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Per sequence, how much of its context is read from shared nodes (the cost rule).
 
-    def _prefill_request(self, req: Request) -> None:
-        """Insert prompt[:-1] into the tree, prefill its uncached nodes parent-first, pin the path."""
-        tree = self.tree if self.prefix_sharing else RadixTree(self.pool)
-        shared = req.prompt_ids[:-1]
-        _, req.cached_tokens = tree.match(shared)
-        node = tree.insert(shared)
-        tree.pin(node, len(req.seqs))  # before prefill, so eviction cannot take the path from under us
-        try:
-            for n in node.path():
-                if not n.has_kv:
-                    self._prefill_node(n)
-        except OutOfSlots:
-            tree.pin(node, -len(req.seqs))
-            raise
-        req.private_tree = None if self.prefix_sharing else tree
-        for s in req.seqs:
-            s.node = node if node.parent is not None else None
-
-    def _unadmit(self, req: Request) -> None:
-        tree = req.private_tree or self.tree
-        if req.seqs[0].node is not None:
-            tree.pin(req.seqs[0].node, -len(req.seqs))
-        for s in req.seqs:
-            s.node, s.cut, s.tail_len = None, 0, 0
-        if req.private_tree is not None:
-            req.private_tree.clear()
-            req.private_tree = None
-
-    def _decide_cuts(self, running: list[Sequence], new: list[Sequence]) -> None:
-        """Per new sequence, how much of its prompt is read from shared nodes (the cost rule).
-
-        A node is shared when at least two sequences of the batch hold it; everything below the
-        deepest such node is copied once into the sequence's own tail. Sharing off: nothing is shared.
+        A node is shared when at least two sequences of the batch hold it; below the deepest such node
+        the KV lives in the sequence's own tail (copied once). Cuts only move down: a running sequence
+        whose private prefix became shared drops that part of its tail and reads the node with the
+        others. Returns the new cut per sequence id. Sharing off: nothing is shared.
         """
         if not self.prefix_sharing:
-            return
+            return {id(s): 0 for s in seqs}
         holders: dict[int, int] = {}
-        for s in running + new:
-            for n in s.node.path() if s.node is not None else ():
+        for s in seqs:
+            for n in s.node.path():
                 holders[id(n)] = holders.get(id(n), 0) + 1
-        for s in new:
-            s.cut = 0
-            for n in s.node.path() if s.node is not None else ():
+        cuts = {}
+        for s in seqs:
+            cut = s.cut if s.row >= 0 else 0
+            for n in s.node.path():
                 if holders[id(n)] < 2:
                     break
-                s.cut = n.end_pos
+                cut = max(cut, n.end_pos)
+            cuts[id(s)] = cut
+        return cuts
 
-    def _rebuild(self, running: list[Sequence], new: list[Sequence]) -> None:
-        """New tail block for running + new sequences (DFS order); tails copied in one indexed op."""
+    def _rebuild(self, running: list[Sequence], new: list[Sequence], extra: int = 0) -> None:
+        """New tail block for running + new sequences (DFS order); tails copied in one indexed op.
+
+        Raises OutOfSlots (state unchanged) when even evicting the whole unpinned cache does not help.
+        """
         old = self.batch
-        old_rows = [s.row for s in running]
         seqs = sorted(running + new, key=lambda s: s.order_key)
-        cap = max(s.max_len - s.cut for s in seqs)
-        batch = DecodeBatch(self.pool, seqs, cap, self._alloc(len(seqs) * cap), self.device)
+        cuts = self._decide_cuts(seqs)
+        # Tail length of each sequence in the new block: running ones drop the part that became shared.
+        lens = {id(s): s.tail_len - (cuts[id(s)] - s.cut) for s in running}
+        for s in new:
+            lens[id(s)] = sum(len(n.tokens) for n in s.node.path() if n.start_pos >= cuts[id(s)])
+        cap = max(min(s.max_len - cuts[id(s)], lens[id(s)] + 1 + extra + self.tail_growth) for s in seqs)
+        base = self._alloc(len(seqs) * cap)
+        old_rows = {id(s): s.row for s in running}
+        batch = DecodeBatch(self.pool, seqs, cap, base, self.device)
         src, dst = [], []
-        for s, old_row in zip(running, old_rows, strict=True):
-            src.append(torch.arange(s.tail_len) + old.base + old_row * old.cap)
-            dst.append(torch.arange(s.tail_len) + batch.base + s.row * cap)
+        for s in running:
+            shift = cuts[id(s)] - s.cut
+            src.append(torch.arange(shift, s.tail_len) + old.base + old_rows[id(s)] * old.cap)
+            dst.append(torch.arange(lens[id(s)]) + batch.base + s.row * cap)
         for s in new:
             runs = [
-                (n.slot, len(n.tokens))
-                for n in (s.node.path() if s.node is not None else ())
-                if n.start_pos >= s.cut
+                torch.arange(n.slot, n.slot + len(n.tokens))
+                for n in s.node.path()
+                if n.start_pos >= cuts[id(s)]
             ]
-            priv = [torch.arange(a, a + n) for a, n in runs]
-            if priv:
-                p = torch.cat(priv)
-                src.append(p)
-                dst.append(torch.arange(len(p)) + batch.base + s.row * cap)
-                s.tail_len = len(p)
+            s.join_order = next(self._joins)
+            if runs:
+                src.append(torch.cat(runs))
+                dst.append(torch.arange(lens[id(s)]) + batch.base + s.row * cap)
+        for s in seqs:
+            s.cut, s.tail_len = cuts[id(s)], lens[id(s)]
         if src:
             self.pool.copy_slots(torch.cat(dst).to(self.device), torch.cat(src).to(self.device))
         if old is not None:
             old.release()
+        if not self.prefix_sharing:  # sharing off: each sequence holds its own copy of its prompt now
+            for s in new:
+                s.request.private_tree.pin(s.node, -1)
+                s.node = None
+            for req in {id(s.request): s.request for s in new}.values():
+                if all(x.node is None and x not in self.waiting for x in req.seqs):
+                    req.private_tree.clear()
+                    req.private_tree = None
         batch.refresh()
         self.batch = batch
-        self.next_tokens = torch.tensor(
-            [s.generated[-1] if s.generated else s.prompt_ids[-1] for s in seqs],
-            dtype=torch.long,
-            device=self.device,
-        )
         self._sampling_state()
 
+    def _join(self, ready: list[Sequence]) -> None:
+        running = list(self.batch.seqs) if self.batch is not None else []
+        while ready:
+            try:
+                self._rebuild(running, ready)
+                return
+            except OutOfSlots:
+                if running or len(ready) > 1:
+                    # Not enough memory for all of them: the newest wait (still pinned and prefilled).
+                    self.prefilling.insert(0, ready.pop())
+                elif self.prefilling:
+                    self._requeue_prefilling()  # their pinned KV may be what is in the way
+                else:
+                    self._fail(ready.pop().request, "out of KV cache memory for this request")
+
+    def _requeue_prefilling(self) -> None:
+        """Send every sequence still prefilling back to wait, unpinning its (partial) KV."""
+        for s in reversed(self.prefilling):
+            self._tree_for(s).pin(s.node, -1)
+            s.node = None
+            self.waiting.appendleft(s)
+        self.prefilling = []
+
+    def _fail(self, req: Request, message: str) -> None:
+        """End a request with an error instead of crashing the engine for everyone."""
+        req.error = message
+        for s in req.seqs:
+            if not s.finished:
+                s.finish_reason = "error"
+                self._leave(s)
+        self.waiting = deque(s for s in self.waiting if s.request is not req)
+        self.failed.append(req)
+
+    def _ensure_tail_room(self) -> None:
+        """Grow the tail block when a row is full; preempt the newest sequences if memory is short."""
+        batch = self.batch
+        if batch is None or batch.max_len < batch.cap:
+            return
+        while True:
+            try:
+                self._rebuild(list(batch.seqs), [])
+                return
+            except OutOfSlots:
+                if len(batch.seqs) > 1:
+                    self._preempt(max(batch.seqs, key=lambda s: s.join_order))
+                elif self.prefilling:
+                    self._requeue_prefilling()
+                else:
+                    self._fail(batch.seqs[0].request, "out of KV cache memory while decoding")
+                    return
+
+    def _preempt(self, s: Sequence) -> None:
+        """Give a running sequence's KV to the tree and send it back to wait (recomputed if evicted)."""
+        self.stats.preemptions += 1
+        s.preemptions += 1
+        self._leave(s)
+        s.finish_reason = None
+        s.row, s.tail_len, s.cut, s.node = -1, 0, 0, None
+        s.arrival_step = self.step_count - self.max_wait_steps  # first in line when memory frees
+        self.waiting.appendleft(s)
+
+    def _leave(self, s: Sequence) -> None:
+        """Remove a sequence from wherever it runs, caching its KV in the tree when sharing is on."""
+        batch = self.batch
+        if batch is not None and any(x is s for x in batch.seqs):
+            keep = self._cache_tail(s)
+            batch.retire(s, keep)
+            if s.node is not None:
+                self._tree_for(s).pin(s.node, -1)
+            batch.remove({id(s)})
+            self._sampling_state()
+            if not batch.seqs:
+                batch.release()
+                self.batch = None
+        elif s in self.prefilling:
+            self.prefilling.remove(s)
+            self._tree_for(s).pin(s.node, -1)
+        s.node = None
+
+    def _cache_tail(self, s: Sequence) -> tuple[int, int] | None:
+        """Insert the sequence's context into the tree, handing over the tail slots that hold new tokens.
+
+        Returns the row-offset range now owned by the tree (not to be freed), or None.
+        """
+        if not self.prefix_sharing or s.node is None or s.tail_len == 0:
+            return None
+        context = s.context[: s.cut + s.tail_len]
+        leaf = self.tree.insert(context)
+        if leaf.parent is None or leaf.slot >= 0 or not all(n.has_kv for n in leaf.path()[:-1]):
+            return None
+        start = leaf.start_pos - s.cut
+        self.tree.assign_kv(leaf, self.batch.base + s.row * self.batch.cap + start)
+        self.tree.pin(leaf, 0)  # refresh its LRU time
+        return (start, s.tail_len)
+
     def _sampling_state(self) -> None:
+        """Per-row sampling tensors and next inputs, rebuilt only when the batch membership changes."""
+        if self.batch is None:
+            return
         seqs, dev = self.batch.seqs, self.device
         ps = [s.request.params for s in seqs]
+        self.next_tokens = torch.tensor([s.context[-1] for s in seqs], dtype=torch.long, device=dev)
         self.s_temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
         self.s_top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
         self.s_top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
@@ -288,13 +466,31 @@ class Engine:
         )
         self.s_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
 
-    # ---- decoding -----------------------------------------------------------------------------
+    # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, run one decode step; returns the requests that finished in this step."""
-        self._admit()
+        """Schedule, prefill a budget, join, decode one token; returns requests finished in this step."""
+        self.step_count += 1
+        t0 = time.perf_counter()
+        self._schedule()
+        ready = self._prefill()
+        if ready:
+            self._join(ready)
+        self._ensure_tail_room()
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        failed = [self._finish_request(r) for r in self.failed]
+        self.failed = []
         batch = self.batch
         if batch is None or not batch.seqs:
-            return []
+            return [r for r in failed if r is not None]
+        return [r for r in failed if r is not None] + self._decode(batch)
+
+    def _finish_request(self, req: Request) -> RequestOutput | None:
+        if self.requests.pop(req.request_id, None) is None:
+            return None
+        self.stats.requests_finished += 1
+        return self._output(req)
+
+    def _decode(self, batch: DecodeBatch) -> list[RequestOutput]:
         t0 = time.perf_counter()
         slots = batch.begin_step()
         k_pool, v_pool, impl = self.pool.k, self.pool.v, self.attention_impl
@@ -322,28 +518,26 @@ class Engine:
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         self.stats.generated_tokens += len(token_list)
-        done: list[Request] = []
+        finished: list[Sequence] = []
         for i, (s, t) in enumerate(zip(batch.seqs, token_list, strict=True)):
             s.generated.append(t)
             if logprob_rows is not None and s.request.params.logprobs is not None:
                 s.logprobs = s.logprobs or []
                 s.logprobs.append(logprob_rows[i])
             if self._check_finish(s, t):
-                self._finish_sequence(s)
-                if s.request.finished:
-                    done.append(s.request)
-        if any(s.finished for s in batch.seqs):
-            keep = torch.tensor([not s.finished for s in batch.seqs], device=self.device)
-            batch.drop_finished()
-            self.next_tokens = self.next_tokens[keep]
-            for name in ("s_temp", "s_top_k", "s_top_p", "s_seeds", "s_steps"):
-                setattr(self, name, getattr(self, name)[keep])
-            if batch.seqs and batch.dead_fraction >= 0.5:
-                self._rebuild(batch.seqs, [])  # compact: tails move once into a block of live rows
-            elif not batch.seqs:
-                batch.release()
-                self.batch = None
-        return [self._output(r) for r in done]
+                finished.append(s)
+        done: list[RequestOutput] = []
+        for s in finished:
+            self._finish_sequence(s)
+            self._leave(s)
+            if s.request.finished and (out := self._finish_request(s.request)) is not None:
+                done.append(out)
+        if self.batch is not None and self.batch.seqs and self.batch.dead_fraction >= 0.5:
+            # Compact: live tails move once into a new block. Only an optimisation: if memory is short,
+            # the old block stays valid.
+            with contextlib.suppress(OutOfSlots):
+                self._rebuild(list(self.batch.seqs), [])
+        return done
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[dict[int, float]]:
         logp = torch.log_softmax(logits, dim=-1)
@@ -370,27 +564,30 @@ class Engine:
                 i, x = min(hits)
                 s.text = text[:i]
                 s.finish_reason, s.stop_reason = "stop", x
-        if s.finish_reason is None and (
-            len(s.generated) >= p.max_tokens
-            or len(s.prompt_ids) + len(s.generated) >= self.cfg.max_position_embeddings
-        ):
+        too_long = len(s.prompt_ids) + len(s.generated) >= self.cfg.max_position_embeddings
+        if s.finish_reason is None and (len(s.generated) >= p.max_tokens or too_long):
             s.finish_reason = "length"
         return s.finish_reason is not None
 
     def _finish_sequence(self, s: Sequence) -> None:
-        if s.node is not None:
-            self.tree.pin(s.node, -1)
         self.stats.per_sequence_kv_tokens += len(s.prompt_ids) + len(s.generated) - 1
-        if self.tokenizer is not None and not (s.finish_reason == "stop" and isinstance(s.stop_reason, str)):
-            ids = s.generated[:-1] if s.finish_reason == "stop" else s.generated
-            s.text = self.tokenizer.decode(ids)
+        s.text = self.text_of(s)
+
+    def text_of(self, s: Sequence) -> str:
+        """The completion text so far: stop strings cut, a final EOS/stop token left out."""
+        if self.tokenizer is None:
+            return ""
+        if s.finish_reason == "stop" and isinstance(s.stop_reason, str):
+            return s.text
+        ids = s.generated[:-1] if s.finish_reason == "stop" else s.generated
+        return self.tokenizer.decode(ids)
 
     def _output(self, r: Request) -> RequestOutput:
         outs = [
             CompletionOutput(s.index, s.text, list(s.generated), s.finish_reason, s.logprobs, s.stop_reason)
             for s in r.seqs
         ]
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, outs, True, r.cached_tokens)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, outs, True, r.cached_tokens, r.error)
 
 
 def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

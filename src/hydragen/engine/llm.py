@@ -159,4 +159,7 @@ class LLM:
                 bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         finally:
             bar.close()
+        errors = [r.error for r in results if r is not None and r.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")
         return results  # type: ignore[return-value]

@@ -24,3 +24,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     cached_prompt_tokens: int = 0  # prompt tokens served from KV already cached before this request
+    error: str | None = None  # set when the request could not be completed (e.g. out of KV memory)

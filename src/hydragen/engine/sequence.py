@@ -38,6 +38,10 @@ class Sequence:
     text: str = ""
     row: int = -1  # row of the decode batch's tail block
     tail_len: int = 0  # tokens stored in the tail (positions cut .. cut + tail_len)
+    arrival_step: int = 0  # engine step when it (re-)entered the waiting queue
+    join_order: int = 0  # when it joined the running batch (preemption takes the newest first)
+    counted: bool = False  # prompt statistics recorded (not again after a preemption)
+    preemptions: int = 0
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -53,6 +57,11 @@ class Sequence:
         return len(self.prompt_ids) + self.request.params.max_tokens
 
     @property
+    def context(self) -> list[int]:
+        """Every token whose KV the sequence needs next step's input for: prompt + generated."""
+        return self.prompt_ids + self.generated
+
+    @property
     def order_key(self) -> tuple:
-        """Sorting by the shared part gives depth-first order of the prefix tree."""
-        return (self.prompt_ids[:-1], self.request.request_id, self.index)
+        """Sorting by the cached context gives depth-first order of the prefix tree."""
+        return (self.context[:-1], self.request.request_id, self.index)

@@ -19,7 +19,8 @@ class Node:
     tokens: list[int]
     parent: Node | None
     start_pos: int  # absolute position of tokens[0] in every sequence through this node
-    slot: int = -1  # first KV slot, -1 until prefilled
+    slot: int = -1  # first KV slot, -1 until prefill starts
+    filled: int = 0  # tokens whose KV is computed (prefill may take several chunks)
     children: dict[int, Node] = field(default_factory=dict)
     refs: int = 0
     last_used: int = 0
@@ -30,7 +31,7 @@ class Node:
 
     @property
     def has_kv(self) -> bool:
-        return self.slot >= 0
+        return self.slot >= 0 and self.filled == len(self.tokens)
 
     def path(self) -> list[Node]:
         """Ancestors from the root's first child down to self (the root itself excluded)."""
@@ -87,21 +88,39 @@ class RadixTree:
             parent=node.parent,
             start_pos=node.start_pos,
             slot=node.slot,
+            filled=min(node.filled, k),
             refs=node.refs,
             last_used=node.last_used,
         )
         node.parent.children[upper.tokens[0]] = upper
         node.tokens = node.tokens[k:]
         node.start_pos += k
+        node.filled = max(0, node.filled - k)
         if node.slot >= 0:
             node.slot += k
         node.parent = upper
         upper.children[node.tokens[0]] = node
         return upper
 
-    def assign_kv(self, node: Node, slot: int) -> None:
+    def assign_kv(self, node: Node, slot: int, filled: int | None = None) -> None:
+        """Give ``node`` the slot run starting at ``slot``; ``filled`` tokens of it already hold KV."""
         node.slot = slot
+        node.filled = len(node.tokens) if filled is None else filled
         self.cached_tokens += len(node.tokens)
+
+    def match_len(self, tokens: list[int]) -> int:
+        """Length of the longest cached prefix of ``tokens``, without modifying the tree."""
+        node, n = self.root, 0
+        while n < len(tokens):
+            child = node.children.get(tokens[n])
+            if child is None:
+                break
+            k = _common(child.tokens, tokens, n)
+            n += min(k, child.filled if child.slot >= 0 else 0)
+            if k < len(child.tokens) or not child.has_kv:
+                break
+            node = child
+        return n
 
     def pin(self, node: Node, delta: int) -> None:
         """Add ``delta`` references along the path to ``node`` and refresh its LRU time."""
@@ -115,11 +134,11 @@ class RadixTree:
         """Detach a leaf and free its KV."""
         assert not node.children, "only leaves can be removed"
         del node.parent.children[node.tokens[0]]
-        if node.has_kv:
+        if node.slot >= 0:
             self.cached_tokens -= len(node.tokens)
             if self.pool is not None:
                 self.pool.release(node.slot, len(node.tokens))
-        node.slot = -1
+        node.slot, node.filled = -1, 0
 
     def evict(self, n_tokens: int) -> int:
         """Free at least ``n_tokens`` of cached KV from unpinned leaves, LRU first. Returns tokens freed."""
@@ -129,11 +148,21 @@ class RadixTree:
         while heap and freed < n_tokens:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            freed += len(leaf.tokens) if leaf.has_kv else 0
+            freed += len(leaf.tokens) if leaf.slot >= 0 else 0
             self.remove(leaf)
             if parent.parent is not None and not parent.children and parent.refs == 0:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
+
+    def evictable_tokens(self) -> int:
+        """Cached tokens no running sequence pins (pins cover whole paths, so these are all reachable)."""
+        total, stack = 0, [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.parent is not None and n.refs == 0 and n.slot >= 0:
+                total += len(n.tokens)
+        return total
 
     def leaves(self) -> list[Node]:
         out, stack = [], [self.root]

@@ -23,9 +23,15 @@ _ARCHS: dict[str, tuple[str, str, bool]] = {
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _SKIP = {"rope_freqs.weight"}  # folded into config["rope_scaling"] instead
 _DEFAULT_ORIG_CTX = 8192  # llama3 rope: any value works, only L/(hi-lo) and lo/(hi-lo) matter (see below)
@@ -93,8 +99,13 @@ def llama3_rope_scaling(
         s = (1.0 / factors[smooth] - 1.0 / factor) / (1.0 - 1.0 / factor)
         a, b = np.polyfit(x[smooth], s, 1)
         lo, hi = -b / a, (1.0 - b) / a
-    return {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": round(float(lo), 4),
-            "high_freq_factor": round(float(hi), 4), "original_max_position_embeddings": orig}
+    return {
+        "rope_type": "llama3",
+        "factor": round(factor, 4),
+        "low_freq_factor": round(float(lo), 4),
+        "high_freq_factor": round(float(hi), 4),
+        "original_max_position_embeddings": orig,
+    }
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
@@ -125,8 +136,9 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     n_head = need(f"{arch}.attention.head_count")
     n_kv = int(meta(f"{arch}.attention.head_count_kv", n_head))
     hidden = need(f"{arch}.embedding_length")
-    head_dim = int(meta(f"{arch}.attention.key_length", 0) or meta(f"{arch}.rope.dimension_count", 0)
-                   or hidden // n_head)
+    head_dim = int(
+        meta(f"{arch}.attention.key_length", 0) or meta(f"{arch}.rope.dimension_count", 0) or hidden // n_head
+    )
     theta = _sig(meta(f"{arch}.rope.freq_base", 10000.0))
     ctx = int(meta(f"{arch}.context_length", 2048))
 

@@ -127,8 +127,11 @@ def _load_gguf(path: Path) -> Tokenizer:
     from hydragen.model.gguf import read_gguf_metadata
 
     meta = read_gguf_metadata(path)
-    extra = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                    "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    extra = [
+        int(meta[k])
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if meta.get(k) is not None
+    ]
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     _save_cache(tok, extra, cached)
     return Tokenizer(tok, extra)

@@ -1,0 +1,215 @@
+"""The OpenAI-compatible server, driven by the real `openai` client over loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from hydragen import LLM, SamplingParams
+
+openai = pytest.importorskip("openai")
+MODEL = "smol"
+SYSTEM = ("You are a meticulous assistant for a public library. " * 30).strip()
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    from hydragen.server.app import create_app
+
+    llm = LLM(kv_cache_tokens=65536)
+    app = create_app(llm, MODEL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm
+    srv.should_exit = True
+    thread.join(timeout=10)
+    app.state.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def test_models_health_metrics(server, client):
+    url, _ = server
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    text = httpx.get(url + "/metrics").text
+    for name in (
+        "hydragen_requests_running",
+        "hydragen_requests_waiting",
+        "hydragen_kv_pages_used",
+        "hydragen_kv_pages_free",
+        "hydragen_prefix_cache_hit_rate",
+        "hydragen_generation_tokens_per_second",
+    ):
+        assert f"# TYPE {name}" in text
+
+
+def test_completions_n4_equal_offline(client, embedded_llm):
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, n=4
+    )
+    assert len(r.choices) == 4 and [c.index for c in r.choices] == [0, 1, 2, 3]
+    offline = embedded_llm.generate(
+        "The capital of France is", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+    )[0].outputs[0]
+    assert all(c.text == offline.text for c in r.choices)
+    assert r.usage.completion_tokens == 4 * len(offline.token_ids)
+
+
+def test_chat_equals_offline(client, embedded_llm):
+    msgs = [{"role": "user", "content": "Name three primary colors."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+    offline = embedded_llm.chat(msgs, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert r.choices[0].message.content == offline.text
+    assert r.choices[0].finish_reason == offline.finish_reason
+    assert r.usage.prompt_tokens == len(embedded_llm.tokenizer.apply_chat_template(msgs))
+
+
+def test_streaming_equals_non_streaming(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, n=2)
+    full = client.completions.create(**kw)
+    parts = {0: "", 1: ""}
+    usage = None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            parts[c.index] += c.text
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert parts == {c.index: c.text for c in full.choices}
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+    msgs = [{"role": "user", "content": "Write one sentence about rivers."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=20, temperature=0)
+    text, reason = "", None
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_completion_tokens=20, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reason = c.finish_reason or reason
+    assert text == full.choices[0].message.content and reason == full.choices[0].finish_reason
+
+
+def test_stop_seed_and_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    kw = dict(model=MODEL, prompt="Roses are red,", max_tokens=16, temperature=0.9, seed=5)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    base = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=16, temperature=0)
+    word = base.choices[0].text.split()[1]
+    stopped = client.completions.create(
+        model=MODEL, prompt="Roses are red,", max_tokens=16, temperature=0, stop=[word]
+    )
+    assert stopped.choices[0].finish_reason == "stop" and word not in stopped.choices[0].text
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "lots"}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            None,
+        ),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    url, _ = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_client_disconnect_aborts_and_frees(server):
+    url, llm = server
+    used_before = metric(url, "hydragen_kv_pages_used")
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
+        "n": 2,
+    }
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break
+    deadline = time.time() + 30
+    while metric(url, "hydragen_requests_running") or metric(url, "hydragen_requests_waiting"):
+        assert time.time() < deadline, "aborted request still running"
+        time.sleep(0.1)
+    # Private pages are back; what remains is the prefix cache (which may now hold this prompt).
+    assert llm.engine.pool.allocator.used == llm.engine.tree.cached_tokens
+    assert metric(url, "hydragen_kv_pages_used") <= used_before + 2100
+
+
+def test_32_concurrent_clients_share_a_system_prompt(server, client, embedded_llm):
+    url, llm = server
+    questions = [f"In one sentence, what is book number {i} about?" for i in range(32)]
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
+    before = llm.engine.stats.prefill_tokens
+
+    def ask(conv):
+        r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=12, temperature=0)
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, convs))
+    offline = embedded_llm.chat(convs, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert answers == [o.outputs[0].text for o in offline]
+    system_len = len(embedded_llm.tokenizer.apply_chat_template(convs[0][:1], add_generation_prompt=False))
+    # The system prompt was computed at most a couple of times (requests that raced in before it was
+    # cached), not 32 times.
+    assert llm.engine.stats.prefill_tokens - before < 4 * system_len + 32 * 40

@@ -1,0 +1,161 @@
+"""The step engine as a server drives it: persistent prefix cache, chunked prefill, eviction, preemption,
+aging. Tiny random models keep it exact and fast; outputs are compared with a fresh engine run alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydragen import LLM, SamplingParams
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+SYSTEM = [20 + (7 * i) % 200 for i in range(300)]  # a long shared "system prompt" (vocab is 256)
+
+
+def run_all(engine, max_steps: int = 10_000) -> int:
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < max_steps, "engine did not finish"
+    return steps
+
+
+def alone(path: str, prompt: list[int], max_tokens: int) -> list[int]:
+    llm = LLM(path, kv_cache_tokens=4096)
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)
+    return out[0].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def path(tiny_models):
+    return tiny_models["llama"]
+
+
+def test_second_request_skips_cached_system_prompt_and_batches_with_the_first(path):
+    llm = LLM(path, kv_cache_tokens=8192)
+    eng = llm.engine
+    first = eng.add_request(SYSTEM + [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))
+    eng.step()
+    eng.step()
+    before = eng.stats.prefill_tokens
+    second = eng.add_request(SYSTEM + [8, 9], SamplingParams(max_tokens=8, **GREEDY))
+    eng.step()
+    # Only the new suffix (one token before the last) plus the last token were computed.
+    assert eng.stats.prefill_tokens - before == 2
+    assert second.cached_tokens == len(SYSTEM)
+    # Both running sequences read the shared system prompt through one plan item.
+    assert len(eng.batch.seqs) == 2
+    assert any(i == 0 and j == 2 and end - start >= len(SYSTEM) for start, end, i, j in eng.batch.items)
+    run_all(eng)
+    assert first.seqs[0].generated == alone(path, SYSTEM + [5, 6, 7], 20)
+    assert second.seqs[0].generated == alone(path, SYSTEM + [8, 9], 8)
+
+
+def test_generated_tokens_are_cached_for_the_next_turn(path):
+    llm = LLM(path, kv_cache_tokens=8192)
+    out = llm.generate([SYSTEM[:50]], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    follow_up = SYSTEM[:50] + out.outputs[0].token_ids + [3, 4]
+    before = llm.engine.stats.prefill_tokens
+    out2 = llm.generate([follow_up], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)[0]
+    # Everything but the two new tokens (minus the fed last token, plus one for the last generated
+    # token whose KV was never computed) came from the cache.
+    assert llm.engine.stats.prefill_tokens - before <= 3
+    assert out2.cached_prompt_tokens >= 50 + 11
+    assert out2.outputs[0].token_ids == alone(path, follow_up, 5)
+
+
+def test_hit_rate_accounting(path):
+    llm = LLM(path, kv_cache_tokens=8192)
+    llm.generate([SYSTEM + [1]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    llm.generate([SYSTEM + [2]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    st = llm.engine.stats
+    assert st.prompt_tokens == 2 * (len(SYSTEM) + 1)
+    assert st.cache_hit_tokens == len(SYSTEM)
+    assert st.hit_rate == pytest.approx(len(SYSTEM) / (2 * (len(SYSTEM) + 1)))
+
+
+def test_chunked_prefill_does_not_stall_running_sequences(path):
+    llm = LLM(path, kv_cache_tokens=8192)
+    eng = llm.engine
+    eng.prefill_budget = eng.prefill_chunk = 64
+    running = eng.add_request([7, 8, 9], SamplingParams(max_tokens=40, **GREEDY))
+    eng.step()
+    long_prompt = [30 + (11 * i) % 220 for i in range(400)]
+    late = eng.add_request(long_prompt, SamplingParams(max_tokens=4, **GREEDY))
+    for _ in range(5):  # the long prompt needs 7 chunks; the running sequence gets a token every step
+        n = len(running.seqs[0].generated)
+        eng.step()
+        assert len(running.seqs[0].generated) == n + 1
+        assert not late.seqs[0].generated
+    run_all(eng)
+    assert late.seqs[0].generated == alone(path, long_prompt, 4)
+    assert running.seqs[0].generated == alone(path, [7, 8, 9], 40)
+
+
+def test_eviction_under_a_small_pool_keeps_every_request_correct(path):
+    prompts = [[i] * 40 + [i + 1, i + 2] for i in range(10, 30)]
+    llm = LLM(path, kv_cache_tokens=600)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    big = LLM(path, kv_cache_tokens=8192).generate(
+        prompts, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in big]
+    assert llm.engine.pool.allocator.used == llm.engine.tree.cached_tokens  # nothing leaked
+
+
+def test_preemption_completes_every_request(path):
+    llm = LLM(path, kv_cache_tokens=700, max_num_seqs=16)
+    llm.engine.tail_growth = 8  # tails grow often, so memory runs out mid-decode
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(40, 52)]
+    params = SamplingParams(n=2, max_tokens=40, **GREEDY)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats.preemptions > 0
+    ref = LLM(path, kv_cache_tokens=16384).generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+    assert all(c.finish_reason == "length" for o in outs for c in o.outputs)
+
+
+def test_seeded_sampling_survives_preemption(path):
+    params = SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    prompts = [[i, i + 1, i + 2] for i in range(60, 70)]
+    small = LLM(path, kv_cache_tokens=600, max_num_seqs=12)
+    small.engine.tail_growth = 8
+    outs = small.generate(prompts, params, use_tqdm=False)
+    ref = LLM(path, kv_cache_tokens=16384).generate(prompts, params, use_tqdm=False)
+    assert small.engine.stats.preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+
+
+def test_aging_bounds_how_long_a_cold_request_waits(path):
+    llm = LLM(path, kv_cache_tokens=16384, max_num_seqs=4)
+    eng = llm.engine
+    eng.max_wait_steps = 8
+    hot = SYSTEM[:100]
+    eng.add_request(hot + [1], SamplingParams(max_tokens=2, **GREEDY))
+    run_all(eng)  # the hot prefix is cached now
+    cold = eng.add_request([250, 251, 252, 253], SamplingParams(max_tokens=2, **GREEDY))
+    arrived = eng.step_count
+    admitted_at = None
+    for k in range(200):  # a steady flood of hot requests that always look better to the scheduler
+        eng.add_request(hot + [2 + k % 50], SamplingParams(max_tokens=3, **GREEDY))
+        eng.step()
+        if admitted_at is None and cold.seqs[0].node is not None:
+            admitted_at = eng.step_count
+        if cold.finished:
+            break
+    assert cold.finished
+    # Aged after max_wait_steps; then it takes the next free slot, which opens within max_tokens (3)
+    # steps because every running request is that short.
+    assert admitted_at is not None and admitted_at - arrived <= eng.max_wait_steps + 4
+
+
+def test_abort_frees_pages(path):
+    llm = LLM(path, kv_cache_tokens=4096)
+    eng = llm.engine
+    req = eng.add_request(SYSTEM[:60], SamplingParams(n=3, max_tokens=50, **GREEDY))
+    for _ in range(5):
+        eng.step()
+    assert eng.abort(req.request_id)
+    assert not eng.has_unfinished()
+    assert eng.pool.allocator.used == eng.tree.cached_tokens
+    assert all(s.finish_reason == "abort" for s in req.seqs)
