@@ -90,7 +90,8 @@ def run(model, prompt_len: int, ns: list[int], new_tokens: int, modes: list[str]
             runner = _hf_model(model)
             timer = time_hf
         else:
-            kv = max(ns) * (prompt_len + new_tokens + 2) + prompt_len + 64
+            longest = max(prompt_len, 64)  # the warm-up prompt is 64 tokens
+            kv = max(*ns, 2) * (longest + new_tokens + 2) + longest + 64
             runner = _engine_llm(model, mode, kv)
             cfg = runner.config
             timer = time_engine

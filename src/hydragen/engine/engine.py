@@ -57,8 +57,12 @@ class EngineStats:
 
     @property
     def hit_rate(self) -> float:
-        """Cached prefill tokens / prefill tokens (the prefix-cache hit rate)."""
-        return self.cache_hit_tokens / max(self.prompt_tokens, 1)
+        """Prompt tokens whose prefill was skipped / prompt tokens: the prefix-cache hit rate.
+
+        Counts both prefixes cached by earlier requests and prefixes that concurrent requests computed
+        once together (``cache_hit_tokens`` alone only counts what was complete on arrival).
+        """
+        return self.shared_prompt_tokens / max(self.prompt_tokens, 1)
 
 
 class Engine:
@@ -241,10 +245,7 @@ class Engine:
         if out_of_memory and len(still) > 1 and not ready and self.num_running == 0:
             # Out of memory with nothing running to free any: partial prefills would deadlock each
             # other, so all but the oldest go back to wait (their partial KV becomes evictable).
-            for s in still[1:]:
-                self._tree_for(s).pin(s.node, -1)
-                s.node = None
-                self.waiting.appendleft(s)
+            self._requeue(still[1:])
             self.prefilling = still[:1]
         return ready
 
@@ -363,17 +364,17 @@ class Engine:
                     # Not enough memory for all of them: the newest wait (still pinned and prefilled).
                     self.prefilling.insert(0, ready.pop())
                 elif self.prefilling:
-                    self._requeue_prefilling()  # their pinned KV may be what is in the way
+                    self._requeue(self.prefilling)  # their pinned KV may be what is in the way
+                    self.prefilling = []
                 else:
                     self._fail(ready.pop().request, "out of KV cache memory for this request")
 
-    def _requeue_prefilling(self) -> None:
-        """Send every sequence still prefilling back to wait, unpinning its (partial) KV."""
-        for s in reversed(self.prefilling):
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        """Send prefilling sequences back to the front of the queue, unpinning their (partial) KV."""
+        for s in reversed(seqs):
             self._tree_for(s).pin(s.node, -1)
             s.node = None
             self.waiting.appendleft(s)
-        self.prefilling = []
 
     def _fail(self, req: Request, message: str) -> None:
         """End a request with an error instead of crashing the engine for everyone."""
@@ -398,7 +399,8 @@ class Engine:
                 if len(batch.seqs) > 1:
                     self._preempt(max(batch.seqs, key=lambda s: s.join_order))
                 elif self.prefilling:
-                    self._requeue_prefilling()
+                    self._requeue(self.prefilling)
+                    self.prefilling = []
                 else:
                     self._fail(batch.seqs[0].request, "out of KV cache memory while decoding")
                     return
