@@ -77,3 +77,16 @@ def test_cli_generate(capsys):
     assert out.count("--- completion") == 3
     assert "tok/s" in out and "served from shared KV" in out and "per-sequence copies" in out
     assert main(["generate", "x", "-n", "0"]) == 2
+
+
+def test_every_completion_has_its_text_when_samples_finish_together(embedded_llm):
+    """Regression: samples finishing in the same step as the request's last one must still get text."""
+    params = SamplingParams(n=8, temperature=0.7, top_p=0.95, max_tokens=24, seed=1)
+    out = embedded_llm.chat(
+        [{"role": "user", "content": "Write a haiku about sharing."}], params, use_tqdm=False
+    )
+    for c in out[0].outputs:
+        expected = embedded_llm.tokenizer.decode(
+            c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
+        )
+        assert c.text == expected and c.text

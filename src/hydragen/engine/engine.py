@@ -529,8 +529,11 @@ class Engine:
             if self._check_finish(s, t):
                 finished.append(s)
         done: list[RequestOutput] = []
+        # Texts first: a request's output is built as soon as its last sequence is finished, which may
+        # be before the loop below reaches its other sequences that finished in this same step.
         for s in finished:
             self._finish_sequence(s)
+        for s in finished:
             self._leave(s)
             if s.request.finished and (out := self._finish_request(s.request)) is not None:
                 done.append(out)
