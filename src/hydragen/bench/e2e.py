@@ -159,7 +159,11 @@ def _hf_model(model):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"hydragen bench {__name__.rsplit('.', 1)[-1]}",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=64)
