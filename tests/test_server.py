@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import threading
@@ -213,3 +214,28 @@ def test_32_concurrent_clients_share_a_system_prompt(server, client, embedded_ll
     # The system prompt was computed at most a couple of times (requests that raced in before it was
     # cached), not 32 times.
     assert llm.engine.stats.prefill_tokens - before < 4 * system_len + 32 * 40
+
+
+def test_serving_benchmark_quick(server, tmp_path):
+    """`hydragen bench serve` against a running server at tiny sizes: it runs and writes its tables."""
+    from hydragen.bench import serve
+
+    args = argparse.Namespace(
+        url=server[0],
+        model=None,
+        served_model_name=MODEL,
+        groups=2,
+        per_group=2,
+        system_len=30,
+        question_len=5,
+        output_len=4,
+        rate=0.0,
+        max_num_seqs=8,
+        no_baseline=True,
+        out=str(tmp_path),
+    )
+    rows = serve.run(args)
+    assert len(rows) == 1 and rows[0]["requests"] == 4 and rows[0]["output_tok_s"] > 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    assert data["rows"][0]["ttft_p50"] <= data["rows"][0]["wall_s"]
+    assert "| cache on | 4 |" in (tmp_path / "serve.md").read_text()
