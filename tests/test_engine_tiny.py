@@ -210,8 +210,16 @@ def test_memory_pressure_runs_in_waves(tiny_models):
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
 
 
-def test_bf16_runs_close_to_fp32(tiny_models):
-    out = LLM(tiny_models["llama"], dtype="bfloat16", kv_cache_tokens=4096).generate(
-        PROMPTS[:2], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_tracks_fp32(tiny_models, dtype):
+    """bf16/fp16 weights and KV: the first greedy token and its log-probability follow fp32."""
+    params = SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    ref = LLM(tiny_models["llama"], kv_cache_tokens=4096).generate(PROMPTS, params, use_tqdm=False)
+    out = LLM(tiny_models["llama"], dtype=dtype, kv_cache_tokens=4096).generate(
+        PROMPTS, params, use_tqdm=False
     )
-    assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
+    for o, r in zip(out, ref, strict=True):
+        assert all(len(c.token_ids) == 3 for c in o.outputs)
+        tok = r.outputs[0].token_ids[0]
+        assert o.outputs[0].token_ids[0] == tok
+        assert abs(o.outputs[0].logprobs[0][tok] - r.outputs[0].logprobs[0][tok]) < 0.1
