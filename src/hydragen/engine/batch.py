@@ -80,8 +80,6 @@ class DecodeBatch:
         self.tail_lens += 1
         self.max_len += 1
         self.tail_tokens += len(self.seqs)
-        for s in self.seqs:
-            s.tail_len += 1
         if not self.uniform:
             self.row_lens = torch.zeros(self.rows, dtype=torch.long, device=self.device)
             self.row_lens[self.row_index] = self.tail_lens

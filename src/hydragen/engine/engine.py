@@ -153,10 +153,10 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        for s in req.seqs:
-            if not s.finished:
-                s.finish_reason = "abort"
-                self._leave(s)
+        leaving = [s for s in req.seqs if not s.finished]
+        for s in leaving:
+            s.finish_reason = "abort"
+        self._leave(leaving)
         self.waiting = deque(s for s in self.waiting if s.request is not req)
         if req.private_tree is not None:
             req.private_tree.clear()
@@ -262,8 +262,7 @@ class Engine:
         k_pool, v_pool = self.pool.k, self.pool.v
 
         def attend(layer, q, k, v):
-            k_pool[layer].index_copy_(0, slots, k)
-            v_pool[layer].index_copy_(0, slots, v)
+            self.pool.write(layer, slots, k, v)
             if self.attention_impl == "none":
                 return torch.zeros_like(q)
             pk = [k_pool[layer, a:b].unsqueeze(0) for a, b in ancestors]
@@ -304,7 +303,7 @@ class Engine:
             cuts[id(s)] = cut
         return cuts
 
-    def _rebuild(self, running: list[Sequence], new: list[Sequence], extra: int = 0) -> None:
+    def _rebuild(self, running: list[Sequence], new: list[Sequence]) -> None:
         """New tail block for running + new sequences (DFS order); tails copied in one indexed op.
 
         Raises OutOfSlots (state unchanged) when even evicting the whole unpinned cache does not help.
@@ -313,10 +312,8 @@ class Engine:
         seqs = sorted(running + new, key=lambda s: s.order_key)
         cuts = self._decide_cuts(seqs)
         # Tail length of each sequence in the new block: running ones drop the part that became shared.
-        lens = {id(s): s.tail_len - (cuts[id(s)] - s.cut) for s in running}
-        for s in new:
-            lens[id(s)] = sum(len(n.tokens) for n in s.node.path() if n.start_pos >= cuts[id(s)])
-        cap = max(min(s.max_len - cuts[id(s)], lens[id(s)] + 1 + extra + self.tail_growth) for s in seqs)
+        lens = {id(s): len(s.context) - 1 - cuts[id(s)] for s in seqs}
+        cap = max(min(s.max_len - cuts[id(s)], lens[id(s)] + 1 + self.tail_growth) for s in seqs)
         base = self._alloc(len(seqs) * cap)
         old_rows = {id(s): s.row for s in running}
         batch = DecodeBatch(self.pool, seqs, cap, base, self.device)
@@ -336,7 +333,7 @@ class Engine:
                 src.append(torch.cat(runs))
                 dst.append(torch.arange(lens[id(s)]) + batch.base + s.row * cap)
         for s in seqs:
-            s.cut, s.tail_len = cuts[id(s)], lens[id(s)]
+            s.cut = cuts[id(s)]  # from here on s.tail_len is the new block's length
         if src:
             self.pool.copy_slots(torch.cat(dst).to(self.device), torch.cat(src).to(self.device))
         if old is not None:
@@ -379,10 +376,10 @@ class Engine:
     def _fail(self, req: Request, message: str) -> None:
         """End a request with an error instead of crashing the engine for everyone."""
         req.error = message
-        for s in req.seqs:
-            if not s.finished:
-                s.finish_reason = "error"
-                self._leave(s)
+        leaving = [s for s in req.seqs if not s.finished]
+        for s in leaving:
+            s.finish_reason = "error"
+        self._leave(leaving)
         self.waiting = deque(s for s in self.waiting if s.request is not req)
         self.failed.append(req)
 
@@ -409,29 +406,37 @@ class Engine:
         """Give a running sequence's KV to the tree and send it back to wait (recomputed if evicted)."""
         self.stats.preemptions += 1
         s.preemptions += 1
-        self._leave(s)
+        self._leave([s])
         s.finish_reason = None
-        s.row, s.tail_len, s.cut, s.node = -1, 0, 0, None
+        s.row, s.cut, s.node = -1, 0, None
         s.arrival_step = self.step_count - self.max_wait_steps  # first in line when memory frees
         self.waiting.appendleft(s)
 
-    def _leave(self, s: Sequence) -> None:
-        """Remove a sequence from wherever it runs, caching its KV in the tree when sharing is on."""
+    def _leave(self, seqs: list[Sequence]) -> None:
+        """Remove sequences from wherever they run, caching their KV in the tree when sharing is on.
+
+        The batch's plan and sampling tensors are rebuilt once for all of them.
+        """
         batch = self.batch
-        if batch is not None and any(x is s for x in batch.seqs):
-            keep = self._cache_tail(s)
-            batch.retire(s, keep)
-            if s.node is not None:
+        running = {id(x) for x in batch.seqs} if batch is not None else set()
+        leaving: set[int] = set()
+        for s in seqs:
+            if id(s) in running:
+                batch.retire(s, self._cache_tail(s))
+                if s.node is not None:
+                    self._tree_for(s).pin(s.node, -1)
+                leaving.add(id(s))
+            elif s in self.prefilling:
+                self.prefilling.remove(s)
                 self._tree_for(s).pin(s.node, -1)
-            batch.remove({id(s)})
-            self._sampling_state()
-            if not batch.seqs:
+            s.node = None
+        if leaving:
+            batch.remove(leaving)
+            if batch.seqs:
+                self._sampling_state()
+            else:
                 batch.release()
                 self.batch = None
-        elif s in self.prefilling:
-            self.prefilling.remove(s)
-            self._tree_for(s).pin(s.node, -1)
-        s.node = None
 
     def _cache_tail(self, s: Sequence) -> tuple[int, int] | None:
         """Insert the sequence's context into the tree, handing over the tail slots that hold new tokens.
@@ -495,11 +500,10 @@ class Engine:
     def _decode(self, batch: DecodeBatch) -> list[RequestOutput]:
         t0 = time.perf_counter()
         slots = batch.begin_step()
-        k_pool, v_pool, impl = self.pool.k, self.pool.v, self.attention_impl
+        impl = self.attention_impl
 
         def attend(layer, q, k, v):
-            k_pool[layer].index_copy_(0, slots, k)
-            v_pool[layer].index_copy_(0, slots, v)
+            self.pool.write(layer, slots, k, v)
             if impl == "none":
                 return torch.zeros_like(q)
             return batch.attention(layer, q, self.scale, impl)
@@ -533,8 +537,8 @@ class Engine:
         # be before the loop below reaches its other sequences that finished in this same step.
         for s in finished:
             self._finish_sequence(s)
+        self._leave(finished)
         for s in finished:
-            self._leave(s)
             if s.request.finished and (out := self._finish_request(s.request)) is not None:
                 done.append(out)
         if self.batch is not None and self.batch.seqs and self.batch.dead_fraction >= 0.5:

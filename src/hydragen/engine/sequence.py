@@ -37,7 +37,6 @@ class Sequence:
     stop_reason: str | int | None = None
     text: str = ""
     row: int = -1  # row of the decode batch's tail block
-    tail_len: int = 0  # tokens stored in the tail (positions cut .. cut + tail_len)
     arrival_step: int = 0  # engine step when it (re-)entered the waiting queue
     join_order: int = 0  # when it joined the running batch (preemption takes the newest first)
     counted: bool = False  # prompt statistics recorded (not again after a preemption)
@@ -55,6 +54,12 @@ class Sequence:
     def max_len(self) -> int:
         """Longest this sequence can get: prompt + max_tokens."""
         return len(self.prompt_ids) + self.request.params.max_tokens
+
+    @property
+    def tail_len(self) -> int:
+        """Tokens in the private tail between steps: positions cut .. len(context) - 2 (the last
+        context token is the next step's input, its KV not computed yet)."""
+        return len(self.prompt_ids) + len(self.generated) - 1 - self.cut
 
     @property
     def context(self) -> list[int]:

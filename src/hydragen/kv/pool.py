@@ -94,6 +94,11 @@ class KVPool:
     def release(self, start: int, n: int) -> None:
         self.allocator.release(start, n)
 
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V [T, Hkv, D] of one layer at ``slots`` [T]."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy K/V of slots ``src`` into slots ``dst`` across all layers in one indexed op per tensor."""
         self.k[:, dst] = self.k[:, src]

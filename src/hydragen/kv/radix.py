@@ -48,21 +48,6 @@ class RadixTree:
         self.pool = pool
         self.cached_tokens = 0  # tokens whose KV the tree holds
 
-    def match(self, tokens: list[int]) -> tuple[Node, int]:
-        """Deepest node fully matched by a prefix of ``tokens`` with KV, and the matched length."""
-        node, n = self.root, 0
-        while n < len(tokens):
-            child = node.children.get(tokens[n])
-            if child is None or not child.has_kv:
-                break
-            k = _common(child.tokens, tokens, n)
-            if k < len(child.tokens):
-                if k == 0:
-                    break
-                child = self._split(child, k)
-            node, n = child, n + k
-        return node, n
-
     def insert(self, tokens: list[int]) -> Node:
         """Make ``tokens`` a path of the tree (splitting where needed) and return its last node.
 
