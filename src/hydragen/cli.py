@@ -70,7 +70,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"e2e": "hydragen.bench.e2e", "serve": "hydragen.bench.serve"}
+BENCHMARKS = {
+    "attention": "hydragen.bench.attention",
+    "e2e": "hydragen.bench.e2e",
+    "longdoc": "hydragen.bench.longdoc",
+    "tree": "hydragen.bench.tree",
+    "serve": "hydragen.bench.serve",
+}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -144,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     v.set_defaults(func=_serve)
 
-    b = sub.add_parser("bench", help="benchmarks (e2e decoding, serving); `hydragen bench NAME --help`")
+    b = sub.add_parser(
+        "bench", help="benchmark suite (attention, e2e, longdoc, tree, serve); `hydragen bench NAME --help`"
+    )
     b.add_argument("which", choices=sorted(BENCHMARKS), help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     b.set_defaults(func=_bench)

@@ -60,3 +60,58 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
     return str(x)
+
+
+def memory_bandwidth(mib: int = 512, device="cpu", repeats: int = 5) -> float:
+    """Measured copy bandwidth in bytes/s (read + write counted): the ceiling for byte floors."""
+    n = mib * 2**20 // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best
+
+
+def plot_lines(
+    series: dict[str, tuple[list[float], list[float]]],
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+    logy: bool = False,
+    hline: tuple[float, str] | None = None,
+) -> Path:
+    """One PNG line plot, a line per series label; used by every benchmark so the plots look alike."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if hline is not None:
+        ax.axhline(hline[0], color="gray", linestyle="--", linewidth=1, label=hline[1])
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
