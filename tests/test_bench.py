@@ -1,11 +1,19 @@
-"""The benchmark runs end to end at tiny sizes and writes well-formed results (speed is not checked)."""
+"""The benchmarks run end to end at tiny sizes and write well-formed results (speed is not checked)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
+from hydragen.bench.e2e import main as e2e_main
 from hydragen.bench.e2e import run as run_e2e
-from hydragen.bench.e2e import step_floor_seconds
+from hydragen.bench.e2e import step_floor_seconds, sweep_points
+from hydragen.bench.tree import kv_tokens_needed, tree_prompts
+from hydragen.bench.tree import run as run_tree
+
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_e2e_quick(tiny_models, tmp_path):
@@ -16,14 +24,129 @@ def test_e2e_quick(tiny_models, tmp_path):
         new_tokens=4,
         modes=["hydragen", "nosharing", "noattn"],
         out=tmp_path,
+        p_sweep=[8, 16],
     )
-    assert [(r["mode"], r["n"]) for r in rows] == [
-        (m, n) for m in ("hydragen", "nosharing", "noattn") for n in (1, 3)
+    points = [(24, 1), (24, 3), (8, 3), (16, 3)]
+    assert [(r["mode"], r["prompt_len"], r["n"]) for r in rows] == [
+        (m, p, n) for m in ("hydragen", "nosharing", "noattn") for p, n in points
     ]
     data = json.loads((tmp_path / "e2e.json").read_text())
-    assert len(data["rows"]) == 6 and data["machine"]
-    assert all(r["decode_tok_s"] > 0 and r["time_T"] >= r["time_1"] > 0 for r in data["rows"])
-    assert (tmp_path / "e2e.md").read_text().count("\n| hydragen |") == 2
+    assert len(data["rows"]) == 12 and data["machine"]
+    for r in data["rows"]:
+        assert r["decode_tok_s"] > 0 and r["time_T"] >= r["time_1"] > 0
+        assert r["decode_tok_s"] == pytest.approx(r["n"] * 3 / (r["time_T"] - r["time_1"]))
+        assert r["of_ceiling"] == pytest.approx(
+            r["decode_tok_s"]
+            / next(
+                x["decode_tok_s"]
+                for x in rows
+                if x["mode"] == "noattn" and (x["prompt_len"], x["n"]) == (r["prompt_len"], r["n"])
+            )
+        )
+    assert (tmp_path / "e2e.md").read_text().count("\n| hydragen |") == 4
+    for name in ("e2e_throughput_vs_n.png", "e2e_throughput_vs_prompt.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+
+
+def test_e2e_cli_random_weights(tmp_path, capsys):
+    """--random-weights builds the shape without weights; a bad mode or shape is a clear error."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 300,
+        "max_position_embeddings": 256,
+    }
+    (tmp_path / "shape.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    e2e_main(
+        [
+            "--random-weights",
+            str(tmp_path / "shape.json"),
+            "--quick",
+            "--modes",
+            "hydragen,hf",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = json.loads((out / "e2e.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"hydragen"}  # hf needs real weights: skipped, said so
+    assert "needs transformers and real weights" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown mode 'vllm'"):
+        run_e2e(None, 8, [1], 2, ["vllm"], tmp_path)
+    from hydragen import LLM
+
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM("no-such-shape", random_weights=True)
+
+
+def test_random_weights_presets_build_the_published_shapes():
+    from hydragen.model.config import ModelConfig
+    from hydragen.model.presets import PRESETS
+
+    c = ModelConfig.from_hf(PRESETS["codellama-7b"])
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) == (32, 32, 32, 128, 4096)
+    c = ModelConfig.from_hf(PRESETS["codellama-34b"])
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (64, 8, 128)
+
+
+def test_random_weights_model_generates(tiny_models):
+    from hydragen import LLM, SamplingParams
+
+    llm = LLM(tiny_models["llama"], random_weights=True)
+    assert llm.tokenizer is None or llm.model_path == tiny_models["llama"]
+    w = llm.model.layers[0].attn_norm
+    assert torch.equal(w, torch.ones_like(w))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_sweep_points_cover_both_figures():
+    assert sweep_points(2048, [1, 8], [512, 2048], 8) == [(2048, 1), (2048, 8), (512, 8)]
+
+
+def test_tree_quick(tiny_models, tmp_path):
+    rows = run_tree(
+        tiny_models["llama"], fewshot=40, problems=2, problem_len=16, ks=[2, 3], new_tokens=4, out=tmp_path
+    )
+    data = json.loads((tmp_path / "tree.json").read_text())["rows"]
+    assert len(data) == len(rows) == 7  # 2 ks x 3 modes + the tree's memory-matched point
+    matched = [r for r in rows if r["point"] == "memory-matched"]
+    assert len(matched) == 1 and matched[0]["mode"] == "tree"
+    assert matched[0]["kv_tokens_model"] <= kv_tokens_needed("onelevel", 40, 2, 16, 3, 4)
+    assert all(r["same_tokens"] for r in rows if r["mode"] != "tree")
+    assert all(r["decode_tok_s"] > 0 and r["preemptions"] == 0 for r in rows)
+    peak = {(r["mode"], r["k"]): r["peak_kv_mib"] for r in rows}
+    assert peak[("tree", 3)] < peak[("onelevel", 3)] < peak[("nosharing", 3)]
+    assert (tmp_path / "tree_throughput_vs_batch.png").read_bytes()[:8] == PNG
+
+
+def test_tree_onelevel_reads_only_the_fewshot_block_shared(tiny_models):
+    """share_limit: the problem node is copied into each sample's tail, the few-shot node stays shared."""
+    from hydragen import LLM, SamplingParams
+
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
+    prompts = tree_prompts(llm.config.vocab_size, 40, 2, 16)
+    assert prompts[0][:40] == prompts[1][:40] and prompts[0][40] != prompts[1][40]
+    eng = llm.engine
+    for limit, shared_items in ((None, 3), (40, 1)):
+        eng.share_limit = limit
+        llm.reset_prefix_cache()
+        for ids in prompts:
+            eng.add_request(ids, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+        while eng.batch is None:
+            eng.step()
+        assert len(eng.batch.items) == shared_items
+        assert max(s.cut for s in eng.batch.seqs) == (
+            55 if limit is None else 40
+        )  # last prompt token is private
+        while eng.has_unfinished():
+            eng.step()
 
 
 def test_floor_counts_model_and_shared_attention_once():

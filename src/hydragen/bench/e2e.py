@@ -1,8 +1,15 @@
 """End-to-end decoding, the Hydragen paper's synthetic setting: one prompt of P tokens, n completions of
-T tokens. Decode-only throughput follows the paper: n * (T - 1) / (time(T tokens) - time(1 token)).
+T tokens each. Decode-only throughput follows the paper: n * (T - 1) / (time(T tokens) - time(1 token)),
+so prefill is excluded; end-to-end wall time is reported as well.
 
-Modes: hydragen (prefix sharing), nosharing (every sequence its own KV copy), noattn (attention skipped:
-the ceiling), hf (transformers generate with num_return_sequences, if installed).
+Modes: hydragen (prefix sharing), nosharing (same engine, every sequence its own KV copy), noattn (the
+engine with attention skipped: the ceiling), and peers when installed: hf (transformers generate with
+num_return_sequences) and llamacpp (llama-cpp-python, the prompt evaluated once and its KV cells shared
+by every sequence, as llama.cpp's batched example does; GGUF models only).
+
+Two sweeps, as the paper's figures: throughput vs n at one prompt length (Figure 1) and throughput vs
+prompt length at one n (Figure 4). ``--random-weights CONFIG`` measures any Llama shape (a preset such as
+codellama-7b, or a config.json) without downloading weights.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from hydragen.bench.common import machine_description, matmul_rate, write_table
+from hydragen.bench.common import machine_description, matmul_rate, plot_lines, write_table
 
-MODES = ("hydragen", "nosharing", "noattn", "hf")
+MODES = ("hydragen", "nosharing", "noattn", "hf", "llamacpp")
+ENGINE_MODES = ("hydragen", "nosharing", "noattn")
 
 
 def synthetic_prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
@@ -27,14 +35,17 @@ def synthetic_prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(length)]
 
 
-def _engine_llm(model, mode: str, kv_tokens: int):
+def _engine_llm(model, mode: str, kv_tokens: int, random_weights: bool, device: str, dtype: str):
     from hydragen import LLM
 
     return LLM(
         model,
+        device=device,
+        dtype=dtype,
         prefix_sharing=mode != "nosharing",
         attention="none" if mode == "noattn" else "auto",
         kv_cache_tokens=kv_tokens,
+        random_weights=random_weights,
     )
 
 
@@ -43,15 +54,18 @@ def time_engine(llm, prompt: list[int], n: int, tokens: int) -> float:
 
     llm.reset_prefix_cache()
     params = SamplingParams(n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)
+    _sync(llm.engine.device)
     t0 = time.perf_counter()
     outs = llm.generate([prompt], params, use_tqdm=False)
+    _sync(llm.engine.device)
     elapsed = time.perf_counter() - t0
     assert all(len(c.token_ids) == tokens for c in outs[0].outputs)
     return elapsed
 
 
 def time_hf(hf, prompt: list[int], n: int, tokens: int) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
+    _sync(hf.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         hf.generate(
@@ -64,7 +78,13 @@ def time_hf(hf, prompt: list[int], n: int, tokens: int) -> float:
             num_return_sequences=n,
             pad_token_id=0,
         )
+    _sync(hf.device)
     return time.perf_counter() - t0
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def step_floor_seconds(cfg, n: int, prompt_len: int, rate: float) -> float:
@@ -77,85 +97,165 @@ def step_floor_seconds(cfg, n: int, prompt_len: int, rate: float) -> float:
     return (2 * params * n + attn) / rate
 
 
-def run(model, prompt_len: int, ns: list[int], new_tokens: int, modes: list[str], out: Path) -> list[dict]:
-    rate = matmul_rate()
+def sweep_points(prompt_len: int, ns: list[int], p_sweep: list[int], p_sweep_n: int) -> list[tuple[int, int]]:
+    """(P, n) points: the n sweep at prompt_len (Figure 1), then the P sweep at p_sweep_n (Figure 4)."""
+    points = [(prompt_len, n) for n in ns]
+    points += [(p, p_sweep_n) for p in p_sweep if (p, p_sweep_n) not in points]
+    return points
+
+
+def run(
+    model=None,
+    prompt_len: int = 2048,
+    ns: list[int] = (1, 8, 32, 64),
+    new_tokens: int = 32,
+    modes: list[str] = ("hydragen", "nosharing", "noattn", "hf"),
+    out: Path = Path("bench-out"),
+    p_sweep: list[int] = (),
+    p_sweep_n: int | None = None,
+    peer_max_n: int = 8,
+    random_weights: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> list[dict]:
+    """Run every mode over the sweep points; write e2e.{json,md} and the two plots under ``out``."""
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
+    if new_tokens < 2:
+        raise ValueError("new_tokens must be at least 2 (decode-only time is time(T) - time(1))")
+    ns = list(ns)
+    p_sweep_n = p_sweep_n or max(ns)
+    points = sweep_points(prompt_len, ns, list(p_sweep), p_sweep_n)
+    rate = matmul_rate(device=device)
     print(f"[e2e] {machine_description()}; matmul {rate / 1e9:.1f} GFLOP/s", file=sys.stderr)
     rows: list[dict] = []
     cfg = None
     for mode in modes:
-        if mode == "hf":
-            if importlib.util.find_spec("transformers") is None:
-                print("[e2e] transformers not installed: skipping hf", file=sys.stderr)
-                continue
-            runner = _hf_model(model)
-            timer = time_hf
-        else:
-            longest = max(prompt_len, 64)  # the warm-up prompt is 64 tokens
-            kv = max(*ns, 2) * (longest + new_tokens + 2) + longest + 64
-            runner = _engine_llm(model, mode, kv)
-            cfg = runner.config
-            timer = time_engine
-            timer(runner, synthetic_prompt(cfg.vocab_size, 64), 2, 2)  # warm-up
-        vocab = cfg.vocab_size if cfg is not None else runner.config.vocab_size
-        prompt = synthetic_prompt(vocab, prompt_len)
-        for n in ns:
+        runner, timer = _runner(mode, model, points, new_tokens, random_weights, device, dtype)
+        if runner is None:
+            continue
+        cfg = getattr(runner, "config", cfg)
+        for p, n in points:
+            if mode in ("hf", "llamacpp") and n > peer_max_n:
+                continue  # peers are slow here: measured up to --peer-max-n
+            prompt = synthetic_prompt(cfg.vocab_size if cfg else 32000, p)
             t1 = timer(runner, prompt, n, 1)
             tt = timer(runner, prompt, n, new_tokens)
             decode_tps = n * (new_tokens - 1) / max(tt - t1, 1e-9)
             row = dict(
                 mode=mode,
                 n=n,
-                prompt_len=prompt_len,
+                prompt_len=p,
                 new_tokens=new_tokens,
                 time_1=t1,
                 time_T=tt,
                 decode_tok_s=decode_tps,
                 e2e_tok_s=n * new_tokens / tt,
+                step_ms=1e3 * (tt - t1) / (new_tokens - 1),
             )
             if cfg is not None:
-                floor = step_floor_seconds(cfg, n, prompt_len, rate)
-                row["step_ms"] = 1e3 * (tt - t1) / (new_tokens - 1)
-                row["floor_step_ms"] = 1e3 * floor
+                row["floor_step_ms"] = 1e3 * step_floor_seconds(cfg, n, p, rate)
             rows.append(row)
             print(
-                f"[e2e] {mode:9s} n={n:4d} P={prompt_len}: decode {decode_tps:8.1f} tok/s, "
-                f"end-to-end {tt:7.2f} s",
+                f"[e2e] {mode:9s} n={n:4d} P={p:6d}: decode {decode_tps:8.1f} tok/s, end-to-end {tt:7.2f} s",
                 file=sys.stderr,
             )
         del runner
         gc.collect()
-    cols = [
-        "mode",
-        "n",
-        "prompt_len",
-        "new_tokens",
-        "decode_tok_s",
-        "time_T",
-        "time_1",
-        "step_ms",
-        "floor_step_ms",
-    ]
+    for r in rows:  # ratios against the engine's own baselines at the same point
+        same = {x["mode"]: x for x in rows if (x["prompt_len"], x["n"]) == (r["prompt_len"], r["n"])}
+        if "nosharing" in same:
+            r["vs_nosharing"] = r["decode_tok_s"] / same["nosharing"]["decode_tok_s"]
+        if "noattn" in same:
+            r["of_ceiling"] = r["decode_tok_s"] / same["noattn"]["decode_tok_s"]
+    name = str(model or "embedded SmolLM2-135M")
+    cols = ["mode", "n", "prompt_len", "new_tokens", "decode_tok_s", "vs_nosharing", "of_ceiling"]
+    cols += ["time_T", "time_1", "step_ms", "floor_step_ms"]
     md = write_table(
         rows,
         cols,
         out,
         "e2e",
-        f"End-to-end decoding (P={prompt_len}, T={new_tokens})",
-        f"matmul rate {rate / 1e9:.1f} GFLOP/s (fp32, 2048^3)",
+        f"End-to-end decoding ({name}{', random weights' if random_weights else ''}, T={new_tokens})",
+        f"device {device}, {dtype}; matmul rate {rate / 1e9:.1f} GFLOP/s; decode_tok_s = n(T-1)/(t_T - t_1); "
+        "vs_nosharing and of_ceiling compare decode throughput with sharing off and with attention skipped.",
     )
+    _plots(rows, out, prompt_len, p_sweep_n)
     print(md)
     return rows
 
 
-def _hf_model(model):
+def _runner(mode, model, points, new_tokens, random_weights, device, dtype):
+    """(runner, timer) for a mode, or (None, None) when a peer is not installed or does not apply."""
+    if mode == "hf":
+        if random_weights or importlib.util.find_spec("transformers") is None:
+            print("[e2e] hf: needs transformers and real weights; skipped", file=sys.stderr)
+            return None, None
+        return _hf_model(model, device, dtype), time_hf
+    if mode == "llamacpp":
+        from hydragen.bench import llamacpp_peer
+
+        why = llamacpp_peer.unavailable(model, random_weights)
+        if why:
+            print(f"[e2e] llamacpp: {why}; skipped", file=sys.stderr)
+            return None, None
+        longest = max(p for p, _ in points)
+        return llamacpp_peer.Peer(model, longest, new_tokens, max(n for _, n in points)), llamacpp_peer.timer
+    longest = max(max(p for p, _ in points), 64)  # the warm-up prompt is 64 tokens
+    kv = max(max(n for _, n in points), 2) * (longest + new_tokens + 2) + longest + 64
+    llm = _engine_llm(model, mode, kv, random_weights, device, dtype)
+    time_engine(llm, synthetic_prompt(llm.config.vocab_size, 64), 2, 2)  # warm-up
+    return llm, time_engine
+
+
+def _plots(rows: list[dict], out: Path, prompt_len: int, p_sweep_n: int) -> None:
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    series = {}
+    for m in modes:
+        pts = sorted(
+            (r["n"], r["decode_tok_s"]) for r in rows if r["mode"] == m and r["prompt_len"] == prompt_len
+        )
+        if pts:
+            series[m] = ([x for x, _ in pts], [y for _, y in pts])
+    plot_lines(
+        series,
+        out / "e2e_throughput_vs_n.png",
+        f"Decode throughput vs number of completions (P={prompt_len})",
+        "completions n (batch size)",
+        "decode tokens/s",
+        logx=True,
+        logy=True,
+    )
+    series = {}
+    for m in modes:
+        pts = sorted(
+            (r["prompt_len"], r["decode_tok_s"]) for r in rows if r["mode"] == m and r["n"] == p_sweep_n
+        )
+        if len(pts) > 1:
+            series[m] = ([x for x, _ in pts], [y for _, y in pts])
+    if series:
+        plot_lines(
+            series,
+            out / "e2e_throughput_vs_prompt.png",
+            f"Decode throughput vs shared prompt length (n={p_sweep_n})",
+            "prompt length P (tokens)",
+            "decode tokens/s",
+            logx=True,
+        )
+
+
+def _hf_model(model, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    from hydragen.model.loader import resolve_model_path
+    from hydragen.model.loader import resolve_dtype, resolve_model_path
 
-    path = resolve_model_path(model)
+    path, dt = resolve_model_path(model), resolve_dtype(dtype)
     if path.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dt)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
+    return hf.to(device).eval()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,14 +264,45 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None)
-    p.add_argument("--prompt-len", type=int, default=2048)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--n", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--modes", default="hydragen,nosharing,noattn,hf")
+    p.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--random-weights",
+        metavar="CONFIG",
+        default=None,
+        help="a preset (smollm2-135m, codellama-7b, codellama-13b, codellama-34b), config.json or model "
+        "directory: that shape with random weights",
+    )
+    p.add_argument("--prompt-len", type=int, default=2048, help="P of the n sweep (default 2048)")
+    p.add_argument("--n", type=int, nargs="+", default=[1, 8, 32, 64], help="completions to sweep")
+    p.add_argument("--p-sweep", type=int, nargs="*", default=[256, 512, 1024], help="prompt lengths to sweep")
+    p.add_argument("--p-sweep-n", type=int, default=None, help="n of the P sweep (default: largest --n)")
+    p.add_argument("--new-tokens", type=int, default=32, help="T, tokens per completion (default 32)")
+    p.add_argument("--modes", default="hydragen,nosharing,noattn,hf,llamacpp")
+    p.add_argument("--peer-max-n", type=int, default=8, help="largest n run for hf/llamacpp (default 8)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     a = p.parse_args(argv)
-    run(a.model, a.prompt_len, a.n, a.new_tokens, a.modes.split(","), a.out)
+    if a.random_weights and a.model:
+        p.error("give either --model or --random-weights, not both")
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    if a.quick:
+        a.prompt_len, a.n, a.p_sweep, a.new_tokens = 64, [1, 4], [32], 4
+    run(
+        a.random_weights or a.model,
+        a.prompt_len,
+        a.n,
+        a.new_tokens,
+        a.modes.split(","),
+        a.out,
+        a.p_sweep,
+        a.p_sweep_n,
+        a.peer_max_n,
+        random_weights=a.random_weights is not None,
+        device=a.device,
+        dtype=dtype,
+    )
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ class Engine:
         prefill_budget: int = 2048,
         max_wait_steps: int = 64,
         tail_growth: int = 128,
+        share_limit: int | None = None,
     ):
         if attention not in ("auto", "fused", "torch", "none"):
             raise ValueError(f"attention must be 'auto', 'fused', 'torch' or 'none', got {attention!r}")
@@ -93,6 +94,9 @@ class Engine:
             prefill_budget,
         )
         self.max_wait_steps, self.tail_growth = max_wait_steps, tail_growth
+        # Ablation knob (bench tree's one-level mode): read at most this many leading context tokens
+        # from shared nodes; deeper shared nodes are copied into each sequence's tail instead.
+        self.share_limit = share_limit
         self.scale = cfg.head_dim**-0.5
         self.pool = KVPool(cfg.num_layers, kv_cache_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.tree = RadixTree(self.pool)
@@ -297,7 +301,7 @@ class Engine:
         for s in seqs:
             cut = s.cut if s.row >= 0 else 0
             for n in s.node.path():
-                if holders[id(n)] < 2:
+                if holders[id(n)] < 2 or (self.share_limit is not None and n.end_pos > self.share_limit):
                     break
                 cut = max(cut, n.end_pos)
             cuts[id(s)] = cut

@@ -33,6 +33,8 @@ class LLM:
     ``prefix_sharing=False`` runs the same engine with every sequence holding a private copy of its whole
     KV (the no-sharing baseline); ``attention="none"`` skips attention (a throughput ceiling for
     benchmarks, its text is meaningless); ``attention="torch"`` uses the plain reference kernels.
+    ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
+    config.json or a model directory) with random weights: for throughput benchmarks without downloads.
     """
 
     def __init__(
@@ -44,11 +46,12 @@ class LLM:
         attention: str = "auto",
         kv_cache_tokens: int | None = None,
         max_num_seqs: int = 256,
+        random_weights: bool = False,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-        self.model, self.config, self.model_path = load_model(model, dev, dt)
+        self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights)
         has_tokenizer = self.model_path.suffix == ".gguf" or any(
             (self.model_path / f).exists()
             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")

@@ -79,8 +79,16 @@ def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, sd
 
 
-def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtype):
-    """Returns (LlamaModel on device in dtype, ModelConfig, resolved path)."""
+def load_model(
+    model: str | Path | None, device: torch.device, dtype: torch.dtype, random_weights: bool = False
+):
+    """Returns (LlamaModel on device in dtype, ModelConfig, resolved path).
+
+    ``random_weights``: ``model`` is a preset name (see hydragen.model.presets), a config.json or a model
+    directory, and the weights are drawn at random on the device (for throughput benchmarks).
+    """
+    if random_weights:
+        return _random_model(model, device, dtype)
     path = resolve_model_path(model)
     if path.suffix == ".gguf":
         from hydragen.model.gguf import read_gguf
@@ -95,4 +103,31 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
     net.load_hf_state_dict({k: v.to(dtype) for k, v in sd.items()})
     net.setup_rotary(device)
     net.eval()
+    return net, cfg, path
+
+
+def _random_model(spec, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from hydragen.model.presets import config_for_random_weights
+
+    if spec is None:
+        raise ValueError("random weights need a shape: a preset name, a config.json or a model directory")
+    hf_cfg, name = config_for_random_weights(spec)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    with torch.device("meta"):
+        net = LlamaModel(cfg)
+    net = net.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in net.named_parameters():
+            if "norm" in pname:
+                p.fill_(1.0)
+            elif p.dim() == 1:  # biases
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    net.setup_rotary(device)
+    net.eval()
+    # A directory (or its config.json) stays the path, so its tokenizer, if any, is used.
+    path = Path(spec).expanduser()
+    path = path if path.is_dir() else path.parent if path.is_file() else Path(name)
     return net, cfg, path

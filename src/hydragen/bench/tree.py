@@ -1,0 +1,212 @@
+"""Hierarchical sharing, as the Hydragen paper's competitive-programming experiment: a few-shot block of F
+tokens shared by every sequence, K problems of L tokens each shared by that problem's k samples, T new
+tokens per sample.
+
+* tree: full tree sharing (what hydragen does on its own): the few-shot block and each problem are stored
+  once and read once per step by the sequences under them.
+* onelevel: only the few-shot block is shared (``Engine.share_limit``); each sample holds its own copy of
+  its problem's KV, as an engine that shares only a common system prompt would.
+* nosharing: every sample holds its whole prompt (reference).
+
+Compared at equal batch (K x k for each k of the sweep) and at the larger k the memory saved by the tree
+allows: the most samples whose KV fits in what one-level sharing needs at the largest k of the sweep.
+Decode throughput = generated tokens / decode time (prefill excluded), plus wall time and peak KV memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+
+from hydragen.bench.common import machine_description, plot_lines, write_table
+
+MODES = ("tree", "onelevel", "nosharing")
+
+
+def tree_prompts(vocab: int, fewshot: int, problems: int, problem_len: int, seed: int = 0) -> list[list[int]]:
+    """K prompts = the same few-shot block + a distinct problem; problems differ in their first token."""
+    rng = random.Random(seed)
+    shots = [rng.randrange(100, vocab) for _ in range(fewshot)]
+    prompts = []
+    for p in range(problems):
+        body = [rng.randrange(100, vocab) for _ in range(problem_len)]
+        body[0] = 100 + p  # distinct first token: the tree branches exactly at the few-shot boundary
+        prompts.append(shots + body)
+    return prompts
+
+
+def kv_tokens_needed(
+    mode: str, fewshot: int, problems: int, problem_len: int, k: int, new_tokens: int
+) -> int:
+    """KV tokens each mode stores when every sample has finished (prompt KV + generated KV)."""
+    samples = problems * k
+    if mode == "tree":
+        return fewshot + problems * problem_len + samples * new_tokens
+    if mode == "onelevel":
+        return fewshot + problems * problem_len + samples * (problem_len + new_tokens)
+    return problems * (fewshot + problem_len) + samples * (fewshot + problem_len + new_tokens)
+
+
+def time_mode(llm, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
+    from hydragen import SamplingParams
+    from hydragen.engine.engine import EngineStats
+
+    llm.reset_prefix_cache()
+    llm.engine.stats = EngineStats()
+    params = SamplingParams(n=k, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    st = llm.engine.stats
+    assert all(len(c.token_ids) == new_tokens for o in outs for c in o.outputs)
+    return dict(
+        wall_s=wall,
+        decode_tok_s=st.generated_tokens / max(st.decode_seconds, 1e-9),
+        step_ms=1e3 * st.decode_seconds / max(st.decode_steps, 1),
+        peak_kv_mib=st.peak_kv_tokens * llm.engine.pool.bytes_per_token / 2**20,
+        preemptions=st.preemptions,
+        tokens=[c.token_ids for o in outs for c in o.outputs],
+    )
+
+
+def run(
+    model=None,
+    fewshot: int = 1024,
+    problems: int = 4,
+    problem_len: int = 512,
+    ks: list[int] = (4, 16),
+    new_tokens: int = 32,
+    modes: list[str] = MODES,
+    out: Path = Path("bench-out"),
+    max_batch: int = 1024,
+    random_weights: bool = False,
+) -> list[dict]:
+    """Sweep k for every mode, then tree sharing at the batch one-level's memory would hold."""
+    from hydragen import LLM
+
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
+    ks = sorted(ks)
+    budget = kv_tokens_needed("onelevel", fewshot, problems, problem_len, ks[-1], new_tokens)
+    k_mem = (budget - fewshot - problems * problem_len) // (problems * new_tokens)
+    k_mem = min(k_mem, max_batch // problems)
+    print(
+        f"[tree] {machine_description()}; F={fewshot} K={problems} L={problem_len} T={new_tokens}; "
+        f"one-level at k={ks[-1]} needs {budget} KV tokens, which hold tree sharing at k={k_mem}",
+        file=sys.stderr,
+    )
+    rows: list[dict] = []
+    reference: dict[int, list] = {}
+    for mode in modes:
+        runs = [(k, "sweep") for k in ks]
+        if mode == "tree" and k_mem > ks[-1]:
+            runs.append((k_mem, "memory-matched"))
+        longest = max(k for k, _ in runs)
+        kv = kv_tokens_needed(
+            "nosharing" if mode == "nosharing" else "onelevel",
+            fewshot,
+            problems,
+            problem_len,
+            longest,
+            new_tokens,
+        )
+        llm = LLM(
+            model,
+            prefix_sharing=mode != "nosharing",
+            kv_cache_tokens=kv + problems * longest * 8 + 1024,
+            max_num_seqs=max(problems * longest, 1),
+            random_weights=random_weights,
+        )
+        if mode == "onelevel":
+            llm.engine.share_limit = fewshot
+        prompts = tree_prompts(llm.config.vocab_size, fewshot, problems, problem_len)
+        time_mode(llm, prompts, ks[0], 2)  # warm-up at full prompt size
+        for k, kind in runs:
+            r = time_mode(llm, prompts, k, new_tokens)
+            tokens = r.pop("tokens")
+            if k in reference:  # exact attention: every mode samples the same tokens
+                r["same_tokens"] = tokens == reference[k]
+            else:
+                reference[k] = tokens
+            row = dict(mode=mode, point=kind, k=k, batch=problems * k, **r)
+            row["kv_tokens_model"] = kv_tokens_needed(mode, fewshot, problems, problem_len, k, new_tokens)
+            rows.append(row)
+            print(
+                f"[tree] {mode:9s} k={k:4d} batch={problems * k:5d}: decode {r['decode_tok_s']:8.1f} tok/s, "
+                f"wall {r['wall_s']:6.2f} s, peak KV {r['peak_kv_mib']:7.1f} MiB",
+                file=sys.stderr,
+            )
+        del llm
+        gc.collect()
+    for r in rows:
+        base = [x for x in rows if x["mode"] == "onelevel" and x["k"] == ks[-1]]
+        if base and r["mode"] == "tree":
+            r["vs_onelevel_max"] = r["decode_tok_s"] / base[0]["decode_tok_s"]
+    cols = ["mode", "point", "k", "batch", "decode_tok_s", "vs_onelevel_max", "step_ms", "wall_s"]
+    cols += ["peak_kv_mib", "kv_tokens_model", "same_tokens", "preemptions"]
+    md = write_table(
+        rows,
+        cols,
+        out,
+        "tree",
+        f"Hierarchical sharing (F={fewshot}, K={problems} problems of L={problem_len}, T={new_tokens})",
+        f"model {model or 'embedded SmolLM2-135M'}; one-level at k={ks[-1]} needs {budget} KV tokens; "
+        f"tree sharing fits k={k_mem} in that memory. same_tokens: sampled tokens equal tree sharing's.",
+    )
+    series = {}
+    for m in modes:
+        pts = sorted((r["batch"], r["decode_tok_s"]) for r in rows if r["mode"] == m)
+        series[m] = ([x for x, _ in pts], [y for _, y in pts])
+    plot_lines(
+        series,
+        out / "tree_throughput_vs_batch.png",
+        f"Two-level sharing: F={fewshot}, K={problems} x L={problem_len}, T={new_tokens}",
+        "batch (K x k samples)",
+        "decode tokens/s",
+        logx=True,
+    )
+    print(md)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="hydragen bench tree", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M)")
+    p.add_argument("--random-weights", metavar="CONFIG", default=None, help="a preset or config.json shape")
+    p.add_argument("--fewshot", type=int, default=1024, help="F, few-shot tokens shared by all (1024)")
+    p.add_argument("--problems", type=int, default=4, help="K, problems (4)")
+    p.add_argument("--problem-len", type=int, default=512, help="L, tokens per problem (512)")
+    p.add_argument("--k", type=int, nargs="+", default=[4, 16], help="samples per problem to sweep")
+    p.add_argument("--new-tokens", type=int, default=32, help="T, tokens per sample (32)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--max-batch", type=int, default=1024, help="cap on the memory-matched batch (1024)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    a = p.parse_args(argv)
+    if a.random_weights and a.model:
+        p.error("give either --model or --random-weights, not both")
+    if a.quick:
+        a.fewshot, a.problems, a.problem_len, a.k, a.new_tokens = 48, 2, 24, [2], 4
+    run(
+        a.random_weights or a.model,
+        a.fewshot,
+        a.problems,
+        a.problem_len,
+        a.k,
+        a.new_tokens,
+        a.modes.split(","),
+        a.out,
+        a.max_batch,
+        random_weights=a.random_weights is not None,
+    )
+
+
+if __name__ == "__main__":
+    main()
