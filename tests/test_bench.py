@@ -112,17 +112,23 @@ def test_sweep_points_cover_both_figures():
 
 def test_tree_quick(tiny_models, tmp_path):
     rows = run_tree(
-        tiny_models["llama"], fewshot=40, problems=2, problem_len=16, ks=[2, 3], new_tokens=4, out=tmp_path
+        tiny_models["llama"],
+        fewshot=40,
+        problem_len=16,
+        samples=3,
+        problem_counts=[1, 2],
+        new_tokens=4,
+        out=tmp_path,
     )
     data = json.loads((tmp_path / "tree.json").read_text())["rows"]
-    assert len(data) == len(rows) == 7  # 2 ks x 3 modes + the tree's memory-matched point
+    assert len(data) == len(rows) == 7  # 2 counts x 3 modes + the tree's memory-matched point
     matched = [r for r in rows if r["point"] == "memory-matched"]
-    assert len(matched) == 1 and matched[0]["mode"] == "tree"
+    assert len(matched) == 1 and matched[0]["mode"] == "tree" and matched[0]["problems"] > 2
     assert matched[0]["kv_tokens_model"] <= kv_tokens_needed("onelevel", 40, 2, 16, 3, 4)
     assert all(r["same_tokens"] for r in rows if r["mode"] != "tree")
     assert all(r["decode_tok_s"] > 0 and r["preemptions"] == 0 for r in rows)
-    peak = {(r["mode"], r["k"]): r["peak_kv_mib"] for r in rows}
-    assert peak[("tree", 3)] < peak[("onelevel", 3)] < peak[("nosharing", 3)]
+    peak = {(r["mode"], r["problems"]): r["peak_kv_mib"] for r in rows}
+    assert peak[("tree", 2)] < peak[("onelevel", 2)] < peak[("nosharing", 2)]
     assert (tmp_path / "tree_throughput_vs_batch.png").read_bytes()[:8] == PNG
 
 

@@ -1,6 +1,6 @@
-"""Hierarchical sharing, as the Hydragen paper's competitive-programming experiment: a few-shot block of F
-tokens shared by every sequence, K problems of L tokens each shared by that problem's k samples, T new
-tokens per sample.
+"""Hierarchical sharing, as the Hydragen paper's competitive-programming experiment (its Figure 7): a
+few-shot block of F tokens shared by every sequence, problems of L tokens each shared by that problem's k
+samples, T new tokens per sample; a batch is K problems at once (K x k sequences).
 
 * tree: full tree sharing (what hydragen does on its own): the few-shot block and each problem are stored
   once and read once per step by the sequences under them.
@@ -8,9 +8,10 @@ tokens per sample.
   its problem's KV, as an engine that shares only a common system prompt would.
 * nosharing: every sample holds its whole prompt (reference).
 
-Compared at equal batch (K x k for each k of the sweep) and at the larger k the memory saved by the tree
-allows: the most samples whose KV fits in what one-level sharing needs at the largest k of the sweep.
-Decode throughput = generated tokens / decode time (prefill excluded), plus wall time and peak KV memory.
+Compared at equal batch (each K of the sweep) and at the larger batch the memory saved by the tree allows:
+the most problems whose KV fits in what one-level sharing needs at the largest K of the sweep. Reported:
+decode throughput = generated tokens / decode time (prefill excluded), wall time per problem (the paper's
+measure: time to work through a dataset of problems) and peak KV memory.
 """
 
 from __future__ import annotations
@@ -76,87 +77,90 @@ def time_mode(llm, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
 def run(
     model=None,
     fewshot: int = 1024,
-    problems: int = 4,
     problem_len: int = 512,
-    ks: list[int] = (4, 16),
+    samples: int = 16,
+    problem_counts: list[int] = (1, 4),
     new_tokens: int = 32,
     modes: list[str] = MODES,
     out: Path = Path("bench-out"),
     max_batch: int = 1024,
     random_weights: bool = False,
 ) -> list[dict]:
-    """Sweep k for every mode, then tree sharing at the batch one-level's memory would hold."""
+    """Sweep problems per batch for every mode, then tree sharing at the batch one-level's memory holds."""
     from hydragen import LLM
 
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
-    ks = sorted(ks)
-    budget = kv_tokens_needed("onelevel", fewshot, problems, problem_len, ks[-1], new_tokens)
-    k_mem = (budget - fewshot - problems * problem_len) // (problems * new_tokens)
-    k_mem = min(k_mem, max_batch // problems)
+    counts, k, F, L, T = sorted(problem_counts), samples, fewshot, problem_len, new_tokens
+    budget = kv_tokens_needed("onelevel", F, counts[-1], L, k, T)
+    k_mem = min((budget - F) // (L + k * T), max_batch // k)
     print(
-        f"[tree] {machine_description()}; F={fewshot} K={problems} L={problem_len} T={new_tokens}; "
-        f"one-level at k={ks[-1]} needs {budget} KV tokens, which hold tree sharing at k={k_mem}",
+        f"[tree] {machine_description()}; F={F} L={L} k={k} T={T}; one-level with {counts[-1]} problems "
+        f"needs {budget} KV tokens, which hold tree sharing with {k_mem} problems",
         file=sys.stderr,
     )
     rows: list[dict] = []
     reference: dict[int, list] = {}
     for mode in modes:
-        runs = [(k, "sweep") for k in ks]
-        if mode == "tree" and k_mem > ks[-1]:
+        runs = [(c, "sweep") for c in counts]
+        if mode == "tree" and k_mem > counts[-1]:
             runs.append((k_mem, "memory-matched"))
-        longest = max(k for k, _ in runs)
-        kv = kv_tokens_needed(
-            "nosharing" if mode == "nosharing" else "onelevel",
-            fewshot,
-            problems,
-            problem_len,
-            longest,
-            new_tokens,
-        )
+        most = max(c for c, _ in runs)
+        kv = max(kv_tokens_needed(m, F, most, L, k, T) for m in (mode, "onelevel"))
         llm = LLM(
             model,
             prefix_sharing=mode != "nosharing",
-            kv_cache_tokens=kv + problems * longest * 8 + 1024,
-            max_num_seqs=max(problems * longest, 1),
+            kv_cache_tokens=kv + most * k * 8 + 1024,  # + room for tail rounding
+            max_num_seqs=most * k,
             random_weights=random_weights,
         )
         if mode == "onelevel":
-            llm.engine.share_limit = fewshot
-        prompts = tree_prompts(llm.config.vocab_size, fewshot, problems, problem_len)
-        time_mode(llm, prompts, ks[0], 2)  # warm-up at full prompt size
-        for k, kind in runs:
-            r = time_mode(llm, prompts, k, new_tokens)
+            llm.engine.share_limit = F
+        prompts = tree_prompts(llm.config.vocab_size, F, most, L)
+        time_mode(llm, prompts[: counts[0]], k, 2)  # warm-up at full prompt size
+        for c, kind in runs:
+            r = time_mode(llm, prompts[:c], k, T)
             tokens = r.pop("tokens")
-            if k in reference:  # exact attention: every mode samples the same tokens
-                r["same_tokens"] = tokens == reference[k]
+            if c in reference:  # exact attention: every mode samples the same tokens
+                r["same_tokens"] = tokens == reference[c]
             else:
-                reference[k] = tokens
-            row = dict(mode=mode, point=kind, k=k, batch=problems * k, **r)
-            row["kv_tokens_model"] = kv_tokens_needed(mode, fewshot, problems, problem_len, k, new_tokens)
+                reference[c] = tokens
+            row = dict(mode=mode, point=kind, problems=c, batch=c * k, **r)
+            row["s_per_problem"] = r["wall_s"] / c
+            row["kv_tokens_model"] = kv_tokens_needed(mode, F, c, L, k, T)
             rows.append(row)
             print(
-                f"[tree] {mode:9s} k={k:4d} batch={problems * k:5d}: decode {r['decode_tok_s']:8.1f} tok/s, "
+                f"[tree] {mode:9s} problems={c:3d} batch={c * k:5d}: decode {r['decode_tok_s']:8.1f} tok/s, "
                 f"wall {r['wall_s']:6.2f} s, peak KV {r['peak_kv_mib']:7.1f} MiB",
                 file=sys.stderr,
             )
         del llm
         gc.collect()
+    base = [x for x in rows if x["mode"] == "onelevel" and x["problems"] == counts[-1]]
     for r in rows:
-        base = [x for x in rows if x["mode"] == "onelevel" and x["k"] == ks[-1]]
         if base and r["mode"] == "tree":
             r["vs_onelevel_max"] = r["decode_tok_s"] / base[0]["decode_tok_s"]
-    cols = ["mode", "point", "k", "batch", "decode_tok_s", "vs_onelevel_max", "step_ms", "wall_s"]
-    cols += ["peak_kv_mib", "kv_tokens_model", "same_tokens", "preemptions"]
+            r["time_saved"] = 1 - r["s_per_problem"] / base[0]["s_per_problem"]
+    cols = ["mode", "point", "problems", "batch", "decode_tok_s", "vs_onelevel_max", "s_per_problem"]
+    cols += [
+        "time_saved",
+        "step_ms",
+        "wall_s",
+        "peak_kv_mib",
+        "kv_tokens_model",
+        "same_tokens",
+        "preemptions",
+    ]
     md = write_table(
         rows,
         cols,
         out,
         "tree",
-        f"Hierarchical sharing (F={fewshot}, K={problems} problems of L={problem_len}, T={new_tokens})",
-        f"model {model or 'embedded SmolLM2-135M'}; one-level at k={ks[-1]} needs {budget} KV tokens; "
-        f"tree sharing fits k={k_mem} in that memory. same_tokens: sampled tokens equal tree sharing's.",
+        f"Hierarchical sharing (F={F} few-shot, problems of L={L}, k={k} samples, T={T})",
+        f"model {model or 'embedded SmolLM2-135M'}; one-level with {counts[-1]} problems needs {budget} KV "
+        f"tokens; tree sharing fits {k_mem} problems in that memory. vs_onelevel_max and time_saved compare "
+        f"with one-level at {counts[-1]} problems; same_tokens: sampled tokens equal tree sharing's.",
     )
     series = {}
     for m in modes:
@@ -165,8 +169,8 @@ def run(
     plot_lines(
         series,
         out / "tree_throughput_vs_batch.png",
-        f"Two-level sharing: F={fewshot}, K={problems} x L={problem_len}, T={new_tokens}",
-        "batch (K x k samples)",
+        f"Two-level sharing: F={F}, problems of L={L}, k={k} samples, T={T}",
+        "batch (problems x k samples)",
         "decode tokens/s",
         logx=True,
     )
@@ -181,9 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M)")
     p.add_argument("--random-weights", metavar="CONFIG", default=None, help="a preset or config.json shape")
     p.add_argument("--fewshot", type=int, default=1024, help="F, few-shot tokens shared by all (1024)")
-    p.add_argument("--problems", type=int, default=4, help="K, problems (4)")
     p.add_argument("--problem-len", type=int, default=512, help="L, tokens per problem (512)")
-    p.add_argument("--k", type=int, nargs="+", default=[4, 16], help="samples per problem to sweep")
+    p.add_argument("--samples", type=int, default=16, help="k, samples per problem (16)")
+    p.add_argument("--problems", type=int, nargs="+", default=[1, 4], help="problems per batch to sweep")
     p.add_argument("--new-tokens", type=int, default=32, help="T, tokens per sample (32)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--max-batch", type=int, default=1024, help="cap on the memory-matched batch (1024)")
@@ -193,13 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.random_weights and a.model:
         p.error("give either --model or --random-weights, not both")
     if a.quick:
-        a.fewshot, a.problems, a.problem_len, a.k, a.new_tokens = 48, 2, 24, [2], 4
+        a.fewshot, a.problem_len, a.samples, a.problems, a.new_tokens = 48, 24, 2, [1, 2], 4
     run(
         a.random_weights or a.model,
         a.fewshot,
-        a.problems,
         a.problem_len,
-        a.k,
+        a.samples,
+        a.problems,
         a.new_tokens,
         a.modes.split(","),
         a.out,
