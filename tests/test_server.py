@@ -239,3 +239,17 @@ def test_serving_benchmark_quick(server, tmp_path):
     data = json.loads((tmp_path / "serve.json").read_text())
     assert data["rows"][0]["ttft_p50"] <= data["rows"][0]["wall_s"]
     assert "| cache on | 4 |" in (tmp_path / "serve.md").read_text()
+    assert (tmp_path / "serve_ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_serving_benchmark_quick_spawns_servers(tmp_path):
+    """`hydragen bench serve --quick` starts its own servers, cache on then off, and tears them down."""
+    from hydragen.bench import serve
+
+    serve.main(["--quick", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["cache on", "cache off"]
+    assert all(r["requests"] == 4 and r["output_tok_s"] > 0 for r in rows)
+    assert rows[0]["hit_rate"] > 0 and rows[1]["hit_rate"] == 0
+    for name in ("serve_ttft.png", "serve_tpot.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from hydragen.bench.common import write_table
+from hydragen.bench.common import plot_lines, write_table
 
 WORDS = [
     "river",
@@ -43,6 +43,9 @@ WORDS = [
     "beacon",
     "delta",
 ]
+
+
+QUICK = dict(groups=2, per_group=2, system_len=30, question_len=5, output_len=4, rate=0.0)
 
 
 def make_text(rng: random.Random, n_words: int) -> str:
@@ -230,6 +233,14 @@ def run(args) -> list[dict]:
         f"question {args.question_len}, output {args.output_len} tokens, Poisson {args.rate} req/s"
     )
     print(write_table(rows, cols, Path(args.out), "serve", title, "ttft/tpot in seconds"))
+    for metric, label in (("ttft", "time to first token (s)"), ("tpot", "time per output token (s)")):
+        plot_lines(
+            {r["config"]: ([50, 90, 99], [r[f"{metric}_p{q}"] for q in (50, 90, 99)]) for r in rows},
+            Path(args.out) / f"serve_{metric}.png",
+            title,
+            "percentile",
+            label,
+        )
     return rows
 
 
@@ -237,16 +248,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="a running server (default: start one, cache on and off)")
     p.add_argument("--model", default=None)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=8)
-    p.add_argument("--system-len", type=int, default=1024)
-    p.add_argument("--question-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--groups", type=int, default=4, help="system prompts (4)")
+    p.add_argument("--per-group", type=int, default=8, help="requests per system prompt (8)")
+    p.add_argument("--system-len", type=int, default=1024, help="system prompt words (1024)")
+    p.add_argument("--question-len", type=int, default=64, help="question words (64)")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (32)")
     p.add_argument(
-        "--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s (0: all at once)"
+        "--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (0: all at once; 1)"
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-baseline", action="store_true", help="skip the cache-off run")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", default="bench-out")
 
 
@@ -257,7 +269,10 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
-    run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+    run(args)
 
 
 if __name__ == "__main__":
