@@ -170,3 +170,21 @@ def test_floor_counts_model_and_shared_attention_once():
     flops = step_floor_seconds(cfg, 64, 2048, 1.0)
     params = 30 * (576 * 15 * 64 + 576 * 576 + 3 * 576 * 1536) + 49152 * 576
     assert flops == 2 * params * 64 + 4 * 64 * 9 * 2048 * 64 * 30
+
+
+def test_bench_all_runs_every_benchmark_into_its_own_folder(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from hydragen import cli
+
+    calls = []
+    fake = {}
+    for name in cli.BENCHMARKS:
+        mod = types.ModuleType(f"fake_bench_{name}")
+        mod.main = lambda argv, name=name: calls.append((name, argv))
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        fake[name] = mod.__name__
+    monkeypatch.setattr(cli, "BENCHMARKS", fake)
+    assert cli.main(["bench", "all", "--quick", "--out", str(tmp_path)]) == 0
+    assert calls == [(n, ["--out", f"{tmp_path}/{n}", "--quick"]) for n in fake]

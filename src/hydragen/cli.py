@@ -82,7 +82,18 @@ BENCHMARKS = {
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    importlib.import_module(BENCHMARKS[args.which]).main(args.rest)
+    if args.which != "all":
+        importlib.import_module(BENCHMARKS[args.which]).main(args.rest)
+        return 0
+    # The whole suite at its defaults (or --quick), each benchmark into its own folder under --out.
+    extra = argparse.ArgumentParser(prog="hydragen bench all")
+    extra.add_argument("--quick", action="store_true", help="tiny sizes: checks that every benchmark runs")
+    extra.add_argument("--out", default="bench-out")
+    opts = extra.parse_args(args.rest)
+    for name, module in BENCHMARKS.items():
+        print(f"=== hydragen bench {name} ===", file=sys.stderr)
+        argv = ["--out", f"{opts.out}/{name}"] + (["--quick"] if opts.quick else [])
+        importlib.import_module(module).main(argv)
     return 0
 
 
@@ -153,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", help="benchmark suite (attention, e2e, longdoc, tree, serve); `hydragen bench NAME --help`"
     )
-    b.add_argument("which", choices=sorted(BENCHMARKS), help="which benchmark")
+    b.add_argument("which", choices=[*BENCHMARKS, "all"], help="which benchmark ('all': the suite)")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     b.set_defaults(func=_bench)
     return parser
