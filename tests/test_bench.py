@@ -188,3 +188,21 @@ def test_bench_all_runs_every_benchmark_into_its_own_folder(monkeypatch, tmp_pat
     monkeypatch.setattr(cli, "BENCHMARKS", fake)
     assert cli.main(["bench", "all", "--quick", "--out", str(tmp_path)]) == 0
     assert calls == [(n, ["--out", f"{tmp_path}/{n}", "--quick"]) for n in fake]
+
+
+def test_llamacpp_peer_shares_the_prompt_cells(tmp_path):
+    """Only where llama-cpp-python is installed (it builds from source; CI does not install it)."""
+    pytest.importorskip("llama_cpp")
+    from hydragen.bench import llamacpp_peer
+    from hydragen.bench.e2e import synthetic_prompt
+
+    assert llamacpp_peer.unavailable(None, False) is None
+    assert llamacpp_peer.unavailable(None, True) == "needs real GGUF weights"
+    peer = llamacpp_peer.Peer(None, 32, 4, 3)
+    prompt = synthetic_prompt(peer.vocab, 32)
+    alone = peer.generate(prompt, 1, 4)
+    together = peer.generate(prompt, 3, 4)
+    assert len(together) == 3 and all(len(t) == 4 for t in together)
+    assert together[0][:2] == alone[0][:2]  # greedy from the same shared prompt cells
+    rows = run_e2e(None, 16, [1, 2], 3, ["llamacpp"], tmp_path)
+    assert [(r["mode"], r["n"]) for r in rows] == [("llamacpp", 1), ("llamacpp", 2)]

@@ -132,14 +132,17 @@ def run(
     rows: list[dict] = []
     cfg = None
     for mode in modes:
-        runner, timer = _runner(mode, model, points, new_tokens, random_weights, device, dtype)
+        runner, timer, vocab = _runner(
+            mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n
+        )
         if runner is None:
             continue
-        cfg = getattr(runner, "config", cfg)
+        if mode in ENGINE_MODES:
+            cfg = runner.config
         for p, n in points:
             if mode in ("hf", "llamacpp") and n > peer_max_n:
                 continue  # peers are slow here: measured up to --peer-max-n
-            prompt = synthetic_prompt(cfg.vocab_size if cfg else 32000, p)
+            prompt = synthetic_prompt(vocab, p)
             t1 = timer(runner, prompt, n, 1)
             tt = timer(runner, prompt, n, new_tokens)
             decode_tps = n * (new_tokens - 1) / max(tt - t1, 1e-9)
@@ -186,27 +189,33 @@ def run(
     return rows
 
 
-def _runner(mode, model, points, new_tokens, random_weights, device, dtype):
-    """(runner, timer) for a mode, or (None, None) when a peer is not installed or does not apply."""
+def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n):
+    """(runner, timer, vocab size) for a mode; runner None when a peer is not installed or does not apply."""
     if mode == "hf":
         if random_weights or importlib.util.find_spec("transformers") is None:
             print("[e2e] hf: needs transformers and real weights; skipped", file=sys.stderr)
-            return None, None
-        return _hf_model(model, device, dtype), time_hf
+            return None, None, 0
+        hf = _hf_model(model, device, dtype)
+        return hf, time_hf, hf.config.vocab_size
     if mode == "llamacpp":
+        if device != "cpu":
+            print("[e2e] llamacpp: measured on CPU only; skipped", file=sys.stderr)
+            return None, None, 0
         from hydragen.bench import llamacpp_peer
 
         why = llamacpp_peer.unavailable(model, random_weights)
         if why:
             print(f"[e2e] llamacpp: {why}; skipped", file=sys.stderr)
-            return None, None
-        longest = max(p for p, _ in points)
-        return llamacpp_peer.Peer(model, longest, new_tokens, max(n for _, n in points)), llamacpp_peer.timer
+            return None, None, 0
+        longest, most = max(p for p, _ in points), min(max(n for _, n in points), peer_max_n)
+        peer = llamacpp_peer.Peer(model, longest, new_tokens, most)
+        llamacpp_peer.timer(peer, synthetic_prompt(peer.vocab, 64), 2, 2)  # warm-up
+        return peer, llamacpp_peer.timer, peer.vocab
     longest = max(max(p for p, _ in points), 64)  # the warm-up prompt is 64 tokens
     kv = max(max(n for _, n in points), 2) * (longest + new_tokens + 2) + longest + 64
     llm = _engine_llm(model, mode, kv, random_weights, device, dtype)
     time_engine(llm, synthetic_prompt(llm.config.vocab_size, 64), 2, 2)  # warm-up
-    return llm, time_engine
+    return llm, time_engine, llm.config.vocab_size
 
 
 def _plots(rows: list[dict], out: Path, prompt_len: int, p_sweep_n: int) -> None:

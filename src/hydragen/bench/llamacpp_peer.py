@@ -1,0 +1,113 @@
+"""llama.cpp as an end-to-end peer, through llama-cpp-python's low-level API, set up as llama.cpp's own
+``batched`` example: the prompt is evaluated once for sequence 0, its KV cells are shared with every other
+sequence (``llama_memory_seq_cp`` on a unified KV cache tags cells, it copies nothing), then all n
+sequences decode together, one llama_decode per step.
+
+llama.cpp runs the GGUF's quantized weights (Q4_1 for the embedded model) with an f16 KV cache, where
+hydragen dequantizes to fp32: the comparison is engine against engine on the same file, not kernel
+against kernel. Tokens are picked greedily from llama.cpp's logits (sampling cost is not what is measured).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import time
+
+import numpy as np
+import torch
+
+
+def unavailable(model, random_weights: bool) -> str | None:
+    """Why the peer cannot run here, or None."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed"
+    if random_weights:
+        return "needs real GGUF weights"
+    from hydragen.model.loader import resolve_model_path
+
+    if resolve_model_path(model).suffix != ".gguf":
+        return "needs a .gguf model"
+    return None
+
+
+class Peer:
+    """One llama.cpp context sized for the longest prompt and the largest n of the sweep."""
+
+    def __init__(self, model, max_prompt: int, max_new: int, max_n: int):
+        import llama_cpp as L
+
+        from hydragen.model.loader import resolve_model_path
+
+        self.L = L
+        L.llama_backend_init()
+        L.llama_log_set(_silent, ctypes.c_void_p(0))
+        self.model = L.llama_model_load_from_file(
+            str(resolve_model_path(model)).encode(), L.llama_model_default_params()
+        )
+        if not self.model:
+            raise RuntimeError("llama.cpp could not load the model")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = max_prompt + max_n * max_new + 64
+        cp.n_batch = cp.n_ubatch = min(max(max_prompt, max_n), 2048)
+        cp.n_seq_max = max_n
+        cp.kv_unified = True  # one cell pool shared by all sequences: the prompt's cells are shared
+        cp.n_threads = cp.n_threads_batch = torch.get_num_threads()
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_batch = cp.n_batch
+        self.batch = L.llama_batch_init(self.n_batch, 0, max_n)
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], want: list[bool]) -> None:
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, (t, p, s, w) in enumerate(zip(tokens, positions, seqs, want, strict=True)):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, p, 1, w
+            b.seq_id[i][0] = s
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed (KV cache too small?)")
+
+    def _logits(self, rows: int) -> np.ndarray:
+        ptr = self.L.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.vocab))
+
+    def generate(self, prompt: list[int], n: int, tokens: int) -> list[list[int]]:
+        L = self.L
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        for start in range(0, len(prompt), self.n_batch):  # the prompt, once, as sequence 0
+            chunk = prompt[start : start + self.n_batch]
+            pos = list(range(start, start + len(chunk)))
+            self._decode(chunk, pos, [0] * len(chunk), [p == len(prompt) - 1 for p in pos])
+        mem = L.llama_get_memory(self.ctx)
+        for s in range(1, n):
+            L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+        first = int(self._logits(1)[0].argmax())
+        out = [[first] for _ in range(n)]
+        for step in range(1, tokens):
+            self._decode([o[-1] for o in out], [len(prompt) + step - 1] * n, list(range(n)), [True] * n)
+            for o, t in zip(out, self._logits(n).argmax(axis=1).tolist(), strict=True):
+                o.append(int(t))
+        return out
+
+    def __del__(self):
+        try:
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.L.llama_model_free(self.model)
+        except Exception:
+            pass
+
+
+def timer(peer: Peer, prompt: list[int], n: int, tokens: int) -> float:
+    t0 = time.perf_counter()
+    out = peer.generate(prompt, n, tokens)
+    elapsed = time.perf_counter() - t0
+    assert len(out) == n and all(len(o) == tokens for o in out)
+    return elapsed
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _silent(level, text, user_data) -> None:
+    """llama.cpp logs every load to stderr; the benchmark prints its own progress."""
