@@ -5,7 +5,9 @@
 * Each sequence's private tail (prompt tokens not worth sharing, the last prompt token, and generated
   tokens) is one row of a single [rows, cap] block of pool slots, read as a batch with no copy.
 * The plan lists (slot run, query range) items, one per shared node run; a step's attention is one
-  batched tail partial plus one matrix-matrix partial per item, merged through their LSE.
+  batched tail partial plus one matrix-matrix partial per item, merged through their LSE. With
+  ``impl="triton"`` the items become device tables (``attention/tree_plan.py``) and a layer is two or
+  three kernel launches, however many items there are.
 The block is rebuilt (tails copied once) only when sequences join or half of its rows are dead.
 """
 
@@ -15,11 +17,15 @@ import torch
 
 from hydragen.attention.merge import merge_into
 from hydragen.attention.shared_prefix import level_attention, suffix_attention
+from hydragen.attention.tree_plan import TreePlan, build_tree_plan
 from hydragen.engine.sequence import Sequence
 from hydragen.kv.pool import KVPool
 
 
 class DecodeBatch:
+    # Extra build_tree_plan arguments (chunk_tokens, block_m, tail_split_len, ...); tests shrink them.
+    plan_options: dict = {}
+
     def __init__(self, pool: KVPool, seqs: list[Sequence], cap: int, base: int, device):
         """``base``: first slot of an already allocated run of len(seqs) * cap slots."""
         self.pool, self.device = pool, device
@@ -47,6 +53,7 @@ class DecodeBatch:
         self.tail_tokens = sum(s.tail_len for s in seqs)
         self.uniform = len({s.tail_len for s in seqs}) <= 1 and len(seqs) == self.rows
         self.items = plan_items(seqs)
+        self.tree_plan: TreePlan | None = None  # Triton tables, built on first use after a change
 
     def retire(self, seq: Sequence, keep: tuple[int, int] | None = None) -> None:
         """Free a leaving sequence's row at once, except slots [keep) that now belong to the tree."""
@@ -90,6 +97,8 @@ class DecodeBatch:
 
     def attention(self, layer: int, q: torch.Tensor, scale: float, impl: str) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D]: tails for the whole batch at once, then each shared item."""
+        if impl == "triton":
+            return self._triton_attention(layer, q, scale)
         pool, b = self.pool, q.shape[0]
         hkv, d = pool.k.shape[2], pool.k.shape[3]
         block = slice(self.base, self.base + self.rows * self.cap)
@@ -116,6 +125,23 @@ class DecodeBatch:
             )
             merge_into(acc[i:j], acc_lse[i:j], o.squeeze(1), lo.squeeze(1))
         return acc.to(q.dtype)
+
+    def _triton_attention(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Shared units, tails and merge as one launch each; only the tail lengths change per step."""
+        from hydragen.attention.triton_kernels import tree_decode_attention  # optional dependency
+
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        if self.tree_plan is None:
+            hkv = k.shape[1]
+            self.tree_plan = build_tree_plan(
+                self.items,
+                self.base + self.row_index * self.cap,
+                group=q.shape[1] // hkv,
+                num_kv_heads=hkv,
+                tail_cap=self.cap,
+                **self.plan_options,
+            )
+        return tree_decode_attention(q, k, v, self.tree_plan, self.tail_lens, scale)
 
 
 def plan_items(seqs: list[Sequence]) -> list[tuple[int, int, int, int]]:

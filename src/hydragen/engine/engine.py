@@ -19,6 +19,7 @@ it, and free the rest of their private slots at once.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import secrets
 import time
@@ -35,6 +36,14 @@ from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.sequence import Request, Sequence
 from hydragen.kv.pool import KVPool, OutOfSlots
 from hydragen.kv.radix import Node, RadixTree
+
+
+def triton_available() -> bool:
+    """Whether the optional Triton kernels can be used (triton importable; imported lazily)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as absent
+        return False
 
 
 @dataclass
@@ -84,10 +93,23 @@ class Engine:
         tail_growth: int = 128,
         share_limit: int | None = None,
     ):
-        if attention not in ("auto", "fused", "torch", "none"):
-            raise ValueError(f"attention must be 'auto', 'fused', 'torch' or 'none', got {attention!r}")
+        if attention not in ("auto", "fused", "torch", "triton", "none"):
+            raise ValueError(
+                f"attention must be 'auto', 'fused', 'torch', 'triton' or 'none', got {attention!r}"
+            )
+        if attention == "triton" and not triton_available():
+            raise ValueError("attention='triton' needs the triton package (pip install triton)")
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
-        self.prefix_sharing, self.attention_impl = prefix_sharing, attention
+        self.prefix_sharing = prefix_sharing
+        # Decode runs the Triton kernels when asked (opt-in until they are measured on a GPU: issue 5);
+        # prefill keeps the partials.
+        use_triton = attention == "triton"
+        if use_triton:
+            from hydragen.attention.triton_kernels import check_device
+
+            check_device(torch.device(device))  # fail here, not in the first decode step
+        self.decode_impl = "triton" if use_triton else attention
+        self.attention_impl = "auto" if attention == "triton" else attention
         self.max_num_seqs, self.prefill_chunk, self.prefill_budget = (
             max_num_seqs,
             prefill_chunk,
@@ -504,7 +526,7 @@ class Engine:
     def _decode(self, batch: DecodeBatch) -> list[RequestOutput]:
         t0 = time.perf_counter()
         slots = batch.begin_step()
-        impl = self.attention_impl
+        impl = self.decode_impl
 
         def attend(layer, q, k, v):
             self.pool.write(layer, slots, k, v)

@@ -32,7 +32,8 @@ class LLM:
 
     ``prefix_sharing=False`` runs the same engine with every sequence holding a private copy of its whole
     KV (the no-sharing baseline); ``attention="none"`` skips attention (a throughput ceiling for
-    benchmarks, its text is meaningless); ``attention="torch"`` uses the plain reference kernels.
+    benchmarks, its text is meaningless); ``attention="torch"`` uses the plain reference kernels;
+    ``attention="triton"`` decodes with the Triton kernels (opt-in: not yet measured on a GPU).
     ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
     config.json or a model directory) with random weights: for throughput benchmarks without downloads.
     """

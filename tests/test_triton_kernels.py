@@ -1,0 +1,322 @@
+"""Triton decode kernels against float64 attention: on CPU through the interpreter, on CUDA compiled.
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` runs (its own library functions are decorated when
+triton is imported), so conftest sets it before anything imports triton; the kernel module is imported
+lazily, in the ``tk`` fixture. Shapes are tiny on CPU; the ``real`` tests use the paper's
+shapes and run only where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hydragen import LLM, SamplingParams
+from hydragen.attention.reference import reference_attention
+from hydragen.attention.tree_plan import build_tree_plan
+from hydragen.engine.batch import DecodeBatch
+
+if not torch.cuda.is_available():  # conftest does this too: it must happen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Relative error bounds of the output: bf16 outputs are rounded to bf16 (~4e-3 alone), and on a GPU the
+# probabilities are rounded to bf16 for the P @ V tensor-core dot. LSEs are fp32 from fp32-accumulated
+# exact products in every mode, so they are held tight: a merge weight off by 1% shows there.
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
+LSE_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tk():
+    from hydragen.attention import triton_kernels
+
+    if DEV == "cpu" and not triton_kernels.is_interpreted():
+        pytest.skip("TRITON_INTERPRET=0 on a machine without CUDA: the kernels cannot run")
+    return triton_kernels
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(x).any()
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_pool(slots: int, hkv: int, d: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots, hkv, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(slots, hkv, d, generator=g).to(dtype).to(DEV)
+    return k, v
+
+
+def reference(q, k, v, runs: list[list[tuple[int, int]]], scale: float):
+    """float64 attention of q[b] over the concatenation of pool slot runs ``runs[b]``; (out, lse)."""
+    outs, lses = [], []
+    for b, rs in enumerate(runs):
+        idx = torch.cat([torch.arange(s, e) for s, e in rs] + [torch.zeros(0, dtype=torch.long)]).to(k.device)
+        if len(idx) == 0:
+            outs.append(torch.zeros(q.shape[1], q.shape[2], dtype=torch.float64, device=q.device))
+            lses.append(torch.full((q.shape[1],), float("-inf"), dtype=torch.float64, device=q.device))
+            continue
+        o, lse = reference_attention(q[b : b + 1, None], [], [], k[idx][None], v[idx][None], scale=scale)
+        outs.append(o[0, 0])
+        lses.append(lse[0, 0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def check(out, lse, ref_out, ref_lse, dtype):
+    empty = torch.isneginf(ref_lse)
+    assert not torch.isnan(lse).any()
+    assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all()
+    assert rel_err(out[~empty], ref_out[~empty]) < TOL[dtype]
+    assert rel_err(lse[~empty], ref_lse[~empty]) < LSE_TOL
+
+
+HEADS = [(4, 2, 16), (4, 1, 20), (2, 2, 32)]  # (Hq, Hkv, D): GQA, MQA with D not a power of 2, MHA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+def test_tail_kernel_ragged(tk, hq, hkv, d, dtype):
+    k, v = make_pool(300, hkv, d, dtype)
+    lens = torch.tensor([5, 0, 37, 1, 70], device=DEV)
+    starts = torch.tensor([0, 80, 100, 150, 200], device=DEV)
+    q = torch.randn(5, hq, d).to(dtype).to(DEV)
+    nan = float("nan")  # poisoned outputs: every element must be written
+    out = torch.full((5, 1, hq, d), nan, device=DEV)
+    lse = torch.full((5, 1, hq), nan, device=DEV)
+    out, lse = tk.tail_attention(q, k, v, starts, lens, 0.3, block_n=16, out=out, lse=lse)
+    runs = [[(int(s), int(s + n))] for s, n in zip(starts, lens, strict=True)]
+    check(out[:, 0], lse[:, 0], *reference(q, k, v, runs, 0.3), dtype)
+    # Split-KV: split s of sequence b is its own partial over keys [32 s, 32 s + 32) of the tail.
+    out, lse = tk.tail_attention(q, k, v, starts, lens, 0.3, split_len=32, num_splits=3, block_n=16)
+    for sp in range(3):
+        split_runs = []
+        for s, n in zip(starts.tolist(), lens.tolist(), strict=True):
+            lo, hi = s + 32 * sp, min(s + n, s + 32 * sp + 32)
+            split_runs.append([(lo, hi)] if hi > lo else [])
+        check(out[:, sp], lse[:, sp], *reference(q, k, v, split_runs, 0.3), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_kernel_chunks_and_tiles(tk, dtype):
+    """One node split into several KV chunks and query tiles: every partial is attention over its chunk."""
+    hq, hkv, d = 4, 1, 16
+    k, v = make_pool(120, hkv, d, dtype)
+    q = torch.randn(7, hq, d).to(dtype).to(DEV)
+    items = [(10, 60, 0, 7), (70, 75, 2, 4)]
+    plan = build_tree_plan(
+        items, torch.zeros(7, dtype=torch.long, device=DEV), group=4, num_kv_heads=1, tail_cap=1,
+        chunk_tokens=16, block_m=16,
+    )  # fmt: skip
+    assert plan.num_units == 4 * 2 + 1  # 50 tokens in 4 chunks x 7 sequences in 2 tiles, + 1
+    part_o = torch.full((plan.num_parts, hq, d), float("nan"), device=DEV)
+    part_lse = torch.full((plan.num_parts, hq), float("nan"), device=DEV)
+    tk.shared_attention(
+        q, k, v, plan.units, plan.num_parts, 0.25, block_m=16, block_n=16, part_o=part_o, part_lse=part_lse
+    )
+    rows, runs, qs = [], [], []
+    for kv_lo, kv_hi, s0, s1, row in plan.units.tolist():
+        for s in range(s0, s1):
+            rows.append(row + s - s0)
+            runs.append([(kv_lo, kv_hi)])
+            qs.append(s)
+    assert sorted(rows) == list(range(plan.num_parts))
+    check(part_o[rows], part_lse[rows], *reference(q[qs], k, v, runs, 0.25), dtype)
+
+
+def test_merge_kernel_matches_torch_merge(tk):
+    from hydragen.attention.merge import merge_partials
+
+    b, s, hq, d, r = 4, 3, 4, 16, 5
+    tail_o, tail_lse = torch.randn(b, s, hq, d, device=DEV), torch.randn(b, s, hq, device=DEV)
+    part_o, part_lse = torch.randn(r, hq, d, device=DEV), torch.randn(r, hq, device=DEV)
+    tail_lse[0, 1:] = float("-inf")  # empty splits
+    tail_o[0, 1:] = 0
+    tail_lse[3] = float("-inf")  # a sequence that sees nothing at all
+    tail_o[3] = 0
+    lists = [[0, 4], [], [1, 2, 3], []]
+    seq_ptr = torch.tensor([0, 2, 2, 5, 5], dtype=torch.int32, device=DEV)
+    seq_parts = torch.tensor(sum(lists, []), dtype=torch.int32, device=DEV)
+    out, lse = tk.merge_attention(tail_o, tail_lse, seq_ptr, seq_parts, part_o, part_lse, group=2)
+    for i in range(b):
+        outs = [tail_o[i, j] for j in range(s)] + [part_o[p] for p in lists[i]]
+        lses = [tail_lse[i, j] for j in range(s)] + [part_lse[p] for p in lists[i]]
+        ro, rl = merge_partials(outs, lses)
+        assert torch.allclose(out[i], ro, atol=1e-5) and torch.allclose(lse[i], rl, atol=1e-5)
+    assert (out[3] == 0).all() and torch.isneginf(lse[3]).all()
+
+
+def tree_case(hq, hkv, d, dtype, seed=0):
+    """Six sequences in DFS order: a root node split in chunks, two nested children, ragged tails.
+
+    Sequence 0 reads root + child A + grandchild; 1-2 root + A; 3-4 root + B; 5 only its tail; 2 has an
+    empty tail (seen through shared nodes only).
+    """
+    k, v = make_pool(400, hkv, d, dtype, seed)
+    items = [(0, 40, 0, 5), (40, 52, 0, 3), (52, 55, 0, 1), (60, 70, 3, 5)]
+    tails = [(100, 3), (150, 9), (200, 0), (250, 20), (300, 1), (350, 33)]
+    runs = [[(s, e) for s, e, i, j in items if i <= b < j] + [(t, t + n)] for b, (t, n) in enumerate(tails)]
+    starts = torch.tensor([t for t, _ in tails], device=DEV)
+    lens = torch.tensor([n for _, n in tails], device=DEV)
+    q = torch.randn(6, hq, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEV)
+    return q, k, v, items, starts, lens, runs
+
+
+TREE_CASES = [  # (heads, dtype, tail split): None fuses the merge into the tail kernel, 8 splits the tails
+    *[(h, torch.float32, split) for h in HEADS for split in (None, 8)],
+    (HEADS[0], torch.bfloat16, None),
+    (HEADS[1], torch.bfloat16, 8),
+    (HEADS[2], torch.float16, None),
+]
+
+
+@pytest.mark.parametrize("heads,dtype,tail_split_len", TREE_CASES)
+def test_tree_decode_nested_nodes(tk, heads, dtype, tail_split_len):
+    hq, hkv, d = heads
+    q, k, v, items, starts, lens, runs = tree_case(hq, hkv, d, dtype)
+    plan = build_tree_plan(
+        items, starts, group=hq // hkv, num_kv_heads=hkv, tail_cap=40, chunk_tokens=16, block_m=16,
+        tail_split_len=tail_split_len,
+    )  # fmt: skip
+    assert plan.tail_splits == (1 if tail_split_len is None else 5)
+    out, lse = tk.tree_decode_attention(q, k, v, plan, lens, 0.2, block_n=16, return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    check(out, lse, *reference(q, k, v, runs, 0.2), dtype)
+
+
+def test_padding_units_do_nothing(tk):
+    """Tables may live in fixed-capacity buffers: zero rows past the real units must be no-ops."""
+    q, k, v, items, starts, lens, runs = tree_case(4, 2, 16, torch.float32, seed=3)
+    plan = build_tree_plan(items, starts, group=2, num_kv_heads=2, tail_cap=40, chunk_tokens=16, block_m=16)
+    want = tk.tree_decode_attention(q, k, v, plan, lens, 0.2, block_n=16)
+    plan.units = torch.cat([plan.units, torch.zeros(5, 5, dtype=torch.long, device=DEV)])
+    assert torch.equal(tk.tree_decode_attention(q, k, v, plan, lens, 0.2, block_n=16), want)
+
+
+def test_plan_balances_long_nodes():
+    """With no chunk size given, a long node is split only until the programs fill the target."""
+    starts = torch.zeros(4, dtype=torch.long)
+    items = [(0, 4096, 0, 4)]
+    one = build_tree_plan(items, starts, group=8, num_kv_heads=1, tail_cap=64, target_programs=1)
+    many = build_tree_plan(items, starts, group=8, num_kv_heads=1, tail_cap=64, target_programs=10)
+    assert one.num_units == 4 and many.num_units == 16  # chunks of 1024, then of 256 (the floor)
+    assert many.tail_splits == 1  # a 64-token tail is never split below 256 tokens a split
+    long_tails = build_tree_plan(items, starts, group=8, num_kv_heads=1, tail_cap=1024, target_programs=10)
+    assert long_tails.tail_splits == 3 and long_tails.tail_split_len == 342  # 4 rows x 3 splits >= 10
+    spans = sorted((lo, hi) for lo, hi, *_ in many.units.tolist())
+    assert spans[0][0] == 0 and spans[-1][1] == 4096
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # chunks tile the node
+
+
+PROMPTS = [list(range(11, 30)) + [40, 41, 42], list(range(11, 30)) + [50, 51]]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, dict(chunk_tokens=8, block_m=16, tail_split_len=4)], ids=["default", "chunked"]
+)
+def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
+    """Greedy tokens and logprobs with attention="triton" equal the CPU path's; shared prompts, n=3."""
+    params = SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    path = tiny_models["llama"]
+    baseline = "auto"
+    ref = LLM(path, device=DEV, attention=baseline, kv_cache_tokens=2048)
+    want = ref.generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(DecodeBatch, "plan_options", options)
+    seen = []  # (shared items, work units) of every Triton call: the shared path must really run
+    inner = DecodeBatch._triton_attention
+
+    def spy(self, layer, q, scale):
+        out = inner(self, layer, q, scale)
+        seen.append((len(self.items), self.tree_plan.num_units))
+        return out
+
+    monkeypatch.setattr(DecodeBatch, "_triton_attention", spy)
+    llm = LLM(path, device=DEV, attention="triton", kv_cache_tokens=2048)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert seen and max(items for items, _ in seen) >= 2  # stem + per-prompt nodes: nested sharing
+    assert max(units for _, units in seen) >= (4 if options else 2)
+    for a, b in zip(got, want, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            for ra, rb in zip(ca.logprobs, cb.logprobs, strict=True):
+                assert ra.keys() == rb.keys() and all(abs(ra[t] - rb[t]) < 1e-4 for t in ra)
+
+
+def test_triton_missing_is_a_clear_error(tiny_models, monkeypatch):
+    import hydragen.engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="needs the triton package"):
+        LLM(tiny_models["llama"], attention="triton", kv_cache_tokens=1024)
+
+
+COMPILE = """
+import json, sys, torch
+from hydragen.attention.triton_kernels import compile_report
+print(json.dumps([compile_report(90, torch.bfloat16, 128, 8), compile_report(80, torch.float16, 20, 4)]))
+"""
+
+
+def test_kernels_compile_for_hopper_and_ampere():
+    """Compiled (not interpreted) for sm_90 and sm_80 with Triton's bundled ptxas: no GPU needed."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-c", COMPILE]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    hopper, ampere = json.loads(run.stdout.strip().splitlines()[-1])
+    assert hopper["shared"]["mma"] == "wgmma" and hopper["tail"]["mma"] == "mma"  # tensor cores
+    assert ampere["shared"]["mma"] == "mma" and ampere["tail"]["mma"] == "mma"
+    assert all(k["shared"] <= 160 * 1024 for r in (hopper, ampere) for k in r.values())
+
+
+# ---- real shapes, CUDA only ----------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda_only
+@pytest.mark.parametrize("tail_split_len", [None, 128])
+def test_real_shapes_tree_decode(tk, tail_split_len):
+    """The paper's shape: Hq=8, Hkv=1, D=128, a 4096-token prefix shared by 64 sequences, bf16."""
+    hq, hkv, d, b, prefix = 8, 1, 128, 64, 4096
+    dtype = torch.bfloat16
+    k, v = make_pool(prefix + 64 + b * 256, hkv, d, dtype)
+    items = [(0, prefix, 0, b), (prefix, prefix + 64, 0, b // 2)]  # plus a nested node over half the batch
+    lens = torch.randint(0, 256, (b,), device=DEV)
+    starts = prefix + 64 + 256 * torch.arange(b, device=DEV)
+    plan = build_tree_plan(
+        items, starts, group=hq // hkv, num_kv_heads=hkv, tail_cap=256, tail_split_len=tail_split_len
+    )
+    q = torch.randn(b, hq, d, device=DEV).to(dtype)
+    out, lse = tk.tree_decode_attention(q, k, v, plan, lens, d**-0.5, return_lse=True)
+    runs = [
+        [(s, e) for s, e, i, j in items if i <= x < j] + [(int(starts[x]), int(starts[x] + lens[x]))]
+        for x in range(b)
+    ]
+    check(out, lse, *reference(q, k, v, runs, d**-0.5), dtype)
+
+
+@cuda_only
+def test_real_shapes_tail_kernel(tk):
+    hq, hkv, d, b = 8, 1, 128, 64
+    k, v = make_pool(b * 512, hkv, d, torch.bfloat16)
+    lens = torch.randint(0, 512, (b,), device=DEV)
+    lens[0] = 0
+    starts = 512 * torch.arange(b, device=DEV)
+    q = torch.randn(b, hq, d, device=DEV).to(torch.bfloat16)
+    out, lse = tk.tail_attention(q, k, v, starts, lens, d**-0.5)
+    runs = [[(int(starts[x]), int(starts[x] + lens[x]))] for x in range(b)]
+    check(out[:, 0], lse[:, 0], *reference(q, k, v, runs, d**-0.5), torch.bfloat16)
