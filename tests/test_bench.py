@@ -153,6 +153,15 @@ def test_tree_onelevel_reads_only_the_fewshot_block_shared(tiny_models):
         )  # last prompt token is private
         while eng.has_unfinished():
             eng.step()
+    # One problem: its whole prompt is one node; the limit still shares the few-shot part (a split there).
+    eng.share_limit = 40
+    llm.reset_prefix_cache()
+    eng.add_request(prompts[0], SamplingParams(n=3, max_tokens=3, ignore_eos=True))
+    while eng.batch is None:
+        eng.step()
+    assert len(eng.batch.items) == 1 and {s.cut for s in eng.batch.seqs} == {40}
+    while eng.has_unfinished():
+        eng.step()
 
 
 def test_floor_counts_model_and_shared_attention_once():

@@ -49,14 +49,14 @@ SWEEPS: dict[str, dict] = {
     "quick": dict(batch=[1, 4], prefix=[16, 64], suffix=[8], suffix_sweep=[4, 16], suffix_at=(4, 64)),
     "cpu": dict(
         batch=[1, 8, 32, 128, 256],
-        prefix=[64, 1024, 4096],
+        prefix=[64, 1024, 4096, 16384],
         suffix=[128],
         suffix_sweep=[32, 512],
         suffix_at=(128, 1024),
     ),
     "cuda": dict(
-        batch=[1, 4, 16, 64, 256, 1024],
-        prefix=[256, 1024, 4096, 16384],
+        batch=[1, 8, 64, 256, 1024],
+        prefix=[0, 64, 256, 1024, 4096, 16384],
         suffix=[128],
         suffix_sweep=[32, 512],
         suffix_at=(256, 4096),

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--prompt-len", type=int, default=2048, help="P of the n sweep (default 2048)")
     p.add_argument("--n", type=int, nargs="+", default=[1, 8, 32, 64], help="completions to sweep")
-    p.add_argument("--p-sweep", type=int, nargs="*", default=[256, 512, 1024], help="prompt lengths to sweep")
+    p.add_argument("--p-sweep", type=int, nargs="*", default=[256, 1024], help="prompt lengths to sweep")
     p.add_argument("--p-sweep-n", type=int, default=None, help="n of the P sweep (default: largest --n)")
     p.add_argument("--new-tokens", type=int, default=32, help="T, tokens per completion (default 32)")
     p.add_argument("--modes", default="hydragen,nosharing,noattn,hf,llamacpp")

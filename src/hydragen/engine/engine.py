@@ -315,6 +315,10 @@ class Engine:
         """
         if not self.prefix_sharing:
             return {id(s): 0 for s in seqs}
+        if self.share_limit is not None:  # a node boundary at the limit, so the part above it can be shared
+            for s in seqs:
+                for n in s.node.path():
+                    self.tree.split_at(n, self.share_limit)
         holders: dict[int, int] = {}
         for s in seqs:
             for n in s.node.path():

@@ -87,6 +87,11 @@ class RadixTree:
         upper.children[node.tokens[0]] = node
         return upper
 
+    def split_at(self, node: Node, position: int) -> None:
+        """Make a node boundary fall at absolute ``position`` inside ``node`` (its KV does not move)."""
+        if node.start_pos < position < node.end_pos:
+            self._split(node, position - node.start_pos)
+
     def assign_kv(self, node: Node, slot: int, filled: int | None = None) -> None:
         """Give ``node`` the slot run starting at ``slot``; ``filled`` tokens of it already hold KV."""
         node.slot = slot
