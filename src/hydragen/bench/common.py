@@ -115,3 +115,10 @@ def plot_lines(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def touch_kv_pool(llm) -> None:
+    """Fault in every KV page before timing: the pool is reserved lazily (torch.empty), and first-touch
+    page faults inside a timed run would charge whichever mode happens to run first."""
+    llm.engine.pool.k.zero_()
+    llm.engine.pool.v.zero_()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hydragen.bench.common import machine_description, matmul_rate, plot_lines, write_table
+from hydragen.bench.common import machine_description, matmul_rate, plot_lines, touch_kv_pool, write_table
 
 MODES = ("hydragen", "nosharing", "noattn", "hf", "llamacpp")
 ENGINE_MODES = ("hydragen", "nosharing", "noattn")
@@ -214,6 +214,7 @@ def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer
     longest = max(max(p for p, _ in points), 64)  # the warm-up prompt is 64 tokens
     kv = max(max(n for _, n in points), 2) * (longest + new_tokens + 2) + longest + 64
     llm = _engine_llm(model, mode, kv, random_weights, device, dtype)
+    touch_kv_pool(llm)
     time_engine(llm, synthetic_prompt(llm.config.vocab_size, 64), 2, 2)  # warm-up
     return llm, time_engine, llm.config.vocab_size
 

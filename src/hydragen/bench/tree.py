@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from hydragen.bench.common import machine_description, plot_lines, write_table
+from hydragen.bench.common import machine_description, plot_lines, touch_kv_pool, write_table
 
 MODES = ("tree", "onelevel", "nosharing")
 
@@ -111,10 +111,13 @@ def run(
         llm = LLM(
             model,
             prefix_sharing=mode != "nosharing",
-            kv_cache_tokens=kv + most * k * 8 + 1024,  # + room for tail rounding
+            # Twice the need: rebuilding the tail block while sequences join holds old and new blocks at
+            # once, and a tight pool would make late joiners wait (more, smaller steps) in copy-heavy modes.
+            kv_cache_tokens=2 * kv + most * k * 8 + 1024,
             max_num_seqs=most * k,
             random_weights=random_weights,
         )
+        touch_kv_pool(llm)
         if mode == "onelevel":
             llm.engine.share_limit = F
         prompts = tree_prompts(llm.config.vocab_size, F, most, L)
