@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
+from hydragen.bench.e2e import decode_rate, step_floor_seconds, sweep_points
 from hydragen.bench.e2e import main as e2e_main
 from hydragen.bench.e2e import run as run_e2e
-from hydragen.bench.e2e import step_floor_seconds, sweep_points
 from hydragen.bench.tree import kv_tokens_needed, tree_prompts
 from hydragen.bench.tree import run as run_tree
 
@@ -104,6 +105,12 @@ def test_random_weights_model_generates(tiny_models):
     assert torch.equal(w, torch.ones_like(w))
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_decode_rate_is_the_papers_difference_or_nan_when_within_noise():
+    assert decode_rate(8, 33, 2.0, 6.0) == pytest.approx(8 * 32 / 4.0)
+    assert math.isnan(decode_rate(1, 32, 11.4, 10.9))  # t(T) < t(1): noise, not a rate
+    assert math.isnan(decode_rate(8, 32, 70.9, 73.0))  # decode under 5 % of the run
 
 
 def test_sweep_points_cover_both_figures():

@@ -107,7 +107,7 @@ def run(
         if mode == "tree" and k_mem > counts[-1]:
             runs.append((k_mem, "memory-matched"))
         most = max(c for c, _ in runs)
-        kv = max(kv_tokens_needed(m, F, most, L, k, T) for m in (mode, "onelevel"))
+        kv = kv_tokens_needed(mode, F, most, L, k, T)  # this mode's own need at its largest run
         llm = LLM(
             model,
             prefix_sharing=mode != "nosharing",
