@@ -99,6 +99,18 @@ def _save_tiny(name: str, root) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def share_every_common_node():
+    """Tests run at tiny sizes, where the cost rule would copy every shared prefix into private tails
+    and leave the shared path untested: share everything held by two sequences (``min_shared_reads=0``).
+    ``test_cost_rule`` checks the rule at its real default."""
+    from hydragen.engine import engine
+
+    saved, engine.DEFAULT_MIN_SHARED_READS = engine.DEFAULT_MIN_SHARED_READS, 0
+    yield saved  # the real default
+    engine.DEFAULT_MIN_SHARED_READS = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")

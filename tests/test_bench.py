@@ -22,7 +22,7 @@ def test_e2e_quick(tiny_models, tmp_path):
         tiny_models["llama"],
         prompt_len=24,
         ns=[1, 3],
-        new_tokens=4,
+        new_tokens=12,
         modes=["hydragen", "nosharing", "noattn"],
         out=tmp_path,
         p_sweep=[8, 16],
@@ -33,17 +33,23 @@ def test_e2e_quick(tiny_models, tmp_path):
     ]
     data = json.loads((tmp_path / "e2e.json").read_text())
     assert len(data["rows"]) == 12 and data["machine"]
+    # A rate is a difference of two timed runs; one that timing noise swamps is NaN (said, not hidden).
+    finite = [r for r in data["rows"] if not math.isnan(r["decode_tok_s"])]
+    assert len(finite) >= len(rows) // 2
     for r in data["rows"]:
-        assert r["decode_tok_s"] > 0 and r["time_T"] >= r["time_1"] > 0
-        assert r["decode_tok_s"] == pytest.approx(r["n"] * 3 / (r["time_T"] - r["time_1"]))
-        assert r["of_ceiling"] == pytest.approx(
-            r["decode_tok_s"]
-            / next(
-                x["decode_tok_s"]
-                for x in rows
-                if x["mode"] == "noattn" and (x["prompt_len"], x["n"]) == (r["prompt_len"], r["n"])
-            )
+        assert r["time_T"] > 0 and r["time_1"] > 0
+        if math.isnan(r["decode_tok_s"]):
+            assert r["time_T"] - r["time_1"] <= 0.05 * r["time_T"]
+            continue
+        assert r["decode_tok_s"] == pytest.approx(r["n"] * 11 / (r["time_T"] - r["time_1"]))
+        ceiling = next(
+            x["decode_tok_s"]
+            for x in rows
+            if x["mode"] == "noattn" and (x["prompt_len"], x["n"]) == (r["prompt_len"], r["n"])
         )
+        if math.isnan(ceiling):
+            continue
+        assert r["of_ceiling"] == pytest.approx(r["decode_tok_s"] / ceiling)
     assert (tmp_path / "e2e.md").read_text().count("\n| hydragen |") == 4
     for name in ("e2e_throughput_vs_n.png", "e2e_throughput_vs_prompt.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG

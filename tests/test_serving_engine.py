@@ -159,3 +159,44 @@ def test_abort_frees_pages(path):
     assert not eng.has_unfinished()
     assert eng.pool.allocator.used == eng.tree.cached_tokens
     assert all(s.finish_reason == "abort" for s in req.seqs)
+
+
+def test_cost_rule_copies_groups_that_do_not_save_enough_reads(path, share_every_common_node):
+    """A group of nodes held by h sequences is read as shared only when (h - 1) x tokens reaches the
+    threshold; otherwise it is copied into the tails. Either way the tokens are the same."""
+    real_default = share_every_common_node
+    assert real_default > 855  # the default (tests otherwise run with 0) copies this prompt
+    params = SamplingParams(n=4, max_tokens=6, **GREEDY)
+    prompt = SYSTEM + [5, 6]  # one group of 301 tokens held by 4 sequences: 3 x (301 - 16) = 855
+    ref = LLM(path, kv_cache_tokens=8192, min_shared_reads=0)
+    expected = ref.generate([prompt], params, use_tqdm=False)[0]
+    for threshold, shared in [(0, True), (855, True), (856, False), (real_default, False)]:
+        llm = LLM(path, kv_cache_tokens=8192, min_shared_reads=threshold)
+        eng = llm.engine
+        req = eng.add_request(prompt, params)
+        while eng.batch is None:
+            eng.step()
+        assert bool(eng.batch.items) == shared, threshold
+        assert all(s.cut == (len(prompt) - 1 if shared else 0) for s in eng.batch.seqs)
+        run_all(eng)
+        assert [s.generated for s in req.seqs] == [c.token_ids for c in expected.outputs]
+
+    # Nested: a short group (the 2 or 3 tokens after SYSTEM[:100], held by 2) under a long one (held
+    # by 4: 3 x 84 = 252 >= 150). The long one is shared; the short ones are copied into the tails.
+    llm = LLM(path, kv_cache_tokens=8192, min_shared_reads=150)
+    eng = llm.engine
+    two = SamplingParams(n=2, max_tokens=4, **GREEDY)
+    a = eng.add_request(SYSTEM[:100] + [1, 2, 3], two)
+    b = eng.add_request(SYSTEM[:100] + [9, 8, 7, 6], two)
+    while eng.batch is None or len(eng.batch.seqs) < 4:
+        eng.step()
+    assert {s.cut for s in eng.batch.seqs} == {100}
+    assert [(i, j) for _, _, i, j in eng.batch.items] == [(0, 4)]
+    run_all(eng)
+    for req, prompt in [(a, SYSTEM[:100] + [1, 2, 3]), (b, SYSTEM[:100] + [9, 8, 7, 6])]:
+        assert req.seqs[0].generated == alone(path, prompt, 4)
+
+
+def test_min_shared_reads_is_validated(path):
+    with pytest.raises(ValueError, match="min_shared_reads"):
+        LLM(path, kv_cache_tokens=1024, min_shared_reads=-1)

@@ -37,6 +37,14 @@ from hydragen.engine.sequence import Request, Sequence
 from hydragen.kv.pool import KVPool, OutOfSlots
 from hydragen.kv.radix import Node, RadixTree
 
+# The cost rule (``Engine._decide_cuts``): a group of nodes held by h batch sequences is read by one batched
+# call when (h - 1) x (tokens - MERGE_ROW_TOKENS) >= min_shared_reads: the KV-token reads it saves per step,
+# less the LSE merge of each extra query row (worth about MERGE_ROW_TOKENS reads), must pay for the extra
+# call. Fitted on a 2-core CPU (fp32, GQA 9/3/64, tails of 128 and 512, batch 2-256, nodes 16-2048 tokens):
+# sharing wins above this line and loses below it (docs/performance.md, "cost rule").
+DEFAULT_MIN_SHARED_READS = 2048
+MERGE_ROW_TOKENS = 16
+
 
 def triton_available() -> bool:
     """Whether the optional Triton kernels can be used (triton importable; imported lazily)."""
@@ -92,6 +100,7 @@ class Engine:
         max_wait_steps: int = 64,
         tail_growth: int = 128,
         share_limit: int | None = None,
+        min_shared_reads: int | None = None,
     ):
         if attention not in ("auto", "fused", "torch", "triton", "none"):
             raise ValueError(
@@ -119,6 +128,11 @@ class Engine:
         # Ablation knob (bench tree's one-level mode): read at most this many leading context tokens
         # from shared nodes; deeper shared nodes are copied into each sequence's tail instead.
         self.share_limit = share_limit
+        if min_shared_reads is None:
+            min_shared_reads = DEFAULT_MIN_SHARED_READS
+        if not isinstance(min_shared_reads, int) or min_shared_reads < 0:
+            raise ValueError(f"min_shared_reads must be a non-negative integer, got {min_shared_reads!r}")
+        self.min_shared_reads = min_shared_reads
         self.scale = cfg.head_dim**-0.5
         self.pool = KVPool(cfg.num_layers, kv_cache_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.tree = RadixTree(self.pool)
@@ -154,8 +168,16 @@ class Engine:
         if len(prompt_ids) >= ctx:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens")
         # Worst case for this request alone: the prompt once in the tree, plus each sequence's tail
-        # (which holds a copy of the prompt when it is not shared: sharing off, or n == 1).
-        private_prompt = len(prompt_ids) if (params.n == 1 or not self.prefix_sharing) else 0
+        # (which holds a copy of the prompt when it is not shared: sharing off, n == 1, or a prompt too
+        # short for the cost rule to share).
+        if params.n == 1 or not self.prefix_sharing:
+            private_prompt = len(prompt_ids)
+        elif self.min_shared_reads == 0:
+            private_prompt = 0
+        else:
+            private_prompt = min(
+                len(prompt_ids), self.min_shared_reads // (params.n - 1) + MERGE_ROW_TOKENS + 1
+            )
         need = len(prompt_ids) + params.n * (private_prompt + params.max_tokens + 1)
         if need > self.pool.num_slots:
             raise ValueError(
@@ -308,10 +330,15 @@ class Engine:
     def _decide_cuts(self, seqs: list[Sequence]) -> dict[int, int]:
         """Per sequence, how much of its context is read from shared nodes (the cost rule).
 
-        A node is shared when at least two sequences of the batch hold it; below the deepest such node
-        the KV lives in the sequence's own tail (copied once). Cuts only move down: a running sequence
-        whose private prefix became shared drops that part of its tail and reads the node with the
-        others. Returns the new cut per sequence id. Sharing off: nothing is shared.
+        Consecutive path nodes held by the same number of batch sequences are read by one plan item
+        (their holders are the same contiguous range). Such a group is worth reading as shared when the
+        reads it saves per step, ``(holders - 1) * (tokens - MERGE_ROW_TOKENS)``, reach
+        ``min_shared_reads``: below that the extra call and LSE merge cost more than the per-sequence
+        path reading the tokens again (a node held by one sequence never pays; ``min_shared_reads=0``
+        turns the rule off). Groups above the deepest group that pays are shared too (a cut
+        is a prefix); below it the KV lives in the sequence's own tail, copied once. Cuts only move down:
+        a running sequence whose private prefix became shared drops that part of its tail and reads the
+        node with the others. Returns the new cut per sequence id. Sharing off: nothing is shared.
         """
         if not self.prefix_sharing:
             return {id(s): 0 for s in seqs}
@@ -323,13 +350,19 @@ class Engine:
         for s in seqs:
             for n in s.node.path():
                 holders[id(n)] = holders.get(id(n), 0) + 1
-        cuts = {}
+        cuts, rule_off = {}, self.min_shared_reads == 0
         for s in seqs:
             cut = s.cut if s.row >= 0 else 0
+            group_holders, group_tokens = 0, 0
             for n in s.node.path():
-                if holders[id(n)] < 2 or (self.share_limit is not None and n.end_pos > self.share_limit):
+                h = holders[id(n)]
+                if h < 2 or (self.share_limit is not None and n.end_pos > self.share_limit):
                     break
-                cut = max(cut, n.end_pos)
+                if h != group_holders:
+                    group_holders, group_tokens = h, 0
+                group_tokens += len(n.tokens)
+                if rule_off or (h - 1) * (group_tokens - MERGE_ROW_TOKENS) >= self.min_shared_reads:
+                    cut = max(cut, n.end_pos)
             cuts[id(s)] = cut
         return cuts
 

@@ -34,6 +34,10 @@ class LLM:
     KV (the no-sharing baseline); ``attention="none"`` skips attention (a throughput ceiling for
     benchmarks, its text is meaningless); ``attention="torch"`` uses the plain reference kernels;
     ``attention="triton"`` decodes with the Triton kernels (opt-in: not yet measured on a GPU).
+    ``min_shared_reads`` is the cost rule's threshold: a prefix shared by h running sequences is read
+    by one batched call only if (h - 1) x (length - 16) reaches it (the KV reads saved per step, less
+    the merge); shorter ones are copied once into each sequence's private tail (0: share everything
+    held by two sequences).
     ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
     config.json or a model directory) with random weights: for throughput benchmarks without downloads.
     """
@@ -48,6 +52,7 @@ class LLM:
         kv_cache_tokens: int | None = None,
         max_num_seqs: int = 256,
         random_weights: bool = False,
+        min_shared_reads: int | None = None,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -82,6 +87,7 @@ class LLM:
             attention=attention,
             kv_cache_tokens=kv_cache_tokens,
             max_num_seqs=max_num_seqs,
+            min_shared_reads=min_shared_reads,
         )
 
     # ---- prompts ------------------------------------------------------------------------------
