@@ -1,0 +1,191 @@
+"""Calibration of the engine's cost rule: when is a shared node worth its own batched call?
+
+A decode step reads a node held by h sequences either *shared* (one matrix-matrix call over the node's
+KV for all h queries, then an LSE merge into each sequence's tail result) or *private* (the node copied
+once into each holder's tail, read by the batched tail call with the rest of the tail). Sharing saves
+(h - 1) x tokens KV reads per step but costs one more call and a merge per query row, so short nodes and
+few holders lose. This benchmark times both sides with the engine's own ops (``suffix_attention``,
+``level_attention``, ``merge_into``) over a grid of holders x node tokens x tail lengths and checks the
+rule ``(h - 1) x (tokens - MERGE_ROW_TOKENS) >= min_shared_reads`` against the measurement: how often it
+picks the faster side and what its wrong picks cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hydragen.attention.merge import merge_into
+from hydragen.attention.shared_prefix import level_attention, suffix_attention
+from hydragen.bench.common import machine_description, plot_lines, write_table
+from hydragen.engine.engine import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS
+
+SHAPES = {"gqa": (9, 3, 64), "paper": (8, 1, 128)}  # (Hq, Hkv, D)
+COLUMNS = [
+    "tail",
+    "holders",
+    "node_tokens",
+    "shared_ms",
+    "private_ms",
+    "speedup",
+    "rule_shares",
+    "rule_right",
+]
+
+
+def rule_shares(holders: int, tokens: int, threshold: int) -> bool:
+    return threshold == 0 or (holders - 1) * (tokens - MERGE_ROW_TOKENS) >= threshold
+
+
+def _median_time(fn, device: torch.device, trials: int) -> float:
+    fn()
+    times = []
+    for _ in range(trials):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(holders, tokens, tail, shape, device, dtype, trials) -> tuple[float, float]:
+    """(shared, private) seconds for one decode step's attention of ``holders`` sequences."""
+    hq, hkv, d = shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*s):
+        return torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+
+    q = rand(holders, 1, hq, d)
+    tail_k, tail_v = rand(holders, tail, hkv, d), rand(holders, tail, hkv, d)
+    node_k, node_v = rand(1, tokens, hkv, d), rand(1, tokens, hkv, d)
+    copy_k, copy_v = rand(holders, tail + tokens, hkv, d), rand(holders, tail + tokens, hkv, d)
+    scale = d**-0.5
+
+    def shared():
+        out, lse = suffix_attention(q, tail_k, tail_v, None, scale)
+        acc, acc_lse = out.view(holders, hq, d).float(), lse.view(holders, hq).contiguous()
+        o, lo = level_attention(q, node_k, node_v, scale)
+        merge_into(acc, acc_lse, o.squeeze(1), lo.squeeze(1))
+
+    def private():
+        suffix_attention(q, copy_k, copy_v, None, scale)
+
+    best_s, best_p = float("inf"), float("inf")
+    for _ in range(3):  # interleaved rounds: background load hits both sides alike
+        best_s = min(best_s, _median_time(shared, device, trials))
+        best_p = min(best_p, _median_time(private, device, trials))
+    return best_s, best_p
+
+
+def run(
+    holders: list[int],
+    tokens: list[int],
+    tails: list[int],
+    out: Path,
+    shape: str = "gqa",
+    threshold: int = DEFAULT_MIN_SHARED_READS,
+    device: str = "cpu",
+    dtype: str = "float32",
+    trials: int = 15,
+) -> list[dict]:
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    print(f"[cost-rule] {machine_description()}; shape {shape} {SHAPES[shape]}", file=sys.stderr)
+    rows, total, k = [], len(holders) * len(tokens) * len(tails), 0
+    for tail in tails:
+        for h in holders:
+            for n in tokens:
+                k += 1
+                ts, tp = measure(h, n, tail, SHAPES[shape], dev, dt, trials)
+                speedup = tp / ts
+                shares = rule_shares(h, n, threshold)
+                rows.append(
+                    dict(
+                        tail=tail,
+                        holders=h,
+                        node_tokens=n,
+                        shared_ms=1e3 * ts,
+                        private_ms=1e3 * tp,
+                        speedup=speedup,
+                        rule_shares=shares,
+                        rule_right=shares == (speedup >= 1),
+                    )
+                )
+                print(
+                    f"[cost-rule] [{k}/{total}] tail={tail} holders={h} tokens={n}: "
+                    f"shared {1e3 * ts:.3f} ms  private {1e3 * tp:.3f} ms  speedup {speedup:.2f}x  "
+                    f"rule: {'share' if shares else 'copy'}",
+                    file=sys.stderr,
+                )
+    # What the rule's picks cost: the step time it chose over the faster side's, per wrong pick.
+    wrong = [r for r in rows if not r["rule_right"]]
+    worst = max(
+        (max(r["shared_ms"], r["private_ms"]) / min(r["shared_ms"], r["private_ms"]) for r in wrong),
+        default=1,
+    )
+    notes = (
+        f"Rule: share when (holders - 1) x (tokens - {MERGE_ROW_TOKENS}) >= {threshold}. It picks the faster "
+        f"side at {len(rows) - len(wrong)} of {len(rows)} points; its wrong picks are at most {worst:.2f}x "
+        "slower than the other side. speedup = private / shared (above 1: sharing is faster)."
+    )
+    md = write_table(rows, COLUMNS, out, "cost_rule", "Cost rule: shared call vs private copies", notes)
+    for tail in tails:
+        series = {
+            f"{h} holders": (
+                [r["node_tokens"] for r in rows if r["tail"] == tail and r["holders"] == h],
+                [r["speedup"] for r in rows if r["tail"] == tail and r["holders"] == h],
+            )
+            for h in holders
+        }
+        plot_lines(
+            series,
+            out / f"cost_rule_tail{tail}.png",
+            f"Shared node vs private copies (tail {tail}, {shape})",
+            "node tokens",
+            "speedup of sharing (private / shared)",
+            logx=True,
+            logy=True,
+            hline=(1.0, "break-even"),
+        )
+    print(md)
+    print(notes)
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--holders", type=ints, default=[2, 4, 8, 16, 32, 64, 128, 256], help="h values")
+    p.add_argument(
+        "--tokens", type=ints, default=[16, 32, 64, 128, 256, 512, 1024, 2048], help="node lengths"
+    )
+    p.add_argument("--tails", type=ints, default=[128, 512], help="private tail lengths")
+    p.add_argument("--shape", choices=list(SHAPES), default="gqa")
+    p.add_argument(
+        "--threshold", type=int, default=DEFAULT_MIN_SHARED_READS, help="min_shared_reads to check"
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--trials", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="tiny grid: checks the benchmark runs")
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="hydragen bench cost-rule", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.holders, a.tokens, a.tails, a.trials = [2, 8], [16, 64], [16], 3
+    run(a.holders, a.tokens, a.tails, a.out, a.shape, a.threshold, a.device, a.dtype, a.trials)
+
+
+if __name__ == "__main__":
+    main()
