@@ -200,3 +200,50 @@ def test_cost_rule_copies_groups_that_do_not_save_enough_reads(path, share_every
 def test_min_shared_reads_is_validated(path):
     with pytest.raises(ValueError, match="min_shared_reads"):
         LLM(path, kv_cache_tokens=1024, min_shared_reads=-1)
+
+
+def test_cost_rule_shares_anyway_when_copies_do_not_fit(path, share_every_common_node):
+    """Memory beats speed: a prompt the rule would copy into 4 tails is shared when the copies do not fit."""
+    params = SamplingParams(n=4, max_tokens=6, **GREEDY)
+    prompt = SYSTEM + [5, 6]  # copies: 4 rows of 307 slots + the cached prompt > 800; shared: ~330
+    llm = LLM(path, kv_cache_tokens=800, min_shared_reads=share_every_common_node)
+    eng = llm.engine
+    req = eng.add_request(prompt, params)
+    while eng.batch is None:
+        eng.step()
+    assert eng.batch.items and all(s.cut == len(prompt) - 1 for s in eng.batch.seqs)
+    run_all(eng)
+    assert req.error is None
+    assert [s.generated for s in req.seqs] == [alone(path, prompt, 6)] * 4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_trees_and_arrivals_match_isolated_runs(path, seed):
+    """Random prompt trees arriving at random steps, under several cost-rule thresholds and pool sizes
+    (so some groups are shared, some copied, and small pools force sharing for memory and make requests
+    wait): every request's greedy tokens equal an isolated run with sharing off."""
+    import random
+
+    rng = random.Random(seed)
+    isolated = LLM(path, prefix_sharing=False, kv_cache_tokens=16384)
+    stem = [rng.randrange(256) for _ in range(rng.choice([40, 120, 300]))]
+    reqs = []
+    for _ in range(6):
+        prompt = stem[: rng.randint(1, len(stem))] + [rng.randrange(256) for _ in range(rng.randint(1, 8))]
+        params = SamplingParams(n=rng.choice([1, 3, 6]), max_tokens=rng.randint(2, 12), **GREEDY)
+        reqs.append((rng.randint(0, 12), prompt, params))
+    reqs.sort(key=lambda r: r[0])
+    expected = [isolated.generate([p], sp, use_tqdm=False)[0] for _, p, sp in reqs]
+    for threshold, slots in [(0, 450), (100, 16384), (2048, 450), (2048, 16384)]:
+        eng = LLM(path, kv_cache_tokens=slots, min_shared_reads=threshold, max_num_seqs=8).engine
+        pending, live, step = list(reqs), [], 0
+        while pending or eng.has_unfinished():
+            while pending and pending[0][0] <= step:
+                _, prompt, params = pending.pop(0)
+                live.append(eng.add_request(prompt, params))
+            eng.step()
+            step += 1
+            assert step < 5000, "engine did not finish"
+        for req, exp in zip(live, expected, strict=True):
+            assert req.error is None
+            assert [s.generated for s in req.seqs] == [c.token_ids for c in exp.outputs], (threshold, slots)

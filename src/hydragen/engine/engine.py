@@ -167,17 +167,10 @@ class Engine:
         ctx = self.cfg.max_position_embeddings
         if len(prompt_ids) >= ctx:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens")
-        # Worst case for this request alone: the prompt once in the tree, plus each sequence's tail
-        # (which holds a copy of the prompt when it is not shared: sharing off, n == 1, or a prompt too
-        # short for the cost rule to share).
-        if params.n == 1 or not self.prefix_sharing:
-            private_prompt = len(prompt_ids)
-        elif self.min_shared_reads == 0:
-            private_prompt = 0
-        else:
-            private_prompt = min(
-                len(prompt_ids), self.min_shared_reads // (params.n - 1) + MERGE_ROW_TOKENS + 1
-            )
+        # Least this request needs alone: the prompt once in the tree, plus each sequence's tail (which
+        # holds a copy of the prompt when nothing can be shared: sharing off, or n == 1). A prompt the cost
+        # rule would copy is shared instead when memory is short (see _rebuild).
+        private_prompt = len(prompt_ids) if (params.n == 1 or not self.prefix_sharing) else 0
         need = len(prompt_ids) + params.n * (private_prompt + params.max_tokens + 1)
         if need > self.pool.num_slots:
             raise ValueError(
@@ -327,18 +320,19 @@ class Engine:
         return c1 - c0
 
     # ---- the decode batch ---------------------------------------------------------------------
-    def _decide_cuts(self, seqs: list[Sequence]) -> dict[int, int]:
+    def _decide_cuts(self, seqs: list[Sequence], share_all: bool = False) -> dict[int, int]:
         """Per sequence, how much of its context is read from shared nodes (the cost rule).
 
         Consecutive path nodes held by the same number of batch sequences are read by one plan item
         (their holders are the same contiguous range). Such a group is worth reading as shared when the
         reads it saves per step, ``(holders - 1) * (tokens - MERGE_ROW_TOKENS)``, reach
         ``min_shared_reads``: below that the extra call and LSE merge cost more than the per-sequence
-        path reading the tokens again (a node held by one sequence never pays; ``min_shared_reads=0``
-        turns the rule off). Groups above the deepest group that pays are shared too (a cut
-        is a prefix); below it the KV lives in the sequence's own tail, copied once. Cuts only move down:
-        a running sequence whose private prefix became shared drops that part of its tail and reads the
-        node with the others. Returns the new cut per sequence id. Sharing off: nothing is shared.
+        path reading the tokens again (a node held by one sequence never pays). ``min_shared_reads=0``
+        turns the rule off, and so does ``share_all`` (used when the copies would not fit in memory).
+        Groups above the deepest group that pays are shared too (a cut is a prefix); below it the KV
+        lives in the sequence's own tail, copied once. Cuts only move down: a running sequence whose
+        private prefix became shared drops that part of its tail and reads the node with the others.
+        Returns the new cut per sequence id. Sharing off: nothing is shared.
         """
         if not self.prefix_sharing:
             return {id(s): 0 for s in seqs}
@@ -350,7 +344,7 @@ class Engine:
         for s in seqs:
             for n in s.node.path():
                 holders[id(n)] = holders.get(id(n), 0) + 1
-        cuts, rule_off = {}, self.min_shared_reads == 0
+        cuts, rule_off = {}, share_all or self.min_shared_reads == 0
         for s in seqs:
             cut = s.cut if s.row >= 0 else 0
             group_holders, group_tokens = 0, 0
@@ -366,6 +360,14 @@ class Engine:
             cuts[id(s)] = cut
         return cuts
 
+    def _tail_block(self, seqs: list[Sequence], share_all: bool):
+        """Cuts, tail lengths, row capacity and the allocated base of a new tail block for seqs."""
+        cuts = self._decide_cuts(seqs, share_all)
+        # Tail length of each sequence in the new block: running ones drop the part that became shared.
+        lens = {id(s): len(s.context) - 1 - cuts[id(s)] for s in seqs}
+        cap = max(min(s.max_len - cuts[id(s)], lens[id(s)] + 1 + self.tail_growth) for s in seqs)
+        return cuts, lens, cap, self._alloc(len(seqs) * cap)
+
     def _rebuild(self, running: list[Sequence], new: list[Sequence]) -> None:
         """New tail block for running + new sequences (DFS order); tails copied in one indexed op.
 
@@ -373,11 +375,13 @@ class Engine:
         """
         old = self.batch
         seqs = sorted(running + new, key=lambda s: s.order_key)
-        cuts = self._decide_cuts(seqs)
-        # Tail length of each sequence in the new block: running ones drop the part that became shared.
-        lens = {id(s): len(s.context) - 1 - cuts[id(s)] for s in seqs}
-        cap = max(min(s.max_len - cuts[id(s)], lens[id(s)] + 1 + self.tail_growth) for s in seqs)
-        base = self._alloc(len(seqs) * cap)
+        try:
+            cuts, lens, cap, base = self._tail_block(seqs, share_all=False)
+        except OutOfSlots:
+            if self.min_shared_reads == 0:
+                raise
+            # Memory beats speed: share every node held by two sequences rather than copy it.
+            cuts, lens, cap, base = self._tail_block(seqs, share_all=True)
         old_rows = {id(s): s.row for s in running}
         batch = DecodeBatch(self.pool, seqs, cap, base, self.device)
         src, dst = [], []
