@@ -232,7 +232,7 @@ def test_llamacpp_peer_shares_the_prompt_cells(tmp_path):
 
 def test_cost_rule_quick(tmp_path):
     from hydragen import cli
-    from hydragen.bench.cost_rule import rule_shares
+    from hydragen.engine.engine import sharing_pays
 
     argv = ["bench", "cost-rule", "--quick", "--threshold", "2048", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
@@ -241,10 +241,10 @@ def test_cost_rule_quick(tmp_path):
     for r in data["rows"]:
         assert r["shared_ms"] > 0 and r["private_ms"] > 0
         assert r["speedup"] == pytest.approx(r["private_ms"] / r["shared_ms"])
-        assert r["rule_shares"] == rule_shares(r["holders"], r["node_tokens"], 2048)
+        assert r["rule_shares"] == sharing_pays(r["holders"], r["node_tokens"], 2048)
         assert r["rule_right"] == (r["rule_shares"] == (r["speedup"] >= 1))
     assert (tmp_path / "cost_rule_tail16.png").read_bytes()[:8] == PNG
     # The rule itself: (h - 1) x (tokens - 16) against the threshold; 0 turns it off.
-    assert rule_shares(2, 2064, 2048) and not rule_shares(2, 2063, 2048)
-    assert rule_shares(129, 32, 2048) and not rule_shares(128, 32, 2048)
-    assert rule_shares(2, 1, 0)
+    assert sharing_pays(2, 2064, 2048) and not sharing_pays(2, 2063, 2048)
+    assert sharing_pays(129, 32, 2048) and not sharing_pays(128, 32, 2048)
+    assert sharing_pays(2, 1, 0)

@@ -23,7 +23,7 @@ import torch
 from hydragen.attention.merge import merge_into
 from hydragen.attention.shared_prefix import level_attention, suffix_attention
 from hydragen.bench.common import machine_description, plot_lines, write_table
-from hydragen.engine.engine import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS
+from hydragen.engine.engine import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS, sharing_pays
 
 SHAPES = {"gqa": (9, 3, 64), "paper": (8, 1, 128)}  # (Hq, Hkv, D)
 COLUMNS = [
@@ -36,10 +36,6 @@ COLUMNS = [
     "rule_shares",
     "rule_right",
 ]
-
-
-def rule_shares(holders: int, tokens: int, threshold: int) -> bool:
-    return threshold == 0 or (holders - 1) * (tokens - MERGE_ROW_TOKENS) >= threshold
 
 
 def _median_time(fn, device: torch.device, trials: int) -> float:
@@ -106,7 +102,7 @@ def run(
                 k += 1
                 ts, tp = measure(h, n, tail, SHAPES[shape], dev, dt, trials)
                 speedup = tp / ts
-                shares = rule_shares(h, n, threshold)
+                shares = sharing_pays(h, n, threshold)
                 rows.append(
                     dict(
                         tail=tail,

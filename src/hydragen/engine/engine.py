@@ -46,6 +46,11 @@ DEFAULT_MIN_SHARED_READS = 2048
 MERGE_ROW_TOKENS = 16
 
 
+def sharing_pays(holders: int, tokens: int, min_shared_reads: int) -> bool:
+    """The cost rule for one group of nodes (0 turns it off: everything held by two is shared)."""
+    return min_shared_reads == 0 or (holders - 1) * (tokens - MERGE_ROW_TOKENS) >= min_shared_reads
+
+
 def triton_available() -> bool:
     """Whether the optional Triton kernels can be used (triton importable; imported lazily)."""
     try:
@@ -344,7 +349,7 @@ class Engine:
         for s in seqs:
             for n in s.node.path():
                 holders[id(n)] = holders.get(id(n), 0) + 1
-        cuts, rule_off = {}, share_all or self.min_shared_reads == 0
+        cuts, threshold = {}, 0 if share_all else self.min_shared_reads
         for s in seqs:
             cut = s.cut if s.row >= 0 else 0
             group_holders, group_tokens = 0, 0
@@ -355,7 +360,7 @@ class Engine:
                 if h != group_holders:
                     group_holders, group_tokens = h, 0
                 group_tokens += len(n.tokens)
-                if rule_off or (h - 1) * (group_tokens - MERGE_ROW_TOKENS) >= self.min_shared_reads:
+                if sharing_pays(h, group_tokens, threshold):
                     cut = max(cut, n.end_pos)
             cuts[id(s)] = cut
         return cuts
