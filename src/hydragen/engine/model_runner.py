@@ -1,0 +1,140 @@
+"""The model runner: turns the scheduler's plan into one packed batch, runs the model once, samples.
+
+Every prefill chunk of every node and request, and every decoding sequence's pending token(s) (one for
+a decode step, several for a multi-token extend), go through one varlen forward: one call per linear
+layer per step, whatever the mix. Attention for the whole step is one ``step_attention`` call per layer
+over metadata built once per step:
+
+* **units** read a contiguous KV run with a matrix-matrix product for a contiguous range of tokens:
+  a shared tree node for the decoding sequences that hold it (DFS order makes them contiguous), or a
+  prefill chunk's ancestors and its own earlier part (and the chunk itself, causally);
+* **segments** read, per token, the KV it does not get from units: unshared path nodes in place and
+  the sequence's own pages, through their slot runs (no copy).
+Each layer first writes the step's new K/V into the pool, then attends, so a sequence may decode in the
+same step that computes the last chunk of its prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hydragen.attention.step_attention import StepAttentionMeta, step_attention
+from hydragen.engine.sampler import Sampler
+from hydragen.engine.scheduler import StepPlan
+from hydragen.engine.sequence import Sequence
+from hydragen.kv.manager import KVManager
+from hydragen.kv.pool import Runs, coalesce, slice_runs, slot_list, take_runs
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] where each token's K/V is written
+    meta: StepAttentionMeta
+    logit_rows: torch.Tensor  # [B] the token whose logits sample each decoding sequence's next token
+    num_prefill_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model, cfg, kv: KVManager, device, attention: str = "auto"):
+        self.model, self.cfg, self.kv, self.device = model, cfg, kv, device
+        self.attention = attention
+        self.scale = cfg.head_dim**-0.5
+        self.sampler = Sampler()
+        self._sampling_key: tuple = ()
+        self._sampling: tuple = ()
+
+    # ---- the packed batch ------------------------------------------------------------------------
+    def pack(self, plan: StepPlan) -> PackedBatch:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        units: list[tuple[int, int, int, int, int]] = []
+        segments: list[tuple[int, int, Runs, int]] = []
+        for ch in plan.prefill:
+            node, t0 = ch.node, len(ids)
+            n = ch.end - ch.start
+            ids += node.tokens[ch.start : ch.end]
+            pos += range(node.start_pos + ch.start, node.start_pos + ch.end)
+            own = slice_runs(node.runs, ch.start, ch.end)
+            slots += slot_list(own)
+            seen = [r for a in node.path()[:-1] for r in a.runs] + take_runs(node.runs, ch.start)
+            units += [(lo, hi, t0, t0 + n, 0) for lo, hi in coalesce(seen)]
+            if len(own) == 1:
+                units.append((own[0][0], own[0][1], t0, t0 + n, 1))
+                segments.append((t0, t0 + n, [], 0))
+            else:
+                segments.append((t0, t0 + n, own, 1))
+        num_prefill = len(ids)
+        starts, logit_rows = [], []
+        for s in plan.decode:
+            t0, c, p = len(ids), s.computed, s.pending
+            starts.append(t0)
+            ids += s.context[c : c + p]
+            pos += range(c, c + p)
+            slots += self.kv.own_slots(s, c, c + p)
+            runs = [r for n in (s.node.path() if s.node is not None else ()) if n.start_pos >= s.cut for r in n.runs]
+            runs += take_runs(s.own_runs, c + p - s.own_start)
+            segments.append((t0, t0 + p, coalesce(runs), c - s.cut + 1))
+            logit_rows.append(t0 + p - 1)
+        starts.append(len(ids))
+        units += [(lo, hi, starts[i], starts[j], 0) for lo, hi, i, j in plan.items]
+        dev = self.device
+        meta = StepAttentionMeta.build(units, segments, len(ids), dev)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        return PackedBatch(as_tensor(ids), as_tensor(pos), as_tensor(slots), meta, as_tensor(logit_rows), num_prefill)
+
+    # ---- running it ----------------------------------------------------------------------------------
+    def forward(self, batch: PackedBatch) -> torch.Tensor | None:
+        """Runs the model; returns logits [B, V] (fp32) at the decoding sequences' last tokens."""
+        pool, meta, impl = self.kv.pool, batch.meta, self.attention
+
+        def attend(layer, q, k, v):
+            pool.write(layer, batch.slots, k, v)
+            if impl == "none":
+                return torch.zeros_like(q)
+            return step_attention(q, pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
+
+        hidden = self.model(batch.input_ids, batch.positions, attend)
+        if batch.logit_rows.numel() == 0:
+            return None
+        return self.model.logits(hidden[batch.logit_rows])
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per decoding sequence (seeded per sequence: independent of the batch)."""
+        key = tuple(id(s) for s in seqs)
+        if key != self._sampling_key:
+            self._sampling_key, self._sampling = key, self._sampling_tensors(seqs)
+        temp, top_k, top_p, seeds, flags = self._sampling
+        steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=self.device)
+        return self.sampler(logits, temp, top_k, top_p, seeds, steps, *flags)
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple:
+        dev = self.device
+        ps = [s.request.params for s in seqs]
+        return (
+            torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
+            torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
+            torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
+            (
+                any(p.temperature > 0 for p in ps),
+                any(p.top_k > 0 for p in ps),
+                any(p.top_p < 1 for p in ps),
+            ),
+        )
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[dict[int, float]]:
+    """Per row {token: logprob} for the chosen token plus the ``top`` most likely ones."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    rows = [{t: c} for t, c in zip(tokens.tolist(), chosen, strict=True)]
+    if top:
+        best = logp.topk(top, dim=-1)
+        for row, ids, vals in zip(rows, best.indices.tolist(), best.values.tolist(), strict=True):
+            row.update(zip(ids, vals, strict=True))
+    return rows
