@@ -26,7 +26,7 @@ class StepAttentionMeta:
         seg_tok = [0]
         seg_run = [0]
         runs = []
-        for t0, t1, rs, _ in segments:
+        for _, t1, rs, _ in segments:
             seg_tok.append(t1)
             runs.extend(rs)
             seg_run.append(len(runs))
@@ -62,6 +62,8 @@ def step_attention(q, k, v, meta: StepAttentionMeta, scale: float, impl: str = "
         n = t1 - t0
         j = torch.arange(idx.numel(), device=q.device)
         vis = (j.view(1, -1) < (visible + torch.arange(n, device=q.device)).view(-1, 1)).view(1, 1, n, -1)
-        o, lo = partial_attention(q[t0:t1].transpose(0, 1).unsqueeze(0), ks, vs, scale, visible=vis, impl=kimpl)
+        o, lo = partial_attention(
+            q[t0:t1].transpose(0, 1).unsqueeze(0), ks, vs, scale, visible=vis, impl=kimpl
+        )
         merge_into(acc[t0:t1], lse[t0:t1], o[0].transpose(0, 1), lo[0].transpose(0, 1))
     return acc.to(q.dtype)

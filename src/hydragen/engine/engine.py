@@ -103,7 +103,9 @@ class Engine:
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
         self.prefix_sharing = prefix_sharing
         num_pages = max(1, kv_cache_tokens // page_size)
-        self.pool = PagePool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.pool = PagePool(
+            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
+        )
         self.kv = KVManager(self.pool, prefix_sharing, min_shared_reads, share_limit)
         self.scheduler = Scheduler(
             self.kv,
@@ -112,7 +114,7 @@ class Engine:
             prefill_budget=prefill_budget,
             max_wait_steps=max_wait_steps,
         )
-        self.runner = ModelRunner(model, cfg, self.kv, device, "auto" if attention == "triton" else attention)
+        self.runner = ModelRunner(model, cfg, self.kv, device, attention)
         eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
         self.requests: dict[str, Request] = {}
@@ -238,12 +240,34 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def extend(self, request_id: str, index: int, token_ids: list[int]) -> None:
+        """Append tokens to an unfinished sequence without sampling them (jump-forward's forced text).
+
+        The next step computes their KV in one forward, as a multi-token extend, and samples the next
+        token after the last of them. They count as generated tokens (``Sequence.forced`` of them).
+        """
+        req = self.requests.get(request_id)
+        if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].finished:
+            raise ValueError(f"no unfinished sequence {index} of request {request_id!r}")
+        s = req.seqs[index]
+        vocab = self.cfg.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token ids must lie in [0, {vocab})")
+        if len(s.generated) + len(token_ids) >= s.request.params.max_tokens:
+            raise ValueError("extend would reach max_tokens: no room left to sample after it")
+        s.generated.extend(token_ids)
+        s.forced += len(token_ids)
+        s.pending += len(token_ids)
+
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Plan, run one packed forward, sample; returns the requests finished in this step."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self._count_admissions()
+        for s, e in self.scheduler.failures:
+            if s.request.error is None and s.request.request_id in self.requests:
+                self.fail(s.request, f"{type(e).__name__}: {e}")
         done = [o for r in self.failed if (o := self._finish_request(r)) is not None]
         self.failed = []
         if plan.empty:
@@ -279,7 +303,9 @@ class Engine:
         seqs = plan.decode
         tokens = self.runner.sample(logits, seqs)
         token_list = tokens.tolist()
-        top = max((s.request.params.logprobs for s in seqs if s.request.params.logprobs is not None), default=None)
+        top = max(
+            (s.request.params.logprobs for s in seqs if s.request.params.logprobs is not None), default=None
+        )
         lps = logprob_rows(logits, tokens, top) if top is not None else None
         self.stats.decode_steps += 1
         self.stats.generated_tokens += len(token_list)
@@ -294,7 +320,9 @@ class Engine:
             self.stats.per_sequence_kv_tokens += s.context_len - 1
             self.outputs.finish(s)
         self._release(finished)
-        return [o for s in finished if s.request.finished and (o := self._finish_request(s.request)) is not None]
+        return [
+            o for s in finished if s.request.finished and (o := self._finish_request(s.request)) is not None
+        ]
 
     def _finish_request(self, req: Request) -> RequestOutput | None:
         if self.requests.pop(req.request_id, None) is None:

@@ -36,12 +36,25 @@ class PackedBatch:
     meta: StepAttentionMeta
     logit_rows: torch.Tensor  # [B] the token whose logits sample each decoding sequence's next token
     num_prefill_tokens: int
+    # Triton decode (attention="triton"): the decode tokens' tables; ``meta`` then covers prefill only.
+    tree_plan: object | None = None
+    tail_lens: torch.Tensor | None = None
+    shared_items: int = 0  # shared runs read by ranges of decoding sequences
 
 
 class ModelRunner:
+    # Extra build_tree_plan arguments for the Triton path (chunk_tokens, block_m, ...); tests shrink them.
+    plan_options: dict = {}
+
     def __init__(self, model, cfg, kv: KVManager, device, attention: str = "auto"):
         self.model, self.cfg, self.kv, self.device = model, cfg, kv, device
-        self.attention = attention
+        self.use_triton = attention == "triton"
+        self.attention = "auto" if self.use_triton else attention
+        if self.use_triton:
+            from hydragen.attention.triton_kernels import check_device
+
+            check_device(torch.device(device))  # fail here, not in the first decode step
+            kv.reserve_whole = True
         self.scale = cfg.head_dim**-0.5
         self.sampler = Sampler()
         self._sampling_key: tuple = ()
@@ -76,16 +89,52 @@ class ModelRunner:
             ids += s.context[c : c + p]
             pos += range(c, c + p)
             slots += self.kv.own_slots(s, c, c + p)
-            runs = [r for n in (s.node.path() if s.node is not None else ()) if n.start_pos >= s.cut for r in n.runs]
+            path = s.node.path() if s.node is not None else ()
+            runs = [r for n in path if n.start_pos >= s.cut and n.end_pos <= s.own_start for r in n.runs]
             runs += take_runs(s.own_runs, c + p - s.own_start)
             segments.append((t0, t0 + p, coalesce(runs), c - s.cut + 1))
             logit_rows.append(t0 + p - 1)
         starts.append(len(ids))
-        units += [(lo, hi, starts[i], starts[j], 0) for lo, hi, i, j in plan.items]
         dev = self.device
-        meta = StepAttentionMeta.build(units, segments, len(ids), dev)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-        return PackedBatch(as_tensor(ids), as_tensor(pos), as_tensor(slots), meta, as_tensor(logit_rows), num_prefill)
+        batch = PackedBatch(
+            as_tensor(ids), as_tensor(pos), as_tensor(slots), None, as_tensor(logit_rows), num_prefill
+        )
+        batch.shared_items = len(plan.items)
+        if self.use_triton and self._triton_decode(
+            batch, plan, segments[-len(plan.decode) :] if plan.decode else []
+        ):
+            segments = segments[: len(segments) - len(plan.decode)]
+            batch.meta = StepAttentionMeta.build(units, segments, num_prefill, dev)
+            return batch
+        units += [(lo, hi, starts[i], starts[j], 0) for lo, hi, i, j in plan.items]
+        batch.meta = StepAttentionMeta.build(units, segments, len(ids), dev)
+        return batch
+
+    def _triton_decode(self, batch: PackedBatch, plan: StepPlan, segments) -> bool:
+        """Tables for the Triton tree-decode kernels, when every decoding sequence feeds one token and
+        reads its private KV from one run (its own pages, reserved whole); else the step uses the CPU op."""
+        if (
+            not plan.decode
+            or any(s.pending != 1 for s in plan.decode)
+            or any(len(r) != 1 for _, _, r, _ in segments)
+        ):
+            return False
+        from hydragen.attention.tree_plan import build_tree_plan
+
+        hkv = self.cfg.num_kv_heads
+        starts = torch.tensor([r[0][0] for _, _, r, _ in segments], dtype=torch.long, device=self.device)
+        lens = [r[0][1] - r[0][0] for _, _, r, _ in segments]
+        batch.tree_plan = build_tree_plan(
+            plan.items,
+            starts,
+            group=self.cfg.num_heads // hkv,
+            num_kv_heads=hkv,
+            tail_cap=max(lens),
+            **self.plan_options,
+        )
+        batch.tail_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
+        return True
 
     # ---- running it ----------------------------------------------------------------------------------
     def forward(self, batch: PackedBatch) -> torch.Tensor | None:
@@ -96,12 +145,27 @@ class ModelRunner:
             pool.write(layer, batch.slots, k, v)
             if impl == "none":
                 return torch.zeros_like(q)
-            return step_attention(q, pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
+            if batch.tree_plan is None:
+                return step_attention(q, pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
+            n = batch.num_prefill_tokens
+            out = torch.empty_like(q)
+            if n:
+                out[:n] = step_attention(q[:n], pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
+            out[n:] = self._triton_attention(layer, q[n:], batch)
+            return out
 
         hidden = self.model(batch.input_ids, batch.positions, attend)
         if batch.logit_rows.numel() == 0:
             return None
         return self.model.logits(hidden[batch.logit_rows])
+
+    def _triton_attention(self, layer: int, q: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        from hydragen.attention.triton_kernels import tree_decode_attention  # optional dependency
+
+        pool = self.kv.pool
+        return tree_decode_attention(
+            q, pool.k[layer], pool.v[layer], batch.tree_plan, batch.tail_lens, self.scale
+        )
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per decoding sequence (seeded per sequence: independent of the batch)."""

@@ -54,7 +54,11 @@ class Scheduler:
         max_wait_steps: int = 64,
     ):
         self.kv = kv
-        self.max_num_seqs, self.prefill_chunk, self.prefill_budget = max_num_seqs, prefill_chunk, prefill_budget
+        self.max_num_seqs, self.prefill_chunk, self.prefill_budget = (
+            max_num_seqs,
+            prefill_chunk,
+            prefill_budget,
+        )
         self.max_wait_steps = max_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
@@ -65,6 +69,7 @@ class Scheduler:
         self._order_dirty = False
         self._plan_items: list[Item] = []
         self.admitted: list[tuple[Sequence, int]] = []  # (sequence, cached tokens) admitted this step
+        self.failures: list[tuple[Sequence, Exception]] = []  # errors the engine attributes to requests
 
     # ---- queues -------------------------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -90,20 +95,26 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.step_count += 1
         self.admitted = []
+        self.failures = []
         self._admit()
         plan = StepPlan()
-        ready = self._plan_prefill(plan)
-        if ready:
-            for s in ready:
+        for s in self._plan_prefill(plan):
+            try:
                 self.kv.join(s)
-                s.join_order = next(self._joins)
-            self.running.extend(ready)
+            except OutOfPages:  # its private copy does not fit yet: it stays prefilled and pinned
+                self.prefilling.append(s)
+                continue
+            except Exception as e:  # noqa: BLE001  the engine fails this sequence's request alone
+                self.failures.append((s, e))
+                continue
+            s.join_order = next(self._joins)
+            self.running.append(s)
             self._order_dirty = True
         self._grow()
         if self._order_dirty:
             self.running.sort(key=lambda s: s.order_key)
             self._order_dirty = False
-            self._plan_items = self.kv.plan(self.running)
+            self._plan_items = self.kv.plan(self.running, all_nodes=self.kv.reserve_whole)
         plan.decode = list(self.running)
         plan.items = self._plan_items
         return plan
@@ -161,9 +172,9 @@ class Scheduler:
                     budget -= end - done
                     done = end
                 planned[id(node)] = done
-            # Sharing on, a sequence decodes in the step that completes its path (each layer writes the
-            # step's K/V before attending). Sharing off, its join copies the path, which must exist.
-            if self.kv.prefix_sharing:
+            # A sequence decodes in the step that completes its path (each layer writes the step's K/V
+            # before attending), unless its join copies the path (sharing off, one-level ablation).
+            if not self.kv.join_copies:
                 complete = all(planned.get(id(n), n.filled) == len(n.tokens) for n in path)
             else:
                 complete = all(n.has_kv for n in path)

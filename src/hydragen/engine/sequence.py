@@ -1,4 +1,4 @@
-"""Request and Sequence state: what the scheduler, the KV manager, the runner and the output processor share."""
+"""Request and Sequence state, shared by the scheduler, KV manager, runner and output processor."""
 
 from __future__ import annotations
 

@@ -15,7 +15,16 @@ from __future__ import annotations
 import torch
 
 from hydragen.engine.sequence import Sequence
-from hydragen.kv.pool import OutOfPages, PagePool, Runs, append_runs, runs_len, slot_list, split_runs, take_runs
+from hydragen.kv.pool import (
+    OutOfPages,
+    PagePool,
+    Runs,
+    append_runs,
+    runs_len,
+    slot_list,
+    split_runs,
+    take_runs,
+)
 from hydragen.kv.radix import Node, RadixTree
 
 # The cost rule: a group of nodes held by h running sequences is read by one batched call when
@@ -49,6 +58,13 @@ class KVManager:
         self.min_shared_reads = min_shared_reads
         # Ablation knob (bench tree's one-level mode): share at most this many leading context tokens.
         self.share_limit = share_limit
+        # Triton decode: a sequence's own pages are reserved for its whole length at once (one run).
+        self.reserve_whole = False
+
+    @property
+    def join_copies(self) -> bool:
+        """Whether join() copies path KV (which must then be computed before the joining step)."""
+        return not self.prefix_sharing or self.share_limit is not None
 
     # ---- pages --------------------------------------------------------------------------------
     def can_fit(self, pages: int) -> bool:
@@ -94,6 +110,9 @@ class KVManager:
         context = s.context[: s.computed]
         hit = tree.match_len(context)
         s.node = tree.insert(context)
+        if self.share_limit is not None:  # a node boundary at the limit, so the part above can be shared
+            for n in s.node.path():
+                tree.split_at(n, self.share_limit)
         tree.pin(s.node, 1)
         return hit
 
@@ -112,31 +131,46 @@ class KVManager:
             s.node = None
 
     def join(self, s: Sequence) -> None:
-        """A prefilled sequence starts decoding: own pages for what its path does not hold.
+        """A prefilled sequence starts decoding; its own pages come from ``reserve``.
 
-        Sharing off: its own pages get a private copy of the whole computed context (the baseline), and
-        the request's private tree is dropped once every sequence of it has its copy.
+        Sharing off, its own pages get a private copy of the whole computed context (the baseline), and
+        the request's private tree is dropped once every sequence of it has its copy. Raises OutOfPages
+        (nothing changed) when the copy does not fit.
         """
+        end = s.node.end_pos if s.node is not None else 0
+        s.own_runs = []
         if self.prefix_sharing:
-            s.own_start = s.node.end_pos if s.node is not None else 0
-            s.own_runs = []
-            self.reserve(s)
-            return
-        s.own_start, s.own_runs = 0, []
-        self.reserve(s)
-        if s.computed:
-            src = [slot for n in s.node.path() for slot in slot_list(n.runs)]
-            dst = slot_list(take_runs(s.own_runs, s.computed))
-            dev = self.pool.k.device
-            self.pool.copy_slots(torch.tensor(dst, device=dev), torch.tensor(src, device=dev))
-        self.unpin(s)
+            # share_limit (one-level ablation): the context past the limit is a private copy.
+            s.own_start = end if self.share_limit is None else min(end, self.share_limit)
+        else:
+            s.own_start = 0
+        if s.own_start < end:
+            try:
+                self.reserve(s)
+            except OutOfPages:
+                s.own_runs, s.own_start = [], 0
+                raise
+            self._copy_path(s, end)
+        if not self.prefix_sharing:
+            self.unpin(s)
         req = s.request
         if req.private_tree is not None and all(x.node is None for x in req.seqs if not x.finished):
             req.private_tree.clear()
             req.private_tree = None
 
+    def _copy_path(self, s: Sequence, end: int) -> None:
+        """Copy the path's KV for positions [own_start, end) into the sequence's own pages."""
+        if s.own_start >= end:
+            return
+        src = [slot for n in s.node.path() if n.start_pos >= s.own_start for slot in slot_list(n.runs)]
+        dst = slot_list(take_runs(s.own_runs, end - s.own_start))
+        dev = self.pool.k.device
+        self.pool.copy_slots(torch.tensor(dst, device=dev), torch.tensor(src, device=dev))
+
     def reserve(self, s: Sequence, extra: int = 0) -> None:
         """Own pages for the whole context (and ``extra`` more tokens). Raises OutOfPages."""
+        if self.reserve_whole and not s.own_runs:
+            extra = max(extra, s.max_len - s.context_len)
         need = s.context_len + extra - s.own_start - runs_len(s.own_runs)
         if need > 0:
             self._make_room(self.pool.pages_for(need))
@@ -169,28 +203,28 @@ class KVManager:
         self.unpin(s)
 
     # ---- the decode plan --------------------------------------------------------------------------
-    def plan(self, seqs: list[Sequence]) -> list[Item]:
+    def plan(self, seqs: list[Sequence], all_nodes: bool = False) -> list[Item]:
         """Set each running sequence's cut by the cost rule; return the shared items (DFS-ordered seqs).
 
         Consecutive path nodes held by the same number of sequences form a group, read by the same
         contiguous range of sequences. A group is read by one batched call when ``sharing_pays``;
         groups above the deepest group that pays are shared too (a cut is a prefix). Everything below
-        the cut is read per sequence, in place.
+        the cut is read per sequence, in place. ``all_nodes`` reads every path node as an item, even a
+        node held by one sequence (the Triton decode kernels read private KV only from one run).
         """
         if not self.prefix_sharing:
             for s in seqs:
                 s.cut = 0
             return []
-        if self.share_limit is not None:
-            for s in seqs:
-                if s.node is not None:
-                    for n in s.node.path():
-                        self.tree.split_at(n, self.share_limit)
         holders: dict[int, int] = {}
         for s in seqs:
             if s.node is not None:
                 for n in s.node.path():
                     holders[id(n)] = holders.get(id(n), 0) + 1
+        if all_nodes:
+            for s in seqs:
+                s.cut = s.node.end_pos if s.node is not None else 0
+            return _items(seqs)
         for s in seqs:
             cut, group_holders, group_tokens = 0, 0, 0
             for n in s.node.path() if s.node is not None else ():

@@ -189,7 +189,7 @@ class PagePool:
         self.v[layer].index_copy_(0, slots, v)
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy K/V of slots ``src`` into slots ``dst`` across all layers (the no-sharing baseline's copies)."""
+        """Copy K/V of slots ``src`` into ``dst`` in every layer (the no-sharing baseline's copies)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 

@@ -74,7 +74,7 @@ def create_app(llm, model_name: str) -> FastAPI:
     async def metrics():
         e = llm.engine
         st = e.stats
-        used = e.pool.allocator.used
+        used = e.pool.used_pages
         lines = [
             ("hydragen_requests_running", "gauge", "sequences in the decode batch", e.num_running),
             (
@@ -83,8 +83,8 @@ def create_app(llm, model_name: str) -> FastAPI:
                 "sequences waiting or prefilling",
                 len(e.waiting) + len(e.prefilling),
             ),
-            ("hydragen_kv_pages_used", "gauge", "KV pages in use (a page is one token slot)", used),
-            ("hydragen_kv_pages_free", "gauge", "free KV pages", e.pool.num_slots - used),
+            ("hydragen_kv_pages_used", "gauge", f"KV pages in use ({e.pool.page_size} tokens a page)", used),
+            ("hydragen_kv_pages_free", "gauge", "free KV pages", e.pool.num_pages - used),
             ("hydragen_prefix_cache_tokens", "gauge", "tokens held by the prefix tree", e.tree.cached_tokens),
             ("hydragen_prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens", st.hit_rate),
             (
