@@ -78,7 +78,7 @@ BENCHMARKS = {
     "serve": "hydragen.bench.serve",
 }
 # Calibrations, run on their own (not part of `bench all`).
-EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule"}
+EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule", "exactness": "hydragen.bench.exactness"}
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hydragen.engine.isolation import failure_message, map_rows
 from hydragen.engine.model_runner import ModelRunner, logprob_rows
 from hydragen.engine.output_processor import OutputProcessor
 from hydragen.engine.outputs import RequestOutput
@@ -261,36 +262,86 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan, run one packed forward, sample; returns the requests finished in this step."""
+        """Plan, run one packed forward, sample; returns the requests finished in this step.
+
+        A failure that belongs to one request (its prefill, sampling, logprobs, stop check,
+        detokenization or output) ends that request with ``RequestOutput.error`` set; the others go on
+        untouched. Anything else raises (the caller fails everything in flight).
+        """
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self._count_admissions()
         for s, e in self.scheduler.failures:
             if s.request.error is None and s.request.request_id in self.requests:
-                self.fail(s.request, f"{type(e).__name__}: {e}")
-        done = [o for r in self.failed if (o := self._finish_request(r)) is not None]
-        self.failed = []
-        if plan.empty:
-            return done
-        batch = self.runner.pack(plan)
-        logits = self.runner.forward(batch)
-        for ch in plan.prefill:
-            ch.node.filled = max(ch.node.filled, ch.end)
-        self.stats.prefill_tokens += batch.num_prefill_tokens
-        if plan.decode:
-            done += self._decode(plan, logits)
-        elapsed = time.perf_counter() - t0
-        if plan.prefill:
-            self.stats.prefill_seconds += elapsed
-        else:
-            self.stats.decode_seconds += elapsed
+                self.fail(s.request, failure_message("join", e))
+        done: list[RequestOutput] = []
+        if not plan.empty:
+            logits, plan = self._forward(plan)
+            if plan.decode:
+                done += self._decode(plan, logits)
+            elapsed = time.perf_counter() - t0
+            if plan.prefill:
+                self.stats.prefill_seconds += elapsed
+            else:
+                self.stats.decode_seconds += elapsed
         self.stats.preemptions = self.scheduler.preemptions
         used = self.pool.used_pages * self.pool.page_size
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, used)
-        return done
+        failed = [o for r in self.failed if (o := self._finish_request(r)) is not None]
+        self.failed = []
+        return failed + done
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, StepPlan]:
+        """The step's packed forward. If it raises and the step prefills, the chunks run one at a time
+        (parents first) to find the ones that fail; only requests on those prompts end, and the decode
+        part then runs alone. Returns the decode logits and the plan that actually ran."""
+        try:
+            batch = self.runner.pack(plan)
+            logits = self.runner.forward(batch)
+        except Exception:
+            if not plan.prefill:
+                raise
+            return self._forward_isolating_prefill(plan)
+        self._prefilled(plan.prefill)
+        self.stats.prefill_tokens += batch.num_prefill_tokens
+        return logits, plan
+
+    def _forward_isolating_prefill(self, plan: StepPlan) -> tuple[torch.Tensor | None, StepPlan]:
+        broken: dict[int, str] = {}
+        ran = []
+        for ch in plan.prefill:
+            above = next((broken[id(n)] for n in ch.node.path() if id(n) in broken), None)
+            if above is not None:
+                broken[id(ch.node)] = above
+                continue
+            try:
+                self.runner.forward(self.runner.pack(StepPlan(prefill=[ch])))
+            except Exception as e:
+                broken[id(ch.node)] = failure_message("prefill", e)
+                continue
+            self._prefilled([ch])
+            self.stats.prefill_tokens += ch.end - ch.start
+            ran.append(ch)
+        for s in list(self.scheduler.prefilling) + list(self.scheduler.running):
+            path = s.node.path() if s.node is not None else []
+            why = next((broken[id(n)] for n in path if id(n) in broken), None)
+            if why is not None and s.request.error is None:
+                self.fail(s.request, why)
+        decode = self.scheduler.replan()
+        decode.prefill = ran
+        logits = self.runner.forward(self.runner.pack(StepPlan(decode=decode.decode, items=decode.items)))
+        return (logits if decode.decode else None), decode
+
+    @staticmethod
+    def _prefilled(chunks) -> None:
+        for ch in chunks:
+            ch.node.filled = max(ch.node.filled, ch.end)
 
     def _count_admissions(self) -> None:
+        now = time.monotonic()
         for s, hit in self.scheduler.admitted:
+            if s.request.first_scheduled is None:
+                s.request.first_scheduled = now
             if not s.counted:
                 s.counted = True
                 hit = hit if self.prefix_sharing else 0
@@ -300,26 +351,49 @@ class Engine:
                 s.request.cached_tokens = max(s.request.cached_tokens, hit)
 
     def _decode(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample, append, check stops; per-request work is guarded so a failure ends its request alone."""
         seqs = plan.decode
-        tokens = self.runner.sample(logits, seqs)
+        tokens, row_errors = self.runner.sample_isolated(logits, seqs)
         token_list = tokens.tolist()
-        top = max(
-            (s.request.params.logprobs for s in seqs if s.request.params.logprobs is not None), default=None
-        )
-        lps = logprob_rows(logits, tokens, top) if top is not None else None
+        top = max((p.logprobs for s in seqs if (p := s.request.params).logprobs is not None), default=None)
+        lps = None
+        if top is not None:
+            lps, lp_errors = map_rows(
+                lambda: logprob_rows(logits, tokens, top),
+                lambda i: logprob_rows(logits[i : i + 1], tokens[i : i + 1], top)[0],
+                len(seqs),
+                "logprobs",
+            )
+            row_errors = {**lp_errors, **row_errors}
         self.stats.decode_steps += 1
-        self.stats.generated_tokens += len(token_list)
+        errors: dict[int, tuple[Request, str]] = {}
+        for i, message in row_errors.items():
+            errors.setdefault(id(seqs[i].request), (seqs[i].request, message))
         finished: list[Sequence] = []
         for i, (s, t) in enumerate(zip(seqs, token_list, strict=True)):
+            if id(s.request) in errors:
+                continue
             s.pending = 0
-            want = lps[i] if lps is not None and s.request.params.logprobs is not None else None
-            if self.outputs.append(s, t, want):
-                finished.append(s)
-            s.pending = 1
+            try:
+                want = lps[i] if lps is not None and s.request.params.logprobs is not None else None
+                self.stats.generated_tokens += 1
+                if self.outputs.append(s, t, want):
+                    finished.append(s)
+            except Exception as e:
+                errors.setdefault(id(s.request), (s.request, failure_message("stop check", e)))
+            finally:
+                s.pending = 1
         for s in finished:
-            self.stats.per_sequence_kv_tokens += s.context_len - 1
-            self.outputs.finish(s)
+            if id(s.request) not in errors:
+                try:
+                    self.outputs.finish(s)
+                    self.stats.per_sequence_kv_tokens += s.context_len - 1
+                except Exception as e:
+                    errors.setdefault(id(s.request), (s.request, failure_message("detokenization", e)))
+        finished = [s for s in finished if id(s.request) not in errors]
         self._release(finished)
+        for req, message in errors.values():
+            self.fail(req, message)
         return [
             o for s in finished if s.request.finished and (o := self._finish_request(s.request)) is not None
         ]
@@ -328,4 +402,10 @@ class Engine:
         if self.requests.pop(req.request_id, None) is None:
             return None
         self.stats.requests_finished += 1
-        return self.outputs.output(req)
+        try:
+            return self.outputs.output(req)
+        except Exception as e:
+            req.error = req.error or failure_message("output building", e)
+            return RequestOutput(
+                req.request_id, req.prompt, req.prompt_ids, [], True, req.cached_tokens, req.error
+            )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hydragen.attention.step_attention import StepAttentionMeta, step_attention
+from hydragen.engine.isolation import sample_rows
 from hydragen.engine.sampler import Sampler
 from hydragen.engine.scheduler import StepPlan
 from hydragen.engine.sequence import Sequence
@@ -67,6 +68,7 @@ class ModelRunner:
         slots: list[int] = []
         units: list[tuple[int, int, int, int, int]] = []
         segments: list[tuple[int, int, Runs, int]] = []
+        unit_of_run: dict[tuple[int, int], int] = {}
         for ch in plan.prefill:
             node, t0 = ch.node, len(ids)
             n = ch.end - ch.start
@@ -75,7 +77,15 @@ class ModelRunner:
             own = slice_runs(node.runs, ch.start, ch.end)
             slots += slot_list(own)
             seen = [r for a in node.path()[:-1] for r in a.runs] + take_runs(node.runs, ch.start)
-            units += [(lo, hi, t0, t0 + n, 0) for lo, hi in coalesce(seen)]
+            for lo, hi in coalesce(seen):
+                # Chunks packed back to back that read the same run (siblings under one cached system
+                # prompt) share one unit: the run is read once for all their rows.
+                last = unit_of_run.get((lo, hi))
+                if last is not None and units[last][3] == t0:
+                    units[last] = (lo, hi, units[last][2], t0 + n, 0)
+                else:
+                    unit_of_run[(lo, hi)] = len(units)
+                    units.append((lo, hi, t0, t0 + n, 0))
             if len(own) == 1:
                 units.append((own[0][0], own[0][1], t0, t0 + n, 1))
                 segments.append((t0, t0 + n, [], 0))
@@ -169,19 +179,29 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per decoding sequence (seeded per sequence: independent of the batch)."""
+        tokens, errors = self.sample_isolated(logits, seqs)
+        if errors:
+            raise RuntimeError(next(iter(errors.values())))
+        return tokens
+
+    def sample_isolated(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """Tokens [B] and {row: error} for rows that could not be sampled (re-run alone to find them)."""
         key = tuple(id(s) for s in seqs)
         if key != self._sampling_key:
             self._sampling_key, self._sampling = key, self._sampling_tensors(seqs)
         temp, top_k, top_p, seeds, flags = self._sampling
         steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=self.device)
-        return self.sampler(logits, temp, top_k, top_p, seeds, steps, *flags)
+        return sample_rows(self.sampler, logits, (temp, top_k, top_p, seeds, steps), flags, logits.shape[1])
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> tuple:
         dev = self.device
         ps = [s.request.params for s in seqs]
         return (
             torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
+            # A top_k beyond the vocabulary keeps every token, as top_k=0 does (clamped to fit int64).
+            torch.tensor([min(p.top_k, self.cfg.vocab_size) for p in ps], dtype=torch.long, device=dev),
             torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
             torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
             (

@@ -111,13 +111,17 @@ class Scheduler:
             self.running.append(s)
             self._order_dirty = True
         self._grow()
+        decode = self.replan()
+        plan.decode, plan.items = decode.decode, decode.items
+        return plan
+
+    def replan(self) -> StepPlan:
+        """The decode part of a plan for the current running set (after some of it was failed)."""
         if self._order_dirty:
             self.running.sort(key=lambda s: s.order_key)
             self._order_dirty = False
             self._plan_items = self.kv.plan(self.running, all_nodes=self.kv.reserve_whole)
-        plan.decode = list(self.running)
-        plan.items = self._plan_items
-        return plan
+        return StepPlan(decode=list(self.running), items=self._plan_items)
 
     def _admit(self) -> None:
         """Waiting -> prefilling: aged sequences first, then the longest cached prefix, while memory lasts."""

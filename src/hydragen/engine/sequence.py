@@ -20,6 +20,7 @@ class Request:
     error: str | None = None
     private_tree: object | None = None  # sharing off: the request's own throwaway tree
     arrival_time: float = 0.0
+    first_scheduled: float | None = None  # time.monotonic() when the scheduler first took a sequence
 
     @property
     def finished(self) -> bool:
