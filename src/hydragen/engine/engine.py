@@ -23,7 +23,13 @@ from hydragen.engine.sampler import derive_seed
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.scheduler import Scheduler, StepPlan
 from hydragen.engine.sequence import Request, Sequence
-from hydragen.kv.manager import DEFAULT_MIN_SHARED_READS, Item, KVManager, sharing_pays  # noqa: F401
+from hydragen.kv.manager import (  # noqa: F401  (re-exported for the benchmarks)
+    DEFAULT_MIN_SHARED_READS,
+    MERGE_ROW_TOKENS,
+    Item,
+    KVManager,
+    sharing_pays,
+)
 from hydragen.kv.pool import PagePool
 
 DEFAULT_PAGE_SIZE = 16

@@ -148,7 +148,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
-        self.engine.tree.evict(self.engine.tree.cached_tokens)
+        self.engine.tree.evict_all()
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:

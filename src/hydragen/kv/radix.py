@@ -155,6 +155,10 @@ class RadixTree:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return removed
 
+    def evict_all(self) -> int:
+        """Remove every unpinned prefix (reset_prefix_cache). Returns the tokens removed."""
+        return self.evict(self.pool.num_pages + 1 if self.pool is not None else 0)
+
     def evictable_pages(self) -> int:
         """Pages that evicting every unpinned node would free (pins cover whole paths)."""
         if self.pool is None:
