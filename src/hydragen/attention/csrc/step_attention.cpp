@@ -1,0 +1,371 @@
+// Step attention on CPU: every query token of a packed step (decode tokens, prefill chunks, extends)
+// against its keys, in one call per layer. The Python side (attention/step_attention.py) documents the
+// metadata and cuts the step into work items once per step; here is the arithmetic.
+//
+// Two phases, each one parallel region whose threads take (item, KV head) pairs from a shared counter
+// (items come sorted most expensive first, so uneven items balance and a busy core delays nobody):
+//  1. Pieces of units (shared tree nodes, prefill ancestors, causal diagonals) and of very long segments:
+//     a piece with enough query rows over one contiguous run goes through ATen's CPU flash kernel as a
+//     matrix product (non-causal pieces fold the g query heads of a KV head into the rows, so the run is
+//     read once per KV head; causal squares use the kernel's is_causal); small pieces go through attend().
+//     Each writes a normalised fp32 partial and its log-sum-exp, one row per (piece, token).
+//  2. Segment blocks (private tails, pages read in place): attend() runs an online softmax in fp32 over the
+//     block's visible keys, reading each K/V row straight from the pool by slot once for all its query
+//     rows, then folds in the partials covering each token (a CSR built once per step) and writes.
+//
+// The build defines CPU_CAPABILITY_* from the compiler's own target macros (-march=native), so ATen's
+// Vectorized<float> maps to AVX2 or AVX-512 registers; the inline namespace gets a name of its own so these
+// instantiations can never be confused with libtorch's copies of the same headers.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#define CPU_CAPABILITY hydragen_step_attention
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVL = Vec::size();
+constexpr int64_t kBlockKeys = 32;  // keys per online-softmax step: scores stay in L1
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec s0(0.f), s1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kVL <= n; d += 2 * kVL) {
+    s0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), s0);
+    s1 = at::vec::fmadd(Vec::loadu(a + d + kVL), Vec::loadu(b + d + kVL), s1);
+  }
+  for (; d + kVL <= n; d += kVL) s0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), s0);
+  if (d < n) s1 = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), s1);
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s0 + s1);
+}
+
+// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n]; four vector accumulators live in registers.
+inline void scale_add_rows(float* acc, float alpha, const float* p, const float* const* rows, int64_t nk,
+                           int64_t n) {
+  const Vec va(alpha);
+  int64_t d = 0;
+  for (; d + 4 * kVL <= n; d += 4 * kVL) {
+    Vec a0 = Vec::loadu(acc + d) * va, a1 = Vec::loadu(acc + d + kVL) * va;
+    Vec a2 = Vec::loadu(acc + d + 2 * kVL) * va, a3 = Vec::loadu(acc + d + 3 * kVL) * va;
+    for (int64_t i = 0; i < nk; ++i) {
+      const Vec w(p[i]);
+      const float* r = rows[i] + d;
+      a0 = at::vec::fmadd(w, Vec::loadu(r), a0);
+      a1 = at::vec::fmadd(w, Vec::loadu(r + kVL), a1);
+      a2 = at::vec::fmadd(w, Vec::loadu(r + 2 * kVL), a2);
+      a3 = at::vec::fmadd(w, Vec::loadu(r + 3 * kVL), a3);
+    }
+    a0.store(acc + d);
+    a1.store(acc + d + kVL);
+    a2.store(acc + d + 2 * kVL);
+    a3.store(acc + d + 3 * kVL);
+  }
+  for (; d < n; d += kVL) {
+    const int64_t c = std::min(kVL, n - d);
+    Vec a = Vec::loadu(acc + d, c) * va;
+    for (int64_t i = 0; i < nk; ++i) a = at::vec::fmadd(Vec(p[i]), Vec::loadu(rows[i] + d, c), a);
+    a.store(acc + d, c);
+  }
+}
+
+// p[0:n] = exp(s[0:n] - m); returns their sum.
+inline float exp_shifted(const float* s, float* p, float m, int64_t n) {
+  const Vec vm(m);
+  Vec total(0.f);
+  int64_t i = 0;
+  for (; i + kVL <= n; i += kVL) {
+    Vec e = (Vec::loadu(s + i) - vm).exp();
+    e.store(p + i);
+    total = total + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total);
+  for (; i < n; ++i) {
+    p[i] = std::exp(s[i] - m);
+    sum += p[i];
+  }
+  return sum;
+}
+
+template <typename scalar_t>
+inline void row_to_float(const scalar_t* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t d = 0;
+    for (; d + kVL <= n; d += kVL) {
+      Vec x;
+      at::vec::load_to_float<scalar_t>(src + d, x);
+      x.store(dst + d);
+    }
+    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+struct Strides {
+  int64_t q_t, q_h, k_s, k_h, v_s, v_h;
+};
+
+// A work item: query tokens [tok_lo, tok_hi) x the g query heads of one KV head, against the keys of the
+// slot runs [run_lo, run_hi) (a concatenation); token tok_lo + j sees the first min(first + j, total) of
+// them (first may be <= 0: such tokens see none of this item's keys).
+struct Item {
+  int64_t tok_lo, tok_hi, run_lo, run_hi, first, total;
+};
+
+inline Item item_at(const int64_t* row) { return {row[0], row[1], row[2], row[3], row[4], row[5]}; }
+
+// Per-thread scratch, sized once for the largest item.
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, kbuf, vbuf;
+  std::vector<const float*> krow, vrow;
+  std::vector<int64_t> lim;
+  Scratch(int64_t rows, int64_t d)
+      : q(rows * d), acc(rows * d), s(rows * kBlockKeys), m(rows), l(rows), kbuf(kBlockKeys * d),
+        vbuf(kBlockKeys * d), krow(kBlockKeys), vrow(kBlockKeys), lim(rows) {}
+};
+
+// Online softmax of the item's rows (row r = token tok_lo + r / g, head h * g + r % g) over its visible
+// keys, reading each K/V row from the pool once for all rows. Leaves the unnormalised state in w: running
+// max m, sum l, and acc = sum_i exp(s_i - m) v_i.
+template <typename scalar_t>
+void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
+            const Item& it, int64_t h, int64_t g, int64_t d, float scale, Scratch& w) {
+  const int64_t nt = it.tok_hi - it.tok_lo, rows = nt * g;
+  float* qf = w.q.data();
+  float* acc = w.acc.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    row_to_float(q + (it.tok_lo + r / g) * st.q_t + (h * g + r % g) * st.q_h, qf + r * d, d);
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= scale;
+    w.m[r] = kNegInf;
+    w.l[r] = 0.f;
+  }
+  std::fill(acc, acc + rows * d, 0.f);
+
+  const int64_t kmax = std::min(it.first + nt - 1, it.total);  // keys seen by the last token
+  int64_t run = it.run_lo;
+  int64_t slot = run < it.run_hi ? runs[2 * run] : 0;
+  for (int64_t pos = 0; pos < kmax;) {
+    int64_t nk = 0;
+    while (nk < kBlockKeys && pos + nk < kmax) {
+      while (slot >= runs[2 * run + 1]) {  // on to the next run (keys remain, so one exists)
+        ++run;
+        slot = runs[2 * run];
+      }
+      const scalar_t* kr = k + slot * st.k_s + h * st.k_h;
+      const scalar_t* vr = v + slot * st.v_s + h * st.v_h;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        w.krow[nk] = kr;
+        w.vrow[nk] = vr;
+      } else {
+        row_to_float(kr, w.kbuf.data() + nk * d, d);
+        row_to_float(vr, w.vbuf.data() + nk * d, d);
+        w.krow[nk] = w.kbuf.data() + nk * d;
+        w.vrow[nk] = w.vbuf.data() + nk * d;
+      }
+      ++slot;
+      ++nk;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::min(it.first + r / g, it.total);
+      w.lim[r] = std::max<int64_t>(0, std::min(nk, seen - pos));
+    }
+    for (int64_t i = 0; i < nk; ++i) {
+      for (int64_t r = 0; r < rows; ++r) {
+        if (i < w.lim[r]) w.s[r * kBlockKeys + i] = dot(qf + r * d, w.krow[i], d);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = w.lim[r];
+      if (n == 0) continue;
+      float* s = w.s.data() + r * kBlockKeys;
+      const float m_new = std::max(w.m[r], *std::max_element(s, s + n));
+      const float alpha = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
+      w.l[r] = w.l[r] * alpha + exp_shifted(s, s, m_new, n);
+      w.m[r] = m_new;
+      scale_add_rows(acc + r * d, alpha, s, w.vrow.data(), n, d);
+    }
+    pos += nk;
+  }
+}
+
+struct Partials {
+  float* o;    // [R, Hq, D]
+  float* lse;  // [R, Hq]
+};
+
+// Phase 1 item through ATen's flash kernel (single-threaded here: we are inside our own parallel region).
+// Only for one contiguous run that every row sees whole (first >= total) or a causal square (first == 1,
+// total == tokens). Non-causal items fold the g heads into the query rows, so the run is read by one GEMM.
+void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* runs,
+                 const Item& it, int64_t part_row, int64_t h, double scale, const Partials& part) {
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), g = hq / hkv, nt = it.tok_hi - it.tok_lo;
+  const int64_t lo = runs[2 * it.run_lo], hi = runs[2 * it.run_lo + 1];
+  at::Tensor kt = k.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);  // [1, 1, L, D], no copy
+  at::Tensor vt = v.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
+  at::Tensor qs = q.slice(0, it.tok_lo, it.tok_hi).slice(1, h * g, (h + 1) * g);  // [nt, g, D]
+  const bool causal = it.first < it.total;
+  at::Tensor o, lse;
+  if (causal) {
+    std::tie(o, lse) = at::_scaled_dot_product_flash_attention_for_cpu(
+        qs.transpose(0, 1).unsqueeze(0), kt, vt, 0.0, true, std::nullopt, scale);
+    o = o[0].transpose(0, 1);      // [nt, g, D]
+    lse = lse[0].transpose(0, 1);  // [nt, g]
+  } else {
+    std::tie(o, lse) = at::_scaled_dot_product_flash_attention_for_cpu(
+        qs.reshape({1, 1, nt * g, d}), kt, vt, 0.0, false, std::nullopt, scale);
+    o = o.view({nt, g, d});
+    lse = lse.view({nt, g});
+  }
+  at::Tensor o_dst = at::from_blob(part.o + (part_row * hq + h * g) * d, {nt, g, d}, {hq * d, d, 1},
+                                   q.options().dtype(at::kFloat));
+  at::Tensor l_dst = at::from_blob(part.lse + part_row * hq + h * g, {nt, g}, {hq, 1}, q.options().dtype(at::kFloat));
+  o_dst.copy_(o);
+  l_dst.copy_(lse);
+}
+
+// Phase 1 item through attend(): writes the normalised partial and its log-sum-exp.
+template <typename scalar_t>
+void own_piece(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
+               const Item& it, int64_t part_row, int64_t h, int64_t hq, int64_t g, int64_t d, float scale,
+               const Partials& part, Scratch& w) {
+  attend(q, k, v, st, runs, it, h, g, d, scale, w);
+  const int64_t rows = (it.tok_hi - it.tok_lo) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t idx = (part_row + r / g) * hq + h * g + r % g;
+    const float l = w.l[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float* dst = part.o + idx * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = w.acc[r * d + i] * inv;
+    part.lse[idx] = l > 0.f ? w.m[r] + std::log(l) : kNegInf;
+  }
+}
+
+// Phase 2 item: a block of segment tokens; folds in every partial covering each token, writes the output.
+template <typename scalar_t>
+void segment_block(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const Strides& st,
+                   const int64_t* runs, const Item& it, const int64_t* tok_ptr, const int64_t* tok_parts,
+                   int64_t h, int64_t hq, int64_t g, int64_t d, float scale, const Partials& part, Scratch& w) {
+  attend(q, k, v, st, runs, it, h, g, d, scale, w);
+  const int64_t rows = (it.tok_hi - it.tok_lo) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = it.tok_lo + r / g, head = h * g + r % g;
+    float* a = w.acc.data() + r * d;
+    float m = w.m[r], l = w.l[r];
+    for (int64_t e = tok_ptr[t]; e < tok_ptr[t + 1]; ++e) {
+      const int64_t idx = tok_parts[e] * hq + head;
+      const float lse = part.lse[idx];
+      if (lse == kNegInf) continue;
+      const float m_new = std::max(m, lse);
+      const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+      const float beta = std::exp(lse - m_new);
+      const float* o = part.o + idx * d;
+      scale_add_rows(a, alpha, &beta, &o, 1, d);
+      l = l * alpha + beta;
+      m = m_new;
+    }
+    scalar_t* dst = out + (t * hq + head) * d;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(a[i] * inv);
+  }
+}
+
+// Runs fn(item index, thread scratch) over [0, n) on all threads; items are handed out one at a time in
+// order (the build sorts them most expensive first), so uneven items still balance.
+template <typename F>
+void for_each_item(int64_t n, int64_t rows, int64_t d, const F& fn) {
+  if (n == 0) return;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    Scratch w(rows, d);
+    for (int64_t i = next++; i < n; i = next++) fn(i, w);
+  });
+}
+
+at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
+                          const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
+                          const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
+                          int64_t flash_min_rows, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "step_attention: CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "step_attention: q [T, Hq, D], k/v [S, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "step_attention: head dim must be dense");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2), "step_attention: k/v shapes differ from q's");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "step_attention: q, k and v must share one dtype");
+  const int64_t t = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "step_attention: Hq must be a multiple of Hkv");
+  for (const at::Tensor* x : {&runs, &pieces, &blocks, &tok_ptr, &tok_parts}) {
+    TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous() && x->device().is_cpu(),
+                "step_attention: metadata must be contiguous int64 CPU tensors");
+  }
+  TORCH_CHECK(pieces.size(1) == 7 && blocks.size(1) == 6 && tok_ptr.numel() == t + 1,
+              "step_attention: metadata shapes do not match");
+  const int64_t g = hq / hkv;
+  at::Tensor out = at::empty({t, hq, d}, q.options());
+  at::Tensor part_o = at::empty({num_parts, hq, d}, q.options().dtype(at::kFloat));
+  at::Tensor part_lse = at::empty({num_parts, hq}, q.options().dtype(at::kFloat));
+  const Partials part{part_o.data_ptr<float>(), part_lse.data_ptr<float>()};
+  const Strides st{q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
+  const int64_t* rp = runs.data_ptr<int64_t>();
+  const int64_t* pp = pieces.data_ptr<int64_t>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* tp = tok_ptr.data_ptr<int64_t>();
+  const int64_t* tq = tok_parts.data_ptr<int64_t>();
+  const int64_t rows = std::max<int64_t>(1, max_item_tokens) * g;
+  const float fscale = static_cast<float>(scale);
+  const auto kernel = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    const scalar_t* kp = k.const_data_ptr<scalar_t>();
+    const scalar_t* vp = v.const_data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_each_item(pieces.size(0) * hkv, rows, d, [&](int64_t i, Scratch& w) {
+      const int64_t* row = pp + 7 * (i / hkv);
+      const Item it = item_at(row);
+      const int64_t nt = it.tok_hi - it.tok_lo;
+      const bool one_run = it.run_hi - it.run_lo == 1;
+      const bool whole = it.first >= it.total, square = it.first == 1 && it.total == nt;
+      if (flash_min_rows >= 0 && nt * g >= flash_min_rows && one_run && (whole || square)) {
+        flash_piece(q, k, v, rp, it, row[6], i % hkv, scale, part);
+      } else {
+        own_piece<scalar_t>(qp, kp, vp, st, rp, it, row[6], i % hkv, hq, g, d, fscale, part, w);
+      }
+    });
+    for_each_item(blocks.size(0) * hkv, rows, d, [&](int64_t i, Scratch& w) {
+      segment_block<scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * (i / hkv)), tp, tq, i % hkv, hq, g, d,
+                              fscale, part, w);
+    });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: kernel(float{}); break;
+    case at::kBFloat16: kernel(at::BFloat16{}); break;
+    case at::kHalf: kernel(at::Half{}); break;
+    default: TORCH_CHECK(false, "step_attention: q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hydragen, m) {
+  m.def(
+      "step_attention(Tensor q, Tensor k, Tensor v, Tensor runs, Tensor pieces, Tensor blocks, Tensor tok_ptr, "
+      "Tensor tok_parts, int num_parts, int max_item_tokens, int flash_min_rows, float scale) -> Tensor");
+  m.impl("step_attention", c10::DispatchKey::CPU, &step_attention);
+}

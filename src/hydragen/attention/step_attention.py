@@ -1,0 +1,340 @@
+"""Attention for a whole packed step (decode tokens, prefill chunks, extends) in one call per layer.
+
+The model runner packs every query token of a step into one varlen batch ``q [T, Hq, D]``; the KV pool
+layer is ``k/v [S, Hkv, D]`` (slot axis first, slot = page * page_size + offset). What each token sees is
+described once per step by a :class:`StepAttentionMeta`:
+
+* **Segments** tile the tokens in order. Segment s holds tokens ``[seg_tok[s], seg_tok[s+1])`` and a list
+  of slot runs; token j of the segment sees the first ``seg_visible[s] + j`` keys of the concatenation of
+  those runs (capped at their total). A decode token is a one-token segment that sees all its runs; a
+  prefill chunk whose own keys are its last run gets ``visible = ancestor keys + 1`` (the causal diagonal).
+  Segments are read in place through their pages, key by key.
+* **Units** say that tokens ``[tok_lo, tok_hi)`` also attend to the contiguous slots ``[kv_lo, kv_hi)``:
+  all of them (``causal = 0``), or, for a square unit, token i sees keys ``0..i`` (``causal = 1``). A shared
+  tree node is one unit over the DFS range of its sequences, so its keys are read once by a matrix-matrix
+  product for all of them. Units may nest (a token under several shared nodes).
+
+A token's output is exact softmax attention over the union of its segment's visible keys and the keys of
+every unit that covers it (an LSE merge of the parts); a token that sees nothing gets zeros.
+
+Two implementations: ``cpp`` (``csrc/step_attention.cpp``, compiled on first use; units through ATen's CPU
+flash kernel, segments by a threaded online-softmax kernel that folds the unit partials in) and ``torch``
+(``step_attention_torch.py``: gathers and the existing partial kernels, any device). ``auto`` takes cpp on
+CPU when it builds, else torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from hydragen.attention import cpp_build
+
+UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
+TOKENS_PER_BLOCK = 8  # segment tokens per work item: they share each K/V row the item reads
+PIECE_TOKENS = 32  # query tokens per unit piece: rows of one matrix product, and several pieces per wide node
+MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
+FLASH_MIN_ROWS = 16  # a piece with fewer query rows (tokens x g) skips the flash kernel (overhead > gain)
+_CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class StepAttentionMeta:
+    """Everything the step's attention needs that does not change from layer to layer.
+
+    The first six fields are the step as the runner describes it; the rest is derived by ``build``: the
+    work items of the C++ op. Each item is (tok_lo, tok_hi, run_lo, run_hi, first, total): tokens
+    [tok_lo, tok_hi) against the concatenation of ``work_runs[run_lo:run_hi]``, token tok_lo + j seeing its
+    first min(first + j, total) keys. ``pieces`` (units cut into tiles, causal units into diagonal squares
+    plus the rectangles left of them, and all but the last key chunk of very long segments) also carry the
+    first row of their fp32 partials; ``blocks`` cover every token once and write the output.
+    """
+
+    units: Tensor  # int64 [U, 5]: kv_lo, kv_hi, tok_lo, tok_hi, causal (empty units dropped)
+    seg_tok: Tensor  # int64 [NS + 1]
+    seg_run: Tensor  # int64 [NS + 1]
+    runs: Tensor  # int64 [NR, 2]: slot_lo, slot_hi (empty runs dropped)
+    seg_visible: Tensor  # int64 [NS]
+    num_tokens: int
+    work_runs: Tensor  # int64 [NW, 2]: the slot runs the items read
+    pieces: Tensor  # int64 [NP, 7]: item + first partial row; most expensive first
+    blocks: Tensor  # int64 [NB, 6]: item; most expensive first
+    tok_ptr: Tensor  # int64 [T + 1]: token t's partial rows are tok_parts[tok_ptr[t]:tok_ptr[t+1]]
+    tok_parts: Tensor  # int64 [R]
+    num_parts: int  # R
+    max_item_tokens: int
+    slots_needed: int  # one past the highest slot read: the pool layer must be at least this long
+    unit_list: list[tuple[int, int, int, int, int]] = field(repr=False)
+    segment_list: list[tuple[int, int, list[tuple[int, int]], int]] = field(repr=False)
+    torch_plan: object | None = field(default=None, repr=False)  # step_attention_torch's gathers, lazily
+
+    @property
+    def device(self) -> torch.device:
+        return self.units.device
+
+    @classmethod
+    def build(
+        cls,
+        units: list[tuple[int, int, int, int, int]],
+        segments: list[tuple[int, int, list[tuple[int, int]], int]],
+        num_tokens: int,
+        device,
+    ) -> StepAttentionMeta:
+        """Validate the step's description and precompute the per-step index tensors (once per step)."""
+        num_tokens = int(num_tokens)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        segment_list, slots_needed = _check_segments(segments, num_tokens)
+        unit_list = _check_units(units, num_tokens)
+        slots_needed = max([slots_needed] + [u[1] for u in unit_list])
+        work = _WorkItems()
+        for unit in unit_list:
+            work.add_unit(*unit)
+        for segment in segment_list:
+            work.add_segment(*segment)
+
+        long = dict(dtype=torch.int64)
+        pieces = torch.tensor(work.pieces, **long).view(-1, 7)
+        lens = pieces[:, 1] - pieces[:, 0]
+        num_parts = int(lens.sum())
+        # Partial row p belongs to token owner[p]; a stable sort by owner lists each token's rows in order.
+        piece_of_row = torch.repeat_interleave(torch.arange(len(work.pieces)), lens)
+        owner = pieces[piece_of_row, 0] + torch.arange(num_parts) - pieces[piece_of_row, 6]
+        tok_ptr = torch.zeros(num_tokens + 1, **long)
+        tok_ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=num_tokens), 0)
+
+        seg_run = [0]
+        for seg in segment_list:
+            seg_run.append(seg_run[-1] + len(seg[2]))
+        put = lambda x: torch.as_tensor(x, **long).to(device)
+        return cls(
+            units=put(unit_list).view(-1, UNIT_FIELDS),
+            seg_tok=put([0] + [seg[1] for seg in segment_list]),
+            seg_run=put(seg_run),
+            runs=put([run for seg in segment_list for run in seg[2]]).view(-1, 2),
+            seg_visible=put([seg[3] for seg in segment_list]),
+            num_tokens=num_tokens,
+            work_runs=put(work.runs).view(-1, 2),
+            pieces=put(_by_cost(work.pieces)).view(-1, 7),
+            blocks=put(_by_cost(work.blocks)).view(-1, 6),
+            tok_ptr=put(tok_ptr),
+            tok_parts=put(torch.sort(owner, stable=True).indices),
+            num_parts=num_parts,
+            max_item_tokens=max((x[1] - x[0] for x in work.pieces + work.blocks), default=0),
+            slots_needed=slots_needed,
+            unit_list=unit_list,
+            segment_list=segment_list,
+        )
+
+
+def _by_cost(items: list[tuple]) -> list[tuple]:
+    """Most expensive first (tokens x keys seen by the last token), so the threads finish together."""
+    return sorted(items, key=lambda x: -(x[1] - x[0]) * (max(0, min(x[4] + x[1] - x[0] - 1, x[5])) + 1))
+
+
+def _cut(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The slot runs holding keys [lo, hi) of the concatenation of ``runs``."""
+    out, pos = [], 0
+    for a, b in runs:
+        s, e = max(a, a + lo - pos), min(b, a + hi - pos)
+        if s < e:
+            out.append((s, e))
+        pos += b - a
+    return out
+
+
+def _key_chunks(n: int) -> list[int]:
+    """Boundaries cutting n keys into near-equal chunks of at most MAX_PIECE_KEYS."""
+    count = max(1, -(-n // MAX_PIECE_KEYS))
+    return [n * i // count for i in range(count + 1)]
+
+
+class _WorkItems:
+    """Cuts units and segments into the C++ op's work items (see StepAttentionMeta)."""
+
+    def __init__(self):
+        self.runs: list[tuple[int, int]] = []
+        self.pieces: list[tuple[int, ...]] = []
+        self.blocks: list[tuple[int, ...]] = []
+        self.rows = 0  # partial rows handed out so far
+
+    def _runs(self, runs: list[tuple[int, int]]) -> tuple[int, int]:
+        self.runs += runs
+        return len(self.runs) - len(runs), len(self.runs)
+
+    def _pieces(self, tok_lo: int, tok_hi: int, runs, first: int, total: int) -> None:
+        r0, r1 = self._runs(runs)
+        for t0 in range(tok_lo, tok_hi, PIECE_TOKENS):
+            t1 = min(t0 + PIECE_TOKENS, tok_hi)
+            self.pieces.append((t0, t1, r0, r1, first + t0 - tok_lo, total, self.rows))
+            self.rows += t1 - t0
+
+    def add_unit(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int, causal: int) -> None:
+        n = kv_hi - kv_lo
+        if not causal:
+            bounds = _key_chunks(n)
+            for c0, c1 in zip(bounds, bounds[1:], strict=False):
+                self._pieces(tok_lo, tok_hi, [(kv_lo + c0, kv_lo + c1)], c1 - c0, c1 - c0)
+            return
+        # Token i of a causal unit sees keys 0..i: per tile [a, b), a causal square on the diagonal and, left
+        # of it, keys [0, a) that the whole tile sees.
+        for a in range(0, n, PIECE_TOKENS):
+            b = min(a + PIECE_TOKENS, n)
+            self._pieces(tok_lo + a, tok_lo + b, [(kv_lo + a, kv_lo + b)], 1, b - a)
+            if a:
+                self.add_unit(kv_lo, kv_lo + a, tok_lo + a, tok_lo + b, 0)
+
+    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int) -> None:
+        total = sum(b - a for a, b in runs)
+        seen_last = min(visible + tok_hi - tok_lo - 1, total)
+        bounds = _key_chunks(max(seen_last, 0))
+        for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
+            j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
+            self._pieces(tok_lo + j0, tok_hi, _cut(runs, c0, c1), visible + j0 - c0, c1 - c0)
+        c0 = bounds[-2]
+        r0, r1 = self._runs(_cut(runs, c0, total))
+        for t0 in range(tok_lo, tok_hi, TOKENS_PER_BLOCK):
+            t1 = min(t0 + TOKENS_PER_BLOCK, tok_hi)
+            self.blocks.append((t0, t1, r0, r1, visible + t0 - tok_lo - c0, total - c0))
+
+
+def _as_int(x, what: str) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be an integer, got {x!r}") from None
+
+
+def _check_segments(segments, num_tokens: int):
+    """Normalised segments (empty runs dropped) and one past the last slot they read."""
+    out = []
+    slots_needed = 0
+    pos = 0
+    for s, seg in enumerate(segments):
+        if len(seg) != 4:
+            raise ValueError(f"segment {s} must be (tok_lo, tok_hi, runs, visible), got {seg!r}")
+        lo, hi, runs, visible = seg
+        lo, hi = _as_int(lo, f"segment {s} tok_lo"), _as_int(hi, f"segment {s} tok_hi")
+        visible = _as_int(visible, f"segment {s} visible")
+        if lo != pos:
+            raise ValueError(f"segment {s} starts at token {lo}, expected {pos}: segments tile the tokens")
+        if hi < lo:
+            raise ValueError(f"segment {s} ends (token {hi}) before it starts (token {lo})")
+        if visible < 0:
+            raise ValueError(f"segment {s}: visible must be >= 0, got {visible}")
+        kept = []
+        for run in runs:
+            if len(run) != 2:
+                raise ValueError(f"segment {s}: a run must be (slot_lo, slot_hi), got {run!r}")
+            a, b = _as_int(run[0], f"segment {s} slot_lo"), _as_int(run[1], f"segment {s} slot_hi")
+            if a < 0 or b < a:
+                raise ValueError(f"segment {s}: bad slot run ({a}, {b})")
+            if b > a:
+                kept.append((a, b))
+                slots_needed = max(slots_needed, b)
+        out.append((lo, hi, kept, visible))
+        pos = hi
+    if pos != num_tokens:
+        raise ValueError(f"segments cover tokens [0, {pos}) but the step has {num_tokens} tokens")
+    return out, slots_needed
+
+
+def _check_units(units, num_tokens: int) -> list[tuple[int, int, int, int, int]]:
+    kept = []
+    for i, unit in enumerate(units):
+        if len(unit) != UNIT_FIELDS:
+            raise ValueError(f"unit {i} must be (kv_lo, kv_hi, tok_lo, tok_hi, causal), got {unit!r}")
+        kv_lo, kv_hi, tok_lo, tok_hi, causal = (_as_int(x, f"unit {i} field") for x in unit)
+        if not 0 <= tok_lo <= tok_hi <= num_tokens:
+            raise ValueError(f"unit {i}: tokens [{tok_lo}, {tok_hi}) outside the step's [0, {num_tokens})")
+        if not 0 <= kv_lo <= kv_hi:
+            raise ValueError(f"unit {i}: bad slot range [{kv_lo}, {kv_hi})")
+        if causal not in (0, 1):
+            raise ValueError(f"unit {i}: causal must be 0 or 1, got {causal}")
+        if causal and kv_hi - kv_lo != tok_hi - tok_lo:
+            raise ValueError(
+                f"unit {i}: a causal unit must be square, got {tok_hi - tok_lo} tokens, {kv_hi - kv_lo} keys"
+            )
+        if kv_hi > kv_lo and tok_hi > tok_lo:
+            kept.append((kv_lo, kv_hi, tok_lo, tok_hi, causal))
+    return kept
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, meta: StepAttentionMeta) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D] and k/v [S, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens but the step metadata has {meta.num_tokens}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim of q ({q.shape[2]}) != head dim of k/v ({k.shape[2]})")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device or meta.device != q.device:
+        raise ValueError(
+            f"q, k, v and the metadata must be on one device, got {q.device}, {k.device}, "
+            f"{v.device}, {meta.device}"
+        )
+    if meta.slots_needed > k.shape[0]:
+        raise ValueError(f"the step reads slot {meta.slots_needed - 1} but k/v hold {k.shape[0]} slots")
+
+
+_warned = False
+
+
+def _warn_fallback(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"hydragen: C++ step attention unavailable ({reason}); using torch", stacklevel=3)
+
+
+def step_attention(
+    q: Tensor, k: Tensor, v: Tensor, meta: StepAttentionMeta, scale: float, impl: str = "auto"
+) -> Tensor:
+    """Attention of every token of the step; q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D] in q's dtype."""
+    if impl not in ("auto", "cpp", "torch"):
+        raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    _check_inputs(q, k, v, meta)
+    if impl == "cpp" and (q.device.type != "cpu" or q.dtype not in _CPP_DTYPES):
+        raise ValueError(f"impl='cpp' needs CPU fp32/bf16/fp16 tensors, not {q.dtype} on {q.device}")
+    op = None
+    if impl != "torch" and q.device.type == "cpu" and q.dtype in _CPP_DTYPES:
+        op = cpp_build.step_attention_op()
+        if op is None:
+            reason = cpp_build.build_error() or "unknown reason"
+            if impl == "cpp":
+                raise RuntimeError(f"the C++ step-attention op is unavailable: {reason}")
+            if cpp_build.disabled_reason() is None:
+                _warn_fallback(reason)
+    if op is None:
+        from hydragen.attention.step_attention_torch import torch_step_attention
+
+        return torch_step_attention(q, k, v, meta, float(scale))
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k/v must be dense along the head dim (a pool layer view is)")
+    return op(
+        q,
+        k,
+        v,
+        meta.work_runs,
+        meta.pieces,
+        meta.blocks,
+        meta.tok_ptr,
+        meta.tok_parts,
+        meta.num_parts,
+        meta.max_item_tokens,
+        FLASH_MIN_ROWS,
+        float(scale),
+    )
+
+
+__all__ = ["StepAttentionMeta", "step_attention"]
