@@ -138,10 +138,11 @@ def make_qkv(num_tokens, slots, hq, hkv, d, dtype, seed=1):
 # How the build cuts the step into work items. "fine" cuts units into 4-token tiles, causal units into
 # diagonal squares + rectangles, segments and units into 8-key chunks, so every kind of item occurs in a
 # small step; "flash" / "own" force every eligible piece through ATen's flash kernel / the op's own loop.
+FINE = dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3)
 CUTS = {
     "default": {},
-    "fine-flash": dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3, FLASH_MIN_ROWS=0),
-    "fine-own": dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3, FLASH_MIN_ROWS=-1),
+    "fine-flash": dict(FINE, FLASH_MIN_ROWS=0, FLASH_MIN_KEYS=0),
+    "fine-own": dict(FINE, FLASH_MIN_ROWS=-1),
 }
 
 

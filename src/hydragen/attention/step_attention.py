@@ -37,7 +37,10 @@ UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
 TOKENS_PER_BLOCK = 8  # segment tokens per work item: they share each K/V row the item reads
 PIECE_TOKENS = 32  # query tokens per unit piece: rows of one matrix product, and several pieces per wide node
 MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
-FLASH_MIN_ROWS = 16  # a piece with fewer query rows (tokens x g) skips the flash kernel (overhead > gain)
+# Pieces go through ATen's flash kernel only from this many query rows (tokens x g) and keys on: below, its
+# fixed cost per call (~25 us here) outweighs its faster matrix products, and the op's own loop wins.
+FLASH_MIN_ROWS = 24
+FLASH_MIN_KEYS = 512
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -302,10 +305,13 @@ def step_attention(
     if impl not in ("auto", "cpp", "torch"):
         raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
     _check_inputs(q, k, v, meta)
-    if impl == "cpp" and (q.device.type != "cpu" or q.dtype not in _CPP_DTYPES):
-        raise ValueError(f"impl='cpp' needs CPU fp32/bf16/fp16 tensors, not {q.dtype} on {q.device}")
+    cpp_ready = q.device.type == "cpu" and q.dtype in _CPP_DTYPES and k.stride(2) == 1 and v.stride(2) == 1
+    if impl == "cpp" and not cpp_ready:
+        raise ValueError(
+            f"impl='cpp' needs CPU fp32/bf16/fp16 tensors with a dense head dim, got {q.dtype} on {q.device}"
+        )
     op = None
-    if impl != "torch" and q.device.type == "cpu" and q.dtype in _CPP_DTYPES:
+    if impl != "torch" and cpp_ready:
         op = cpp_build.step_attention_op()
         if op is None:
             reason = cpp_build.build_error() or "unknown reason"
@@ -317,12 +323,8 @@ def step_attention(
         from hydragen.attention.step_attention_torch import torch_step_attention
 
         return torch_step_attention(q, k, v, meta, float(scale))
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("k/v must be dense along the head dim (a pool layer view is)")
     return op(
-        q,
+        q if q.stride(2) == 1 else q.contiguous(),
         k,
         v,
         meta.work_runs,
@@ -333,6 +335,7 @@ def step_attention(
         meta.num_parts,
         meta.max_item_tokens,
         FLASH_MIN_ROWS,
+        FLASH_MIN_KEYS,
         float(scale),
     )
 

@@ -24,8 +24,11 @@
 #endif
 #define CPU_CAPABILITY hydragen_step_attention
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -56,29 +59,83 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s0 + s1);
 }
 
-// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n]; four vector accumulators live in registers.
+// out[j] = the sum of the lanes of a_j, for four vectors at once (one shuffle tree instead of four).
+inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const auto half = [](const Vec& a) {
+    const __m512 x = a;
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  };
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  const auto sum = [](const Vec& x) {
+    return at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, x);
+  };
+  out[0] = sum(a0);
+  out[1] = sum(a1);
+  out[2] = sum(a2);
+  out[3] = sum(a3);
+#endif
+}
+
+// s[i] = <q, rows[i]> for i < nk: four keys at a time share each load of q and one reduction.
+inline void dots(const float* q, const float* const* rows, int64_t nk, int64_t d, float* s) {
+  int64_t i = 0;
+  for (; i + 4 <= nk; i += 4) {
+    const float *k0 = rows[i], *k1 = rows[i + 1], *k2 = rows[i + 2], *k3 = rows[i + 3];
+    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+    int64_t j = 0;
+    for (; j + kVL <= d; j += kVL) {
+      const Vec x = Vec::loadu(q + j);
+      a0 = at::vec::fmadd(x, Vec::loadu(k0 + j), a0);
+      a1 = at::vec::fmadd(x, Vec::loadu(k1 + j), a1);
+      a2 = at::vec::fmadd(x, Vec::loadu(k2 + j), a2);
+      a3 = at::vec::fmadd(x, Vec::loadu(k3 + j), a3);
+    }
+    if (j < d) {
+      const int64_t c = d - j;
+      const Vec x = Vec::loadu(q + j, c);
+      a0 = at::vec::fmadd(x, Vec::loadu(k0 + j, c), a0);
+      a1 = at::vec::fmadd(x, Vec::loadu(k1 + j, c), a1);
+      a2 = at::vec::fmadd(x, Vec::loadu(k2 + j, c), a2);
+      a3 = at::vec::fmadd(x, Vec::loadu(k3 + j, c), a3);
+    }
+    hsum4(a0, a1, a2, a3, s + i);
+  }
+  for (; i < nk; ++i) s[i] = dot(q, rows[i], d);
+}
+
+// acc[d0 : d0 + NV * kVL] = acc * alpha + sum_i p[i] * rows[i][...]: NV accumulators stay in registers.
+template <int NV>
+inline void scale_add_tile(float* acc, const Vec& alpha, const float* p, const float* const* rows, int64_t nk,
+                           int64_t d0) {
+  Vec a[NV];
+  for (int j = 0; j < NV; ++j) a[j] = Vec::loadu(acc + d0 + j * kVL) * alpha;
+  for (int64_t i = 0; i < nk; ++i) {
+    const Vec w(p[i]);
+    const float* r = rows[i] + d0;
+    for (int j = 0; j < NV; ++j) a[j] = at::vec::fmadd(w, Vec::loadu(r + j * kVL), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) a[j].store(acc + d0 + j * kVL);
+}
+
+// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n].
 inline void scale_add_rows(float* acc, float alpha, const float* p, const float* const* rows, int64_t nk,
                            int64_t n) {
   const Vec va(alpha);
   int64_t d = 0;
-  for (; d + 4 * kVL <= n; d += 4 * kVL) {
-    Vec a0 = Vec::loadu(acc + d) * va, a1 = Vec::loadu(acc + d + kVL) * va;
-    Vec a2 = Vec::loadu(acc + d + 2 * kVL) * va, a3 = Vec::loadu(acc + d + 3 * kVL) * va;
-    for (int64_t i = 0; i < nk; ++i) {
-      const Vec w(p[i]);
-      const float* r = rows[i] + d;
-      a0 = at::vec::fmadd(w, Vec::loadu(r), a0);
-      a1 = at::vec::fmadd(w, Vec::loadu(r + kVL), a1);
-      a2 = at::vec::fmadd(w, Vec::loadu(r + 2 * kVL), a2);
-      a3 = at::vec::fmadd(w, Vec::loadu(r + 3 * kVL), a3);
-    }
-    a0.store(acc + d);
-    a1.store(acc + d + kVL);
-    a2.store(acc + d + 2 * kVL);
-    a3.store(acc + d + 3 * kVL);
+  for (; d + 8 * kVL <= n; d += 8 * kVL) scale_add_tile<8>(acc, va, p, rows, nk, d);
+  if (d + 4 * kVL <= n) {
+    scale_add_tile<4>(acc, va, p, rows, nk, d);
+    d += 4 * kVL;
   }
-  for (; d < n; d += kVL) {
-    const int64_t c = std::min(kVL, n - d);
+  for (; d + kVL <= n; d += kVL) scale_add_tile<1>(acc, va, p, rows, nk, d);
+  if (d < n) {
+    const int64_t c = n - d;
     Vec a = Vec::loadu(acc + d, c) * va;
     for (int64_t i = 0; i < nk; ++i) a = at::vec::fmadd(Vec(p[i]), Vec::loadu(rows[i] + d, c), a);
     a.store(acc + d, c);
@@ -135,15 +192,33 @@ inline Item item_at(const int64_t* row) { return {row[0], row[1], row[2], row[3]
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kbuf, vbuf;
   std::vector<const float*> krow, vrow;
+  std::vector<const void*> next_k, next_v;  // the following block's rows, being prefetched
   std::vector<int64_t> lim;
   Scratch(int64_t rows, int64_t d)
       : q(rows * d), acc(rows * d), s(rows * kBlockKeys), m(rows), l(rows), kbuf(kBlockKeys * d),
-        vbuf(kBlockKeys * d), krow(kBlockKeys), vrow(kBlockKeys), lim(rows) {}
+        vbuf(kBlockKeys * d), krow(kBlockKeys), vrow(kBlockKeys), next_k(kBlockKeys), next_v(kBlockKeys),
+        lim(rows) {}
 };
+
+// Walks the slots of a concatenation of runs.
+struct SlotCursor {
+  const int64_t* runs;
+  int64_t run, slot;
+  int64_t next() {
+    while (slot >= runs[2 * run + 1]) slot = runs[2 * ++run];  // callers never read past the last key
+    return slot++;
+  }
+};
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+}
 
 // Online softmax of the item's rows (row r = token tok_lo + r / g, head h * g + r % g) over its visible
 // keys, reading each K/V row from the pool once for all rows. Leaves the unnormalised state in w: running
-// max m, sum l, and acc = sum_i exp(s_i - m) v_i.
+// max m, sum l, and acc = sum_i exp(s_i - m) v_i. Keys go by blocks of kBlockKeys; the rows of the next
+// block are prefetched while this one is computed (paged runs defeat the hardware prefetcher at every
+// page boundary).
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
             const Item& it, int64_t h, int64_t g, int64_t d, float scale, Scratch& w) {
@@ -159,38 +234,40 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strid
   std::fill(acc, acc + rows * d, 0.f);
 
   const int64_t kmax = std::min(it.first + nt - 1, it.total);  // keys seen by the last token
-  int64_t run = it.run_lo;
-  int64_t slot = run < it.run_hi ? runs[2 * run] : 0;
-  for (int64_t pos = 0; pos < kmax;) {
-    int64_t nk = 0;
-    while (nk < kBlockKeys && pos + nk < kmax) {
-      while (slot >= runs[2 * run + 1]) {  // on to the next run (keys remain, so one exists)
-        ++run;
-        slot = runs[2 * run];
-      }
-      const scalar_t* kr = k + slot * st.k_s + h * st.k_h;
-      const scalar_t* vr = v + slot * st.v_s + h * st.v_h;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        w.krow[nk] = kr;
-        w.vrow[nk] = vr;
-      } else {
-        row_to_float(kr, w.kbuf.data() + nk * d, d);
-        row_to_float(vr, w.vbuf.data() + nk * d, d);
-        w.krow[nk] = w.kbuf.data() + nk * d;
-        w.vrow[nk] = w.vbuf.data() + nk * d;
-      }
-      ++slot;
-      ++nk;
+  if (kmax <= 0) return;
+  SlotCursor cursor{runs, it.run_lo, runs[2 * it.run_lo]};
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+  const auto gather = [&](int64_t count) {  // the next block's rows, prefetched
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t slot = cursor.next();
+      w.next_k[i] = k + slot * st.k_s + h * st.k_h;
+      w.next_v[i] = v + slot * st.v_s + h * st.v_h;
+      prefetch_row(w.next_k[i], row_bytes);
+      prefetch_row(w.next_v[i], row_bytes);
     }
+  };
+  gather(std::min(kBlockKeys, kmax));
+  for (int64_t pos = 0; pos < kmax;) {
+    const int64_t nk = std::min(kBlockKeys, kmax - pos);
+    for (int64_t i = 0; i < nk; ++i) {
+      const auto* kr = static_cast<const scalar_t*>(w.next_k[i]);
+      const auto* vr = static_cast<const scalar_t*>(w.next_v[i]);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        w.krow[i] = kr;
+        w.vrow[i] = vr;
+      } else {
+        row_to_float(kr, w.kbuf.data() + i * d, d);
+        row_to_float(vr, w.vbuf.data() + i * d, d);
+        w.krow[i] = w.kbuf.data() + i * d;
+        w.vrow[i] = w.vbuf.data() + i * d;
+      }
+    }
+    gather(std::min(kBlockKeys, kmax - pos - nk));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t seen = std::min(it.first + r / g, it.total);
       w.lim[r] = std::max<int64_t>(0, std::min(nk, seen - pos));
     }
-    for (int64_t i = 0; i < nk; ++i) {
-      for (int64_t r = 0; r < rows; ++r) {
-        if (i < w.lim[r]) w.s[r * kBlockKeys + i] = dot(qf + r * d, w.krow[i], d);
-      }
-    }
+    for (int64_t r = 0; r < rows; ++r) dots(qf + r * d, w.krow.data(), w.lim[r], d, w.s.data() + r * kBlockKeys);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = w.lim[r];
       if (n == 0) continue;
@@ -203,6 +280,10 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strid
     }
     pos += nk;
   }
+}
+
+inline int64_t runs_keys(const int64_t* runs, const Item& it) {
+  return it.run_hi > it.run_lo ? runs[2 * it.run_lo + 1] - runs[2 * it.run_lo] : 0;
 }
 
 struct Partials {
@@ -301,7 +382,7 @@ void for_each_item(int64_t n, int64_t rows, int64_t d, const F& fn) {
 at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
                           const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                           const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
-                          int64_t flash_min_rows, double scale) {
+                          int64_t flash_min_rows, int64_t flash_min_keys, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "step_attention: CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "step_attention: q [T, Hq, D], k/v [S, Hkv, D]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "step_attention: head dim must be dense");
@@ -341,7 +422,9 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t nt = it.tok_hi - it.tok_lo;
       const bool one_run = it.run_hi - it.run_lo == 1;
       const bool whole = it.first >= it.total, square = it.first == 1 && it.total == nt;
-      if (flash_min_rows >= 0 && nt * g >= flash_min_rows && one_run && (whole || square)) {
+      const int64_t keys = runs_keys(rp, it);
+      if (flash_min_rows >= 0 && nt * g >= flash_min_rows && keys >= flash_min_keys && one_run &&
+          (whole || square)) {
         flash_piece(q, k, v, rp, it, row[6], i % hkv, scale, part);
       } else {
         own_piece<scalar_t>(qp, kp, vp, st, rp, it, row[6], i % hkv, hq, g, d, fscale, part, w);
@@ -366,6 +449,7 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 TORCH_LIBRARY(hydragen, m) {
   m.def(
       "step_attention(Tensor q, Tensor k, Tensor v, Tensor runs, Tensor pieces, Tensor blocks, Tensor tok_ptr, "
-      "Tensor tok_parts, int num_parts, int max_item_tokens, int flash_min_rows, float scale) -> Tensor");
+      "Tensor tok_parts, int num_parts, int max_item_tokens, int flash_min_rows, int flash_min_keys, "
+      "float scale) -> Tensor");
   m.impl("step_attention", c10::DispatchKey::CPU, &step_attention);
 }
