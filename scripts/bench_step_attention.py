@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--cases", default="abcd")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--impls", default="cpp,torch", help="step_attention impls to time (comma-separated)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     builders = {
@@ -160,8 +161,10 @@ def main() -> None:
         "d (1 unit)": lambda s, g: case_d(s, g, one_unit=True),
     }
     print(f"threads {args.threads}, repeats {args.repeats}; per-layer ms (median)")
-    cols = ["old", "cpp", "torch", "build"]
-    print(f"{'case':14} {'pages':10} {'units':>5} {'runs':>5} " + " ".join(f"{c:>8}" for c in cols))
+    impls = args.impls.split(",")
+    cols = ["old", *impls, "build"]
+    head = f"{'case':14} {'pages':10} {'units':>5} {'runs':>5} {'pieces':>6} "
+    print(head + " ".join(f"{c:>8}" for c in cols))
     for name, make in builders.items():
         if name[0] not in args.cases:
             continue
@@ -171,13 +174,15 @@ def main() -> None:
             t0 = time.perf_counter()
             meta = StepAttentionMeta.build(units, segs, q.shape[0], "cpu")
             build_ms = (time.perf_counter() - t0) * 1e3
-            for impl in ("cpp", "torch"):
+            for impl in impls:
                 fns[impl] = lambda m=meta, q=q, p=pool, i=impl: step_attention(q, p.k, p.v, m, SCALE, impl=i)
             ms = timeit(fns, args.repeats)
             label = "shuffled" if shuffled else "consec."
             print(
                 f"{name:14} {label:10} {meta.units.shape[0]:5d} {meta.runs.shape[0]:5d} "
-                f"{ms['old']:8.2f} {ms['cpp']:8.2f} {ms['torch']:8.2f} {build_ms:8.2f}",
+                f"{meta.pieces.shape[0]:6d} "
+                + " ".join(f"{ms[c]:8.2f}" for c in cols[:-1])
+                + f" {build_ms:8.2f}",
                 flush=True,
             )
 

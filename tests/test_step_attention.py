@@ -101,8 +101,10 @@ def mixed_step(seed: int = 0):
     node_a, node_b = pages.contiguous(13), pages.contiguous(7)  # shared nodes, B nested under A
     node_c = pages.runs(9)  # a node held by one sequence: read in place through its pages
     units, segments = [], []
-    # tokens 0..4: decode; A over 0..3, B over 1..2; token 3 has no private tail at all.
+    # tokens 0..4: decode; A over 0..3, B over 1..2; token 3 has no private tail at all. Node D, also over
+    # 0..3, lies on scattered pages: one unit per run, all with A's token range.
     units += [(*node_a, 0, 4, 0), (*node_b, 1, 3, 0)]
+    units += [(*run, 0, 4, 0) for run in pages.runs(10)]
     for t, tail in enumerate([5, 11, 1, 0]):
         runs = pages.runs(tail)
         segments.append((t, t + 1, runs, tail))
@@ -266,6 +268,9 @@ def test_strided_query_and_empty_step(impl):
         ([(0, 4, 0, 1, 1)], [(0, 1, [], 1)], 1, "must be square"),
         ([(0, 4, 0, 1, 2)], [(0, 1, [], 1)], 1, "causal must be 0 or 1"),
         ([(0, 4, 0)], [(0, 1, [], 1)], 1, "must be \\(kv_lo"),
+        ([("a", 4, 0, 1, 0)], [(0, 1, [], 1)], 1, "integers"),
+        ([], [(0, 1, [(0, 1, 2)], 1)], 1, "a run must be"),
+        ([], [(0, 1, [])], 1, "must be \\(tok_lo"),
     ],
 )
 def test_bad_metadata_is_named(units, segments, num_tokens, match):

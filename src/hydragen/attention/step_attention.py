@@ -94,8 +94,14 @@ class StepAttentionMeta:
         unit_list = _check_units(units, num_tokens)
         slots_needed = max([slots_needed] + [u[1] for u in unit_list])
         work = _WorkItems()
-        for unit in unit_list:
-            work.add_unit(*unit)
+        shared: dict[tuple[int, int], list[tuple[int, int]]] = {}  # token range -> runs it sees whole
+        for kv_lo, kv_hi, tok_lo, tok_hi, causal in unit_list:
+            if causal:
+                work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi)
+            else:
+                shared.setdefault((tok_lo, tok_hi), []).append((kv_lo, kv_hi))
+        for (tok_lo, tok_hi), runs in shared.items():
+            work.add_shared(tok_lo, tok_hi, runs)
         for segment in segment_list:
             work.add_segment(*segment)
 
@@ -175,20 +181,25 @@ class _WorkItems:
             self.pieces.append((t0, t1, r0, r1, first + t0 - tok_lo, total, self.rows))
             self.rows += t1 - t0
 
-    def add_unit(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int, causal: int) -> None:
-        n = kv_hi - kv_lo
-        if not causal:
-            bounds = _key_chunks(n)
+    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]]) -> None:
+        """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
+        several runs, a chain of nodes) are read as one piece, so they cost one partial per token, not one
+        per run; runs long enough for the flash kernel get pieces of their own."""
+        long = [r for r in runs if r[1] - r[0] >= max(FLASH_MIN_KEYS, 1)]
+        short = [r for r in runs if r[1] - r[0] < max(FLASH_MIN_KEYS, 1)]
+        for group in [[r] for r in long] + ([short] if short else []):
+            bounds = _key_chunks(sum(b - a for a, b in group))
             for c0, c1 in zip(bounds, bounds[1:], strict=False):
-                self._pieces(tok_lo, tok_hi, [(kv_lo + c0, kv_lo + c1)], c1 - c0, c1 - c0)
-            return
-        # Token i of a causal unit sees keys 0..i: per tile [a, b), a causal square on the diagonal and, left
-        # of it, keys [0, a) that the whole tile sees.
-        for a in range(0, n, PIECE_TOKENS):
-            b = min(a + PIECE_TOKENS, n)
+                self._pieces(tok_lo, tok_hi, _cut(group, c0, c1), c1 - c0, c1 - c0)
+
+    def add_causal(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int) -> None:
+        """Token i sees keys 0..i. Per tile [a, b): a causal square on the diagonal, and keys [0, a) to its
+        left, which the whole tile sees."""
+        for a in range(0, kv_hi - kv_lo, PIECE_TOKENS):
+            b = min(a + PIECE_TOKENS, kv_hi - kv_lo)
             self._pieces(tok_lo + a, tok_lo + b, [(kv_lo + a, kv_lo + b)], 1, b - a)
             if a:
-                self.add_unit(kv_lo, kv_lo + a, tok_lo + a, tok_lo + b, 0)
+                self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)])
 
     def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int) -> None:
         total = sum(b - a for a, b in runs)
@@ -204,11 +215,15 @@ class _WorkItems:
             self.blocks.append((t0, t1, r0, r1, visible + t0 - tok_lo - c0, total - c0))
 
 
-def _as_int(x, what: str) -> int:
+def _ints(values, n: int, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of n ints, or a ValueError naming ``what``."""
     try:
-        return int(x)
+        out = tuple(map(int, values))
     except (TypeError, ValueError):
-        raise ValueError(f"{what} must be an integer, got {x!r}") from None
+        out = ()
+    if len(out) != n:
+        raise ValueError(f"{what}, got {values!r}")
+    return out
 
 
 def _check_segments(segments, num_tokens: int):
@@ -217,11 +232,11 @@ def _check_segments(segments, num_tokens: int):
     slots_needed = 0
     pos = 0
     for s, seg in enumerate(segments):
-        if len(seg) != 4:
-            raise ValueError(f"segment {s} must be (tok_lo, tok_hi, runs, visible), got {seg!r}")
-        lo, hi, runs, visible = seg
-        lo, hi = _as_int(lo, f"segment {s} tok_lo"), _as_int(hi, f"segment {s} tok_hi")
-        visible = _as_int(visible, f"segment {s} visible")
+        try:
+            lo, hi, runs, visible = seg
+        except (TypeError, ValueError):
+            raise ValueError(f"segment {s} must be (tok_lo, tok_hi, runs, visible), got {seg!r}") from None
+        lo, hi, visible = _ints((lo, hi, visible), 3, f"segment {s}: tok_lo, tok_hi, visible must be ints")
         if lo != pos:
             raise ValueError(f"segment {s} starts at token {lo}, expected {pos}: segments tile the tokens")
         if hi < lo:
@@ -230,9 +245,7 @@ def _check_segments(segments, num_tokens: int):
             raise ValueError(f"segment {s}: visible must be >= 0, got {visible}")
         kept = []
         for run in runs:
-            if len(run) != 2:
-                raise ValueError(f"segment {s}: a run must be (slot_lo, slot_hi), got {run!r}")
-            a, b = _as_int(run[0], f"segment {s} slot_lo"), _as_int(run[1], f"segment {s} slot_hi")
+            a, b = _ints(run, 2, f"segment {s}: a run must be (slot_lo, slot_hi)")
             if a < 0 or b < a:
                 raise ValueError(f"segment {s}: bad slot run ({a}, {b})")
             if b > a:
@@ -248,9 +261,9 @@ def _check_segments(segments, num_tokens: int):
 def _check_units(units, num_tokens: int) -> list[tuple[int, int, int, int, int]]:
     kept = []
     for i, unit in enumerate(units):
-        if len(unit) != UNIT_FIELDS:
-            raise ValueError(f"unit {i} must be (kv_lo, kv_hi, tok_lo, tok_hi, causal), got {unit!r}")
-        kv_lo, kv_hi, tok_lo, tok_hi, causal = (_as_int(x, f"unit {i} field") for x in unit)
+        kv_lo, kv_hi, tok_lo, tok_hi, causal = _ints(
+            unit, UNIT_FIELDS, f"unit {i} must be (kv_lo, kv_hi, tok_lo, tok_hi, causal) integers"
+        )
         if not 0 <= tok_lo <= tok_hi <= num_tokens:
             raise ValueError(f"unit {i}: tokens [{tok_lo}, {tok_hi}) outside the step's [0, {num_tokens})")
         if not 0 <= kv_lo <= kv_hi:

@@ -5,10 +5,12 @@
 // Two phases, each one parallel region whose threads take (item, KV head) pairs from a shared counter
 // (items come sorted most expensive first, so uneven items balance and a busy core delays nobody):
 //  1. Pieces of units (shared tree nodes, prefill ancestors, causal diagonals) and of very long segments:
-//     a piece with enough query rows over one contiguous run goes through ATen's CPU flash kernel as a
-//     matrix product (non-causal pieces fold the g query heads of a KV head into the rows, so the run is
-//     read once per KV head; causal squares use the kernel's is_causal); small pieces go through attend().
-//     Each writes a normalised fp32 partial and its log-sum-exp, one row per (piece, token).
+//     a piece with enough query rows and keys goes through ATen's CPU flash kernel as a matrix product
+//     (non-causal pieces fold the g query heads of a KV head into the rows, so the keys are read once per
+//     KV head; causal squares use the kernel's is_causal). A piece over several runs (a node on scattered
+//     pages) first copies its keys together: the copy costs a small fraction of the product it enables.
+//     Small pieces go through attend(). Each writes a normalised fp32 partial and its log-sum-exp, one
+//     row per (piece, token).
 //  2. Segment blocks (private tails, pages read in place): attend() runs an online softmax in fp32 over the
 //     block's visible keys, reading each K/V row straight from the pool by slot once for all its query
 //     rows, then folds in the partials covering each token (a CSR built once per step) and writes.
@@ -36,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -282,24 +285,43 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strid
   }
 }
 
-inline int64_t runs_keys(const int64_t* runs, const Item& it) {
-  return it.run_hi > it.run_lo ? runs[2 * it.run_lo + 1] - runs[2 * it.run_lo] : 0;
-}
-
 struct Partials {
   float* o;    // [R, Hq, D]
   float* lse;  // [R, Hq]
 };
 
+// One KV head's rows of the item's runs, copied into one [keys, D] tensor (row by row: a paged node's runs
+// are short, and a tensor op per run would cost more than the copy).
+at::Tensor gather_head(const at::Tensor& x, const int64_t* runs, const Item& it, int64_t h) {
+  int64_t keys = 0;
+  for (int64_t r = it.run_lo; r < it.run_hi; ++r) keys += runs[2 * r + 1] - runs[2 * r];
+  at::Tensor out = at::empty({keys, x.size(2)}, x.options());
+  const int64_t elem = x.element_size(), row = x.size(2) * elem;
+  const char* src = static_cast<const char*>(x.const_data_ptr()) + h * x.stride(1) * elem;
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t r = it.run_lo; r < it.run_hi; ++r) {
+    for (int64_t slot = runs[2 * r]; slot < runs[2 * r + 1]; ++slot, dst += row) {
+      std::memcpy(dst, src + slot * x.stride(0) * elem, row);
+    }
+  }
+  return out;
+}
+
 // Phase 1 item through ATen's flash kernel (single-threaded here: we are inside our own parallel region).
-// Only for one contiguous run that every row sees whole (first >= total) or a causal square (first == 1,
-// total == tokens). Non-causal items fold the g heads into the query rows, so the run is read by one GEMM.
+// Only for keys every row sees whole (first >= total) or a causal square (first == 1, total == tokens).
+// Non-causal items fold the g heads into the query rows, so the keys are read by one GEMM.
 void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* runs,
                  const Item& it, int64_t part_row, int64_t h, double scale, const Partials& part) {
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), g = hq / hkv, nt = it.tok_hi - it.tok_lo;
-  const int64_t lo = runs[2 * it.run_lo], hi = runs[2 * it.run_lo + 1];
-  at::Tensor kt = k.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);  // [1, 1, L, D], no copy
-  at::Tensor vt = v.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
+  at::Tensor kt, vt;  // [1, 1, L, D]: a view of one run; the runs of a split node copied together
+  if (it.run_hi - it.run_lo == 1) {
+    const int64_t lo = runs[2 * it.run_lo], hi = runs[2 * it.run_lo + 1];
+    kt = k.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
+    vt = v.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
+  } else {
+    kt = gather_head(k, runs, it, h).unsqueeze(0).unsqueeze(0);
+    vt = gather_head(v, runs, it, h).unsqueeze(0).unsqueeze(0);
+  }
   at::Tensor qs = q.slice(0, it.tok_lo, it.tok_hi).slice(1, h * g, (h + 1) * g);  // [nt, g, D]
   const bool causal = it.first < it.total;
   at::Tensor o, lse;
@@ -420,11 +442,9 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t* row = pp + 7 * (i / hkv);
       const Item it = item_at(row);
       const int64_t nt = it.tok_hi - it.tok_lo;
-      const bool one_run = it.run_hi - it.run_lo == 1;
       const bool whole = it.first >= it.total, square = it.first == 1 && it.total == nt;
-      const int64_t keys = runs_keys(rp, it);
-      if (flash_min_rows >= 0 && nt * g >= flash_min_rows && keys >= flash_min_keys && one_run &&
-          (whole || square)) {
+      const int64_t keys = std::min(it.first + nt - 1, it.total);
+      if (flash_min_rows >= 0 && nt * g >= flash_min_rows && keys >= flash_min_keys && (whole || square)) {
         flash_piece(q, k, v, rp, it, row[6], i % hkv, scale, part);
       } else {
         own_piece<scalar_t>(qp, kp, vp, st, rp, it, row[6], i % hkv, hq, g, d, fscale, part, w);
