@@ -7,6 +7,8 @@ pool slots it sees (its segment's visible keys, then every covering unit's keys)
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -140,7 +142,7 @@ def make_qkv(num_tokens, slots, hq, hkv, d, dtype, seed=1):
 # How the build cuts the step into work items. "fine" cuts units into 4-token tiles, causal units into
 # diagonal squares + rectangles, segments and units into 8-key chunks, so every kind of item occurs in a
 # small step; "flash" / "own" force every eligible piece through ATen's flash kernel / the op's own loop.
-FINE = dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3)
+FINE = dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3, SPLIT_BLOCKS_PER_THREAD=10**6)
 CUTS = {
     "default": {},
     "fine-flash": dict(FINE, FLASH_MIN_ROWS=0, FLASH_MIN_KEYS=0),
@@ -269,7 +271,7 @@ def test_strided_query_and_empty_step(impl):
         ([(0, 4, 0, 1, 2)], [(0, 1, [], 1)], 1, "causal must be 0 or 1"),
         ([(0, 4, 0)], [(0, 1, [], 1)], 1, "must be \\(kv_lo"),
         ([("a", 4, 0, 1, 0)], [(0, 1, [], 1)], 1, "integers"),
-        ([], [(0, 1, [(0, 1, 2)], 1)], 1, "a run must be"),
+        ([], [(0, 1, [(0, 1, 2)], 1)], 1, "integer pairs"),
         ([], [(0, 1, [])], 1, "must be \\(tok_lo"),
     ],
 )
@@ -301,6 +303,29 @@ def test_no_cpp_env_falls_back_to_torch(monkeypatch):
     assert cpp_build.step_attention_op() is None
     torch.testing.assert_close(step_attention(q, k, v, meta, 1.0), want)
     with pytest.raises(RuntimeError, match="HYDRAGEN_NO_CPP"):
+        step_attention(q, k, v, meta, 1.0, impl="cpp")
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    """No compiler or any build error: auto warns once and runs the torch twin; impl='cpp' names it."""
+
+    def no_compiler():
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(cpp_build, "_op", None)
+    monkeypatch.setattr(cpp_build, "_error", None)
+    monkeypatch.setattr(cpp_build, "_build", no_compiler)
+    monkeypatch.setattr(sa_module, "_warned", False)
+    monkeypatch.delenv("HYDRAGEN_NO_CPP", raising=False)
+    meta = StepAttentionMeta.build([(0, 10, 0, 2, 0)], [(0, 2, [(10, 12)], 2)], 2, "cpu")
+    q, k, v = make_qkv(2, 12, 4, 2, 8, torch.float32)
+    want = step_attention(q, k, v, meta, 1.0, impl="torch")
+    with pytest.warns(UserWarning, match="No such file"):
+        torch.testing.assert_close(step_attention(q, k, v, meta, 1.0), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call stays quiet
+        step_attention(q, k, v, meta, 1.0)
+    with pytest.raises(RuntimeError, match="unavailable: RuntimeError: error: command 'c\\+\\+' failed"):
         step_attention(q, k, v, meta, 1.0, impl="cpp")
 
 

@@ -37,6 +37,7 @@ UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
 TOKENS_PER_BLOCK = 8  # segment tokens per work item: they share each K/V row the item reads
 PIECE_TOKENS = 32  # query tokens per unit piece: rows of one matrix product, and several pieces per wide node
 MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
+SPLIT_BLOCKS_PER_THREAD = 4  # segments are cut into key chunks only in steps with fewer blocks per thread
 # Pieces go through ATen's flash kernel only from this many query rows (tokens x g) and keys on: below, its
 # fixed cost per call (~25 us here) outweighs its faster matrix products, and the op's own loop wins.
 FLASH_MIN_ROWS = 24
@@ -93,7 +94,8 @@ class StepAttentionMeta:
         segment_list, slots_needed = _check_segments(segments, num_tokens)
         unit_list = _check_units(units, num_tokens)
         slots_needed = max([slots_needed] + [u[1] for u in unit_list])
-        work = _WorkItems()
+        seg_runs = [run for seg in segment_list for run in seg[2]]
+        work = _WorkItems(seg_runs)
         shared: dict[tuple[int, int], list[tuple[int, int]]] = {}  # token range -> runs it sees whole
         for kv_lo, kv_hi, tok_lo, tok_hi, causal in unit_list:
             if causal:
@@ -102,8 +104,13 @@ class StepAttentionMeta:
                 shared.setdefault((tok_lo, tok_hi), []).append((kv_lo, kv_hi))
         for (tok_lo, tok_hi), runs in shared.items():
             work.add_shared(tok_lo, tok_hi, runs)
+        # Long segments are cut into key chunks only when the step is too small to keep every thread busy.
+        blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segment_list)
+        split = blocks < SPLIT_BLOCKS_PER_THREAD * torch.get_num_threads()
+        first_run = 0
         for segment in segment_list:
-            work.add_segment(*segment)
+            work.add_segment(*segment, first_run=first_run, split=split)
+            first_run += len(segment[2])
 
         long = dict(dtype=torch.int64)
         pieces = torch.tensor(work.pieces, **long).view(-1, 7)
@@ -119,14 +126,15 @@ class StepAttentionMeta:
         for seg in segment_list:
             seg_run.append(seg_run[-1] + len(seg[2]))
         put = lambda x: torch.as_tensor(x, **long).to(device)
+        runs = _pairs_tensor(seg_runs)
         return cls(
             units=put(unit_list).view(-1, UNIT_FIELDS),
             seg_tok=put([0] + [seg[1] for seg in segment_list]),
             seg_run=put(seg_run),
-            runs=put([run for seg in segment_list for run in seg[2]]).view(-1, 2),
+            runs=runs.to(device),
             seg_visible=put([seg[3] for seg in segment_list]),
             num_tokens=num_tokens,
-            work_runs=put(work.runs).view(-1, 2),
+            work_runs=torch.cat([runs, _pairs_tensor(work.runs[len(seg_runs) :])]).to(device),
             pieces=put(_by_cost(work.pieces)).view(-1, 7),
             blocks=put(_by_cost(work.blocks)).view(-1, 6),
             tok_ptr=put(tok_ptr),
@@ -142,6 +150,11 @@ class StepAttentionMeta:
 def _by_cost(items: list[tuple]) -> list[tuple]:
     """Most expensive first (tokens x keys seen by the last token), so the threads finish together."""
     return sorted(items, key=lambda x: -(x[1] - x[0]) * (max(0, min(x[4] + x[1] - x[0] - 1, x[5])) + 1))
+
+
+def _pairs_tensor(pairs: list[tuple[int, int]]) -> Tensor:
+    """[N, 2] int64 from a list of pairs (a flat list converts several times faster than nested ones)."""
+    return torch.tensor([x for pair in pairs for x in pair], dtype=torch.int64).view(-1, 2)
 
 
 def _cut(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -164,8 +177,8 @@ def _key_chunks(n: int) -> list[int]:
 class _WorkItems:
     """Cuts units and segments into the C++ op's work items (see StepAttentionMeta)."""
 
-    def __init__(self):
-        self.runs: list[tuple[int, int]] = []
+    def __init__(self, segment_runs: list[tuple[int, int]]):
+        self.runs = list(segment_runs)  # the segments' own runs first: uncut segments read them in place
         self.pieces: list[tuple[int, ...]] = []
         self.blocks: list[tuple[int, ...]] = []
         self.rows = 0  # partial rows handed out so far
@@ -201,15 +214,17 @@ class _WorkItems:
             if a:
                 self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)])
 
-    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int) -> None:
+    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, split: bool) -> None:
+        """Blocks covering every token of the segment; with ``split``, all but the last key chunk of a long
+        segment become pieces, so one long context is read by several threads."""
         total = sum(b - a for a, b in runs)
         seen_last = min(visible + tok_hi - tok_lo - 1, total)
-        bounds = _key_chunks(max(seen_last, 0))
+        bounds = _key_chunks(max(seen_last, 0)) if split else [0, total]
         for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
             j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
             self._pieces(tok_lo + j0, tok_hi, _cut(runs, c0, c1), visible + j0 - c0, c1 - c0)
         c0 = bounds[-2]
-        r0, r1 = self._runs(_cut(runs, c0, total))
+        r0, r1 = self._runs(_cut(runs, c0, total)) if c0 else (first_run, first_run + len(runs))
         for t0 in range(tok_lo, tok_hi, TOKENS_PER_BLOCK):
             t1 = min(t0 + TOKENS_PER_BLOCK, tok_hi)
             self.blocks.append((t0, t1, r0, r1, visible + t0 - tok_lo - c0, total - c0))
@@ -243,14 +258,16 @@ def _check_segments(segments, num_tokens: int):
             raise ValueError(f"segment {s} ends (token {hi}) before it starts (token {lo})")
         if visible < 0:
             raise ValueError(f"segment {s}: visible must be >= 0, got {visible}")
-        kept = []
-        for run in runs:
-            a, b = _ints(run, 2, f"segment {s}: a run must be (slot_lo, slot_hi)")
-            if a < 0 or b < a:
-                raise ValueError(f"segment {s}: bad slot run ({a}, {b})")
-            if b > a:
-                kept.append((a, b))
-                slots_needed = max(slots_needed, b)
+        try:
+            pairs = [(int(a), int(b)) for a, b in runs]
+        except (TypeError, ValueError):
+            raise ValueError(f"segment {s}: runs must be integer pairs (lo, hi): {runs!r}") from None
+        bad = [(a, b) for a, b in pairs if a < 0 or b < a]
+        if bad:
+            raise ValueError(f"segment {s}: bad slot run {bad[0]}")
+        kept = [(a, b) for a, b in pairs if b > a]
+        if kept:
+            slots_needed = max(slots_needed, max(b for _, b in kept))
         out.append((lo, hi, kept, visible))
         pos = hi
     if pos != num_tokens:
