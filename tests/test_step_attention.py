@@ -7,6 +7,7 @@ pool slots it sees (its segment's visible keys, then every covering unit's keys)
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -306,6 +307,17 @@ def test_no_cpp_env_falls_back_to_torch(monkeypatch):
         step_attention(q, k, v, meta, 1.0, impl="cpp")
 
 
+def test_stale_build_lock_does_not_hang():
+    """A build killed mid-way leaves torch's lock file behind; the next load must not wait for it forever."""
+    assert cpp_build.step_attention_op() is not None
+    where = cpp_build.cache_dir() / "ext" / f"hydragen_step_attention_{cpp_build.build_key()}"
+    (where / "lock").touch()
+    done = threading.Event()
+    threading.Thread(target=lambda: (cpp_build._build(), done.set()), daemon=True).start()
+    assert done.wait(timeout=60), "loading waited on a stale lock file"
+    assert not (where / "lock").exists()
+
+
 def test_failed_build_warns_once_and_falls_back(monkeypatch):
     """No compiler or any build error: auto warns once and runs the torch twin; impl='cpp' names it."""
 
@@ -331,6 +343,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
 
 def test_build_key_tracks_source_and_flags(monkeypatch):
     key = cpp_build.build_key()
+    assert cpp_build.step_attention_op() is not None  # loading must not change the key (torch edits its args)
     assert key == cpp_build.build_key()
-    monkeypatch.setattr(cpp_build, "CFLAGS", [*cpp_build.CFLAGS, "-DHYDRAGEN_TEST"])
+    monkeypatch.setattr(cpp_build, "CFLAGS", (*cpp_build.CFLAGS, "-DHYDRAGEN_TEST"))
     assert cpp_build.build_key() != key

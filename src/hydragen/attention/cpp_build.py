@@ -10,6 +10,7 @@ the op is reported unavailable with the reason, and callers fall back to the pur
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -22,8 +23,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "step_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fvisibility=hidden"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fvisibility=hidden")
+LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 
 _lock = threading.Lock()
 _op: Callable | None = None
@@ -51,6 +52,25 @@ def build_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _build_lock(where: Path):
+    """One build at a time per folder, across processes. torch's own lock is a file that a killed build
+    leaves behind, after which every later load would wait forever; ours is an OS lock, released when its
+    holder dies, so a torch lock file found while we hold ours is stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(where / "hydragen.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (where / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> Callable:
     from torch.utils import cpp_extension
 
@@ -58,17 +78,18 @@ def _build() -> Callable:
     name = f"hydragen_step_attention_{key}"
     where = cache_dir() / "ext" / name
     where.mkdir(parents=True, exist_ok=True)
-    fresh = not (where / f"{name}.so").exists()
-    start = time.perf_counter()
-    cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        build_directory=str(where),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _build_lock(where):
+        fresh = not (where / f"{name}.so").exists()
+        start = time.perf_counter()
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(where),
+            is_python_module=False,
+            verbose=False,
+        )
     if fresh:
         print(
             f"hydragen: compiled the C++ step-attention op in {time.perf_counter() - start:.1f} s "
