@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from hydragen.attention import cpp_build
+from hydragen.attention import cpp_build, step_work
 from hydragen.attention import step_attention as sa_module
 from hydragen.attention.reference import reference_attention
 from hydragen.attention.step_attention import StepAttentionMeta, step_attention
@@ -154,7 +154,7 @@ CUTS = {
 @pytest.fixture(params=list(CUTS))
 def cuts(request, monkeypatch):
     for name, value in CUTS[request.param].items():
-        monkeypatch.setattr(sa_module, name, value)
+        monkeypatch.setattr(step_work, name, value)
     return request.param
 
 

@@ -17,10 +17,15 @@ described once per step by a :class:`StepAttentionMeta`:
 A token's output is exact softmax attention over the union of its segment's visible keys and the keys of
 every unit that covers it (an LSE merge of the parts); a token that sees nothing gets zeros.
 
-Two implementations: ``cpp`` (``csrc/step_attention.cpp``, compiled on first use; units through ATen's CPU
-flash kernel, segments by a threaded online-softmax kernel that folds the unit partials in) and ``torch``
-(``step_attention_torch.py``: gathers and the existing partial kernels, any device). ``auto`` takes cpp on
-CPU when it builds, else torch.
+Two implementations share this metadata. ``cpp`` (``csrc/step_attention.cpp``, compiled on first use by
+``cpp_build``) is one call per layer: big unit pieces through ATen's CPU flash kernel as matrix products,
+the rest by a threaded online-softmax kernel reading K/V rows in place, partials merged per token in fp32.
+``torch`` (``step_attention_torch``) gathers segment keys and runs the existing partial kernels: any
+device, and a second oracle. ``auto`` takes cpp on CPU when it builds, else torch.
+
+Units over the same tokens are read together, so the runner may pass a node on scattered pages as one unit
+per run. A prefill chunk's own keys may come as the end of its segment or as a causal unit: both cost about
+the same (a 1,024-token chunk: 34 vs 31 ms CPU, one thread, embedded-model shapes).
 """
 
 from __future__ import annotations
@@ -31,17 +36,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hydragen.attention import cpp_build
+from hydragen.attention import cpp_build, step_work
+from hydragen.attention.step_work import cut_step
 
 UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
-TOKENS_PER_BLOCK = 8  # segment tokens per work item: they share each K/V row the item reads
-PIECE_TOKENS = 32  # query tokens per unit piece: rows of one matrix product, and several pieces per wide node
-MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
-SPLIT_BLOCKS_PER_THREAD = 4  # segments are cut into key chunks only in steps with fewer blocks per thread
-# Pieces go through ATen's flash kernel only from this many query rows (tokens x g) and keys on: below, its
-# fixed cost per call (~25 us here) outweighs its faster matrix products, and the op's own loop wins.
-FLASH_MIN_ROWS = 24
-FLASH_MIN_KEYS = 512
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -50,11 +48,7 @@ class StepAttentionMeta:
     """Everything the step's attention needs that does not change from layer to layer.
 
     The first six fields are the step as the runner describes it; the rest is derived by ``build``: the
-    work items of the C++ op. Each item is (tok_lo, tok_hi, run_lo, run_hi, first, total): tokens
-    [tok_lo, tok_hi) against the concatenation of ``work_runs[run_lo:run_hi]``, token tok_lo + j seeing its
-    first min(first + j, total) keys. ``pieces`` (units cut into tiles, causal units into diagonal squares
-    plus the rectangles left of them, and all but the last key chunk of very long segments) also carry the
-    first row of their fp32 partials; ``blocks`` cover every token once and write the output.
+    C++ op's work items (see ``step_work``) and, for the torch twin, the validated lists.
     """
 
     units: Tensor  # int64 [U, 5]: kv_lo, kv_hi, tok_lo, tok_hi, causal (empty units dropped)
@@ -94,140 +88,30 @@ class StepAttentionMeta:
         segment_list, slots_needed = _check_segments(segments, num_tokens)
         unit_list = _check_units(units, num_tokens)
         slots_needed = max([slots_needed] + [u[1] for u in unit_list])
-        seg_runs = [run for seg in segment_list for run in seg[2]]
-        work = _WorkItems(seg_runs)
-        shared: dict[tuple[int, int], list[tuple[int, int]]] = {}  # token range -> runs it sees whole
-        for kv_lo, kv_hi, tok_lo, tok_hi, causal in unit_list:
-            if causal:
-                work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi)
-            else:
-                shared.setdefault((tok_lo, tok_hi), []).append((kv_lo, kv_hi))
-        for (tok_lo, tok_hi), runs in shared.items():
-            work.add_shared(tok_lo, tok_hi, runs)
-        # Long segments are cut into key chunks only when the step is too small to keep every thread busy.
-        blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segment_list)
-        split = blocks < SPLIT_BLOCKS_PER_THREAD * torch.get_num_threads()
-        first_run = 0
-        for segment in segment_list:
-            work.add_segment(*segment, first_run=first_run, split=split)
-            first_run += len(segment[2])
-
+        work = cut_step(unit_list, segment_list, num_tokens)
         long = dict(dtype=torch.int64)
-        pieces = torch.tensor(work.pieces, **long).view(-1, 7)
-        lens = pieces[:, 1] - pieces[:, 0]
-        num_parts = int(lens.sum())
-        # Partial row p belongs to token owner[p]; a stable sort by owner lists each token's rows in order.
-        piece_of_row = torch.repeat_interleave(torch.arange(len(work.pieces)), lens)
-        owner = pieces[piece_of_row, 0] + torch.arange(num_parts) - pieces[piece_of_row, 6]
-        tok_ptr = torch.zeros(num_tokens + 1, **long)
-        tok_ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=num_tokens), 0)
-
         seg_run = [0]
         for seg in segment_list:
             seg_run.append(seg_run[-1] + len(seg[2]))
         put = lambda x: torch.as_tensor(x, **long).to(device)
-        runs = _pairs_tensor(seg_runs)
         return cls(
             units=put(unit_list).view(-1, UNIT_FIELDS),
             seg_tok=put([0] + [seg[1] for seg in segment_list]),
             seg_run=put(seg_run),
-            runs=runs.to(device),
+            runs=work.work_runs[: seg_run[-1]].to(device),  # the segments' runs lead work_runs
             seg_visible=put([seg[3] for seg in segment_list]),
             num_tokens=num_tokens,
-            work_runs=torch.cat([runs, _pairs_tensor(work.runs[len(seg_runs) :])]).to(device),
-            pieces=put(_by_cost(work.pieces)).view(-1, 7),
-            blocks=put(_by_cost(work.blocks)).view(-1, 6),
-            tok_ptr=put(tok_ptr),
-            tok_parts=put(torch.sort(owner, stable=True).indices),
-            num_parts=num_parts,
-            max_item_tokens=max((x[1] - x[0] for x in work.pieces + work.blocks), default=0),
+            work_runs=work.work_runs.to(device),
+            pieces=work.pieces.to(device),
+            blocks=work.blocks.to(device),
+            tok_ptr=work.tok_ptr.to(device),
+            tok_parts=work.tok_parts.to(device),
+            num_parts=work.num_parts,
+            max_item_tokens=work.max_item_tokens,
             slots_needed=slots_needed,
             unit_list=unit_list,
             segment_list=segment_list,
         )
-
-
-def _by_cost(items: list[tuple]) -> list[tuple]:
-    """Most expensive first (tokens x keys seen by the last token), so the threads finish together."""
-    return sorted(items, key=lambda x: -(x[1] - x[0]) * (max(0, min(x[4] + x[1] - x[0] - 1, x[5])) + 1))
-
-
-def _pairs_tensor(pairs: list[tuple[int, int]]) -> Tensor:
-    """[N, 2] int64 from a list of pairs (a flat list converts several times faster than nested ones)."""
-    return torch.tensor([x for pair in pairs for x in pair], dtype=torch.int64).view(-1, 2)
-
-
-def _cut(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The slot runs holding keys [lo, hi) of the concatenation of ``runs``."""
-    out, pos = [], 0
-    for a, b in runs:
-        s, e = max(a, a + lo - pos), min(b, a + hi - pos)
-        if s < e:
-            out.append((s, e))
-        pos += b - a
-    return out
-
-
-def _key_chunks(n: int) -> list[int]:
-    """Boundaries cutting n keys into near-equal chunks of at most MAX_PIECE_KEYS."""
-    count = max(1, -(-n // MAX_PIECE_KEYS))
-    return [n * i // count for i in range(count + 1)]
-
-
-class _WorkItems:
-    """Cuts units and segments into the C++ op's work items (see StepAttentionMeta)."""
-
-    def __init__(self, segment_runs: list[tuple[int, int]]):
-        self.runs = list(segment_runs)  # the segments' own runs first: uncut segments read them in place
-        self.pieces: list[tuple[int, ...]] = []
-        self.blocks: list[tuple[int, ...]] = []
-        self.rows = 0  # partial rows handed out so far
-
-    def _runs(self, runs: list[tuple[int, int]]) -> tuple[int, int]:
-        self.runs += runs
-        return len(self.runs) - len(runs), len(self.runs)
-
-    def _pieces(self, tok_lo: int, tok_hi: int, runs, first: int, total: int) -> None:
-        r0, r1 = self._runs(runs)
-        for t0 in range(tok_lo, tok_hi, PIECE_TOKENS):
-            t1 = min(t0 + PIECE_TOKENS, tok_hi)
-            self.pieces.append((t0, t1, r0, r1, first + t0 - tok_lo, total, self.rows))
-            self.rows += t1 - t0
-
-    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]]) -> None:
-        """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
-        several runs, a chain of nodes) are read as one piece, so they cost one partial per token, not one
-        per run; runs long enough for the flash kernel get pieces of their own."""
-        long = [r for r in runs if r[1] - r[0] >= max(FLASH_MIN_KEYS, 1)]
-        short = [r for r in runs if r[1] - r[0] < max(FLASH_MIN_KEYS, 1)]
-        for group in [[r] for r in long] + ([short] if short else []):
-            bounds = _key_chunks(sum(b - a for a, b in group))
-            for c0, c1 in zip(bounds, bounds[1:], strict=False):
-                self._pieces(tok_lo, tok_hi, _cut(group, c0, c1), c1 - c0, c1 - c0)
-
-    def add_causal(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int) -> None:
-        """Token i sees keys 0..i. Per tile [a, b): a causal square on the diagonal, and keys [0, a) to its
-        left, which the whole tile sees."""
-        for a in range(0, kv_hi - kv_lo, PIECE_TOKENS):
-            b = min(a + PIECE_TOKENS, kv_hi - kv_lo)
-            self._pieces(tok_lo + a, tok_lo + b, [(kv_lo + a, kv_lo + b)], 1, b - a)
-            if a:
-                self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)])
-
-    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, split: bool) -> None:
-        """Blocks covering every token of the segment; with ``split``, all but the last key chunk of a long
-        segment become pieces, so one long context is read by several threads."""
-        total = sum(b - a for a, b in runs)
-        seen_last = min(visible + tok_hi - tok_lo - 1, total)
-        bounds = _key_chunks(max(seen_last, 0)) if split else [0, total]
-        for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
-            j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
-            self._pieces(tok_lo + j0, tok_hi, _cut(runs, c0, c1), visible + j0 - c0, c1 - c0)
-        c0 = bounds[-2]
-        r0, r1 = self._runs(_cut(runs, c0, total)) if c0 else (first_run, first_run + len(runs))
-        for t0 in range(tok_lo, tok_hi, TOKENS_PER_BLOCK):
-            t1 = min(t0 + TOKENS_PER_BLOCK, tok_hi)
-            self.blocks.append((t0, t1, r0, r1, visible + t0 - tok_lo - c0, total - c0))
 
 
 def _ints(values, n: int, what: str) -> tuple[int, ...]:
@@ -364,8 +248,8 @@ def step_attention(
         meta.tok_parts,
         meta.num_parts,
         meta.max_item_tokens,
-        FLASH_MIN_ROWS,
-        FLASH_MIN_KEYS,
+        step_work.FLASH_MIN_ROWS,
+        step_work.FLASH_MIN_KEYS,
         float(scale),
     )
 
