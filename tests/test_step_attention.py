@@ -255,6 +255,27 @@ def test_strided_query_and_empty_step(impl):
     assert step_attention(q[:0], k, v, empty, 0.125, impl=impl).shape == (0, 9, 64)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inference_mode_and_grad_inputs(impl, monkeypatch):
+    """The runner calls under inference_mode; a query that requires grad must not trip the flash kernel's
+    autograd in the op's worker threads (they do not inherit the caller's grad mode)."""
+    monkeypatch.setattr(step_work, "FLASH_MIN_ROWS", 0)
+    monkeypatch.setattr(step_work, "FLASH_MIN_KEYS", 0)
+    monkeypatch.setattr(step_work, "PIECE_TOKENS", 2)  # many flash pieces, so every thread runs some
+    units = [(0, 300, 0, 64, 0), (300, 364, 0, 64, 1)]
+    segments = [(i, i + 1, [(400 + 4 * i, 404 + 4 * i)], 4) for i in range(64)]
+    q, k, v = make_qkv(64, 700, 9, 3, 64, torch.float32)
+    meta = StepAttentionMeta.build(units, segments, 64, "cpu")
+    want = oracle(q, k, v, units, segments, 0.125)
+    with torch.inference_mode():
+        k_pool, v_pool = k.clone(), v.clone()  # a pool allocated under inference_mode
+        got = step_attention(q.clone(), k_pool, v_pool, meta, 0.125, impl=impl)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    with torch.no_grad():
+        got = step_attention(q.requires_grad_(), k_pool, v_pool, meta, 0.125, impl=impl)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input and fallbacks
 # --------------------------------------------------------------------------------------------------

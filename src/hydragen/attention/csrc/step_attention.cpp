@@ -28,6 +28,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -312,6 +313,7 @@ at::Tensor gather_head(const at::Tensor& x, const int64_t* runs, const Item& it,
 // Non-causal items fold the g heads into the query rows, so the keys are read by one GEMM.
 void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* runs,
                  const Item& it, int64_t part_row, int64_t h, double scale, const Partials& part) {
+  const at::NoGradGuard no_grad;  // worker threads do not inherit the caller's grad mode
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), g = hq / hkv, nt = it.tok_hi - it.tok_lo;
   at::Tensor kt, vt;  // [1, 1, L, D]: a view of one run; the runs of a split node copied together
   if (it.run_hi - it.run_lo == 1) {
