@@ -9,7 +9,7 @@ Cases (see the kernel brief of issue 11):
   d  prefill: 64 chunks of 16 tokens under one cached 1,024-token ancestor
                                                                  vs 64 shared_prefix_attention calls
 Old and new calls alternate, so background load hits both alike; medians of --repeats. Usage:
-  PYTHONPATH=src python scripts/bench_step_attention.py [--repeats 15] [--cases abcd] [--threads 2]
+  PYTHONPATH=src python scripts/bench_step_attention.py [--repeats 15] [--cases abcd] [--threads 2] [--cpu]
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ def units_over(runs, tok_lo, tok_hi):
     return [(a, b, tok_lo, tok_hi, 0) for a, b in runs]
 
 
-def timeit(fns: dict, repeats: int) -> dict[str, float]:
+def timeit(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--cases", default="abcd")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--impls", default="cpp,torch", help="step_attention impls to time (comma-separated)")
+    ap.add_argument("--cpu", action="store_true", help="process CPU time, not wall (steadier on a busy box)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     builders = {
@@ -160,7 +161,9 @@ def main() -> None:
         "d (64 units)": lambda s, g: case_d(s, g, one_unit=False),
         "d (1 unit)": lambda s, g: case_d(s, g, one_unit=True),
     }
-    print(f"threads {args.threads}, repeats {args.repeats}; per-layer ms (median)")
+    clock = time.process_time if args.cpu else time.perf_counter
+    what = "CPU" if args.cpu else "wall"
+    print(f"threads {args.threads}, repeats {args.repeats}; per-layer {what} ms (median)")
     impls = args.impls.split(",")
     cols = ["old", *impls, "build"]
     head = f"{'case':14} {'pages':10} {'units':>5} {'runs':>5} {'pieces':>6} "
@@ -176,7 +179,7 @@ def main() -> None:
             build_ms = (time.perf_counter() - t0) * 1e3
             for impl in impls:
                 fns[impl] = lambda m=meta, q=q, p=pool, i=impl: step_attention(q, p.k, p.v, m, SCALE, impl=i)
-            ms = timeit(fns, args.repeats)
+            ms = timeit(fns, args.repeats, clock)
             label = "shuffled" if shuffled else "consec."
             print(
                 f"{name:14} {label:10} {meta.units.shape[0]:5d} {meta.runs.shape[0]:5d} "
