@@ -50,7 +50,8 @@ class ModelRunner:
     def __init__(self, model, cfg, kv: KVManager, device, attention: str = "auto"):
         self.model, self.cfg, self.kv, self.device = model, cfg, kv, device
         self.use_triton = attention == "triton"
-        self.attention = "auto" if self.use_triton else attention
+        # Engine names -> step_attention's: "fused" is the compiled CPU op (refused where it cannot run).
+        self.attention = {"triton": "auto", "fused": "cpp"}.get(attention, attention)
         if self.use_triton:
             from hydragen.attention.triton_kernels import check_device
 
