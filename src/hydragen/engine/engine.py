@@ -31,7 +31,7 @@ import torch
 from hydragen.attention.shared_prefix import shared_prefix_attention
 from hydragen.engine.batch import DecodeBatch
 from hydragen.engine.outputs import CompletionOutput, RequestOutput
-from hydragen.engine.sampler import Sampler, derive_seed
+from hydragen.engine.sampler import SampleOutput, Sampler, derive_seed
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.sequence import Request, Sequence
 from hydragen.kv.pool import KVPool, OutOfSlots
@@ -536,6 +536,8 @@ class Engine:
         self.s_temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
         self.s_top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
         self.s_top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+        self.s_min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
+        self.s_any_min_p = any(p.min_p > 0 for p in ps)
         self.s_seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
         self.s_steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=dev)
         self.s_flags = (
@@ -582,9 +584,19 @@ class Engine:
 
         hidden = self.model(self.next_tokens, batch.positions, attend)
         logits = self.model.logits(hidden)
-        tokens = self.sampler(
-            logits, self.s_temp, self.s_top_k, self.s_top_p, self.s_seeds, self.s_steps, *self.s_flags
+        sample = self.sampler.sample(
+            logits,
+            self.s_temp,
+            self.s_top_k,
+            self.s_top_p,
+            self.s_seeds,
+            self.s_steps,
+            *self.s_flags,
+            self.s_min_p,
+            self.s_any_min_p,
+            num_logprobs=self.s_logprobs,
         )
+        tokens = sample.tokens
         batch.end_step()
         self.stats.peak_kv_tokens = max(
             self.stats.peak_kv_tokens, self.tree.cached_tokens + batch.tail_tokens
@@ -592,7 +604,7 @@ class Engine:
         self.s_steps += 1
         self.next_tokens = tokens
         token_list = tokens.tolist()
-        logprob_rows = self._logprobs(logits, tokens) if self.s_logprobs is not None else None
+        logprob_rows = self._logprobs(sample) if self.s_logprobs is not None else None
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         self.stats.generated_tokens += len(token_list)
@@ -620,13 +632,12 @@ class Engine:
                 self._rebuild(list(self.batch.seqs), [])
         return done
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[dict[int, float]]:
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        rows = [{t: c} for t, c in zip(tokens.tolist(), chosen, strict=True)]
-        if self.s_logprobs:
-            top = logp.topk(self.s_logprobs, dim=-1)
-            for row, ids, vals in zip(rows, top.indices.tolist(), top.values.tolist(), strict=True):
+    @staticmethod
+    def _logprobs(sample: SampleOutput) -> list[dict[int, float]]:
+        rows = [{t: c} for t, c in zip(sample.tokens.tolist(), sample.logprobs.tolist(), strict=True)]
+        if sample.top_ids is not None:
+            tops = zip(sample.top_ids.tolist(), sample.top_logprobs.tolist(), strict=True)
+            for row, (ids, vals) in zip(rows, tops, strict=True):
                 row.update(zip(ids, vals, strict=True))
         return rows
 
