@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hydragen.engine.isolation import failure_message, map_rows
-from hydragen.engine.model_runner import ModelRunner, logprob_rows
+from hydragen.engine.isolation import failure_message
+from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampler import derive_seed
@@ -359,18 +359,9 @@ class Engine:
     def _decode(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
         """Sample, append, check stops; per-request work is guarded so a failure ends its request alone."""
         seqs = plan.decode
-        tokens, row_errors = self.runner.sample_isolated(logits, seqs)
-        token_list = tokens.tolist()
         top = max((p.logprobs for s in seqs if (p := s.request.params).logprobs is not None), default=None)
-        lps = None
-        if top is not None:
-            lps, lp_errors = map_rows(
-                lambda: logprob_rows(logits, tokens, top),
-                lambda i: logprob_rows(logits[i : i + 1], tokens[i : i + 1], top)[0],
-                len(seqs),
-                "logprobs",
-            )
-            row_errors = {**lp_errors, **row_errors}
+        tokens, lps, row_errors = self.runner.sample(logits, seqs, top)
+        token_list = tokens.tolist()
         self.stats.decode_steps += 1
         errors: dict[int, tuple[Request, str]] = {}
         for i, message in row_errors.items():

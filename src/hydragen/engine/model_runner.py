@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from hydragen.attention.step_attention import StepAttentionMeta, step_attention
-from hydragen.engine.isolation import sample_rows
-from hydragen.engine.sampler import Sampler
+from hydragen.engine.isolation import map_rows, sample_rows
+from hydragen.engine.sampler import SampleOutput, Sampler
 from hydragen.engine.scheduler import StepPlan
 from hydragen.engine.sequence import Sequence
 from hydragen.kv.manager import KVManager
@@ -178,23 +178,48 @@ class ModelRunner:
             q, pool.k[layer], pool.v[layer], batch.tree_plan, batch.tail_lens, self.scale
         )
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per decoding sequence (seeded per sequence: independent of the batch)."""
-        tokens, errors = self.sample_isolated(logits, seqs)
-        if errors:
-            raise RuntimeError(next(iter(errors.values())))
-        return tokens
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], num_logprobs: int | None = None
+    ) -> tuple[torch.Tensor, list[dict[int, float]] | None, dict[int, str]]:
+        """One token per decoding sequence (seeded per sequence: independent of the batch), its logprobs
+        when asked, and {row: error} for rows that could not be sampled.
 
-    def sample_isolated(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[torch.Tensor, dict[int, str]]:
-        """Tokens [B] and {row: error} for rows that could not be sampled (re-run alone to find them)."""
+        The batch is sampled in one call; if that raises or gives an impossible token, the rows are run
+        again one at a time and only the failing ones are reported (``engine/isolation.py``).
+        """
         key = tuple(id(s) for s in seqs)
         if key != self._sampling_key:
             self._sampling_key, self._sampling = key, self._sampling_tensors(seqs)
-        temp, top_k, top_p, seeds, flags = self._sampling
+        temp, top_k, top_p, seeds, min_p, flags = self._sampling
         steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=self.device)
-        return sample_rows(self.sampler, logits, (temp, top_k, top_p, seeds, steps), flags, logits.shape[1])
+        row_args = (temp, top_k, top_p, seeds, steps)
+        extra = (min_p, flags[3])
+        vocab = logits.shape[1]
+        try:
+            out = self._sample_batch(logits, row_args, flags[:3] + extra, num_logprobs)
+            if out.tokens.shape == (len(seqs),) and bool(((out.tokens >= 0) & (out.tokens < vocab)).all()):
+                return out.tokens, _logprob_dicts(out) if num_logprobs is not None else None, {}
+        except Exception:  # noqa: BLE001  found row by row below
+            pass
+        tokens, errors = sample_rows(self.sampler, logits, row_args, flags[:3] + extra, vocab)
+        if num_logprobs is None:
+            return tokens, None, errors
+        rows, lp_errors = map_rows(
+            lambda: logprob_rows(logits, tokens, num_logprobs),
+            lambda i: logprob_rows(logits[i : i + 1], tokens[i : i + 1], num_logprobs)[0],
+            len(seqs),
+            "logprobs",
+        )
+        return tokens, rows, {**lp_errors, **errors}
+
+    def _sample_batch(self, logits, row_args, flags, num_logprobs) -> SampleOutput:
+        sample = getattr(self.sampler, "sample", None)
+        if sample is None:  # a plain callable (tests wrap the sampler)
+            tokens = self.sampler(logits, *row_args, *flags)
+            if num_logprobs is None:
+                return SampleOutput(tokens)
+            return _sample_output(logits, tokens, num_logprobs)
+        return sample(logits, *row_args, *flags, num_logprobs=num_logprobs)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> tuple:
         dev = self.device
@@ -205,12 +230,32 @@ class ModelRunner:
             torch.tensor([min(p.top_k, self.cfg.vocab_size) for p in ps], dtype=torch.long, device=dev),
             torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
             torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
+            torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev),
             (
                 any(p.temperature > 0 for p in ps),
                 any(p.top_k > 0 for p in ps),
                 any(p.top_p < 1 for p in ps),
+                any(p.min_p > 0 for p in ps),
             ),
         )
+
+
+def _logprob_dicts(out: SampleOutput) -> list[dict[int, float]]:
+    rows = [{t: c} for t, c in zip(out.tokens.tolist(), out.logprobs.tolist(), strict=True)]
+    if out.top_ids is not None:
+        tops = zip(out.top_ids.tolist(), out.top_logprobs.tolist(), strict=True)
+        for row, (ids, vals) in zip(rows, tops, strict=True):
+            row.update(zip(ids, vals, strict=True))
+    return rows
+
+
+def _sample_output(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> SampleOutput:
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if not top:
+        return SampleOutput(tokens, chosen)
+    best = logp.topk(top, dim=-1)
+    return SampleOutput(tokens, chosen, best.indices, best.values)
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[dict[int, float]]:

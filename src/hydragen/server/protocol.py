@@ -39,6 +39,7 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -59,6 +60,7 @@ class _Common(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
             max_tokens=default_max if max_tokens is None else max_tokens,
             stop=self.stop or None,
             stop_token_ids=self.stop_token_ids,
