@@ -17,7 +17,7 @@ import torch
 
 from hydragen.engine.isolation import failure_message
 from hydragen.engine.model_runner import ModelRunner
-from hydragen.engine.output_processor import OutputProcessor
+from hydragen.engine.output_processor import OutputProcessor, StageError
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampler import derive_seed
 from hydragen.engine.sampling_params import SamplingParams
@@ -168,6 +168,7 @@ class Engine:
         return self.kv.usage()
 
     def text_of(self, s: Sequence) -> str:
+        """The sequence's final text so far: stable (no later token changes it) and stop-safe."""
         return self.outputs.text_of(s)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -265,6 +266,7 @@ class Engine:
         s.generated.extend(token_ids)
         s.forced += len(token_ids)
         s.pending += len(token_ids)
+        self.outputs.add_forced(s, list(token_ids))
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -376,6 +378,8 @@ class Engine:
                 self.stats.generated_tokens += 1
                 if self.outputs.append(s, t, want):
                     finished.append(s)
+            except StageError as e:
+                errors.setdefault(id(s.request), (s.request, failure_message(e.stage, e.cause)))
             except Exception as e:
                 errors.setdefault(id(s.request), (s.request, failure_message("stop check", e)))
             finally:
@@ -385,6 +389,8 @@ class Engine:
                 try:
                     self.outputs.finish(s)
                     self.stats.per_sequence_kv_tokens += s.context_len - 1
+                except StageError as e:
+                    errors.setdefault(id(s.request), (s.request, failure_message(e.stage, e.cause)))
                 except Exception as e:
                     errors.setdefault(id(s.request), (s.request, failure_message("detokenization", e)))
         finished = [s for s in finished if id(s.request) not in errors]
