@@ -247,14 +247,23 @@ class Engine:
         try:
             return self.pool.alloc(n)
         except OutOfSlots:
-            if self.pool.allocator.free + self.tree.evictable_tokens() < n:
+            trees = self._trees()
+            if self.pool.allocator.free + sum(t.evictable_tokens() for t in trees) < n:
                 raise  # hopeless: keep the cache instead of flushing it for nothing
-        while True:
-            try:
-                return self.pool.alloc(n)
-            except OutOfSlots:
-                if self.tree.evict(n) == 0:
-                    raise
+        for tree in trees:
+            while True:
+                try:
+                    return self.pool.alloc(n)
+                except OutOfSlots:
+                    if tree.evict(n) == 0:
+                        break
+        return self.pool.alloc(n)
+
+    def _trees(self) -> list[RadixTree]:
+        """The prefix tree, and with sharing off the requests' own trees (whose unpinned KV, left by
+        preempted sequences, is evictable too)."""
+        private = [r.private_tree for r in self.requests.values() if r.private_tree is not None]
+        return [self.tree, *private]
 
     def _tree_for(self, s: Sequence) -> RadixTree:
         return self.tree if self.prefix_sharing else s.request.private_tree
@@ -430,22 +439,25 @@ class Engine:
     def _tail_block(self, seqs: list[Sequence], share_all: bool, smallest: bool = False):
         """Cuts, tail lengths, row capacity and the allocated base of a new tail block for seqs.
 
-        ``smallest``: room for just the next token of the longest tail (a lone sequence short of memory).
+        ``smallest`` (a lone sequence short of memory): the longest free run, if that is less than the usual
+        capacity but holds at least the next token.
         """
         cuts = self._decide_cuts(seqs, share_all)
         # Tail length of each sequence in the new block: running ones drop the part that became shared.
         lens = {id(s): len(s.context) - 1 - cuts[id(s)] for s in seqs}
         cap = max(min(s.max_len - cuts[id(s)], lens[id(s)] + 1 + self.tail_growth) for s in seqs)
-        if smallest:
-            cap = max(lens.values()) + 1
+        if smallest:  # as much as the longest free run holds once the unpinned cache is dropped
+            for tree in self._trees():
+                tree.evict(tree.cached_tokens)
+            cap = max(max(lens.values()) + 1, min(cap, self.pool.allocator.largest_run() // len(seqs)))
         return cuts, lens, cap, self._alloc(len(seqs) * cap)
 
     def _rebuild(self, running: list[Sequence], new: list[Sequence]) -> None:
         """New tail block for running + new sequences (DFS order); tails copied in one indexed op.
 
         When memory is short it falls back to sharing everything in the tree (no copies), then, for a lone
-        sequence, to a block with room for one token. Raises OutOfSlots (state unchanged) when even
-        evicting the whole unpinned cache does not help.
+        sequence, to a smaller block (down to room for one token). Raises OutOfSlots (state unchanged)
+        when even evicting the whole unpinned cache does not help.
         """
         old = self.batch
         seqs = sorted(running + new, key=lambda s: s.order_key)
