@@ -293,6 +293,8 @@ class Engine:
 
     def _start_prefill(self, s: Sequence) -> None:
         req = s.request
+        if req.first_scheduled is None:
+            req.first_scheduled = time.monotonic()
         if not self.prefix_sharing and req.private_tree is None:
             req.private_tree = RadixTree(self.pool)
         tree = self._tree_for(s)
