@@ -149,8 +149,12 @@ def validation_error(e: ValidationError, model: type[BaseModel]) -> APIError:
     """The first problem pydantic found, as a 400 naming the parameter."""
     errors = e.errors()
     first = errors[0]
-    param = _loc_param(first.get("loc", ()), model)
-    kind = first.get("type", "")
+    loc, kind = tuple(first.get("loc", ())), first.get("type", "")
+    if kind == "extra_forbidden":  # the last part is the unknown key itself
+        parent = _loc_param(loc[:-1], model)
+        param = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
+    else:
+        param = _loc_param(loc, model)
     if kind == "extra_forbidden":
         return APIError(
             400,
