@@ -136,7 +136,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         if chat:
             prompts = [(await encoder.chat(body.conversation()), None)]
         else:
-            prompts = await encoder.completion(body.prompts())
+            prompts = await encoder.completion(body)
         if len(prompts) * body.n > MAX_N:
             raise APIError(
                 400,

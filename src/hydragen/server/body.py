@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -19,6 +20,10 @@ from pydantic import BaseModel, ValidationError
 from hydragen.server.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
+
+# A \uD800-\uDFFF escape in the JSON text: the only way a lone surrogate gets into a parsed string (the
+# UTF-8 decode already refused raw ones). Valid surrogate pairs match too; the walk then finds nothing.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 # An oversized body is still read (and thrown away) up to this much, so the client gets its 413 instead
 # of a connection reset while it is still sending; beyond it the connection is simply closed.
@@ -75,8 +80,20 @@ def _parse(raw: bytes, model: type[M], prepare) -> M:
         raise APIError(
             400, f"request body is not valid UTF-8 (bad byte at offset {e.start})", code="invalid_json"
         ) from None
+    nonfinite = []
+
+    def parse_float(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            nonfinite.append(literal)
+        return value
+
+    def parse_constant(literal: str) -> float:
+        nonfinite.append(literal)
+        return float(literal)
+
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_float=parse_float, parse_constant=parse_constant)
     except json.JSONDecodeError as e:
         raise APIError(
             400,
@@ -91,7 +108,8 @@ def _parse(raw: bytes, model: type[M], prepare) -> M:
         raise APIError(
             400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
         )
-    check_values(obj)
+    if nonfinite or _SURROGATE_ESCAPE.search(text):  # rare: only then walk the whole body to name the field
+        check_values(obj)
     if prepare is not None:
         obj = prepare(obj)
     try:

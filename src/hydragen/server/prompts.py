@@ -49,8 +49,13 @@ class PromptEncoder:
             )
 
     # ---- completions ---------------------------------------------------------------------------
-    async def completion(self, prompts: list[str | list[int]]) -> list[tuple[list[int], str | None]]:
-        """(token ids, text or None) per prompt; 400 for an empty, out-of-vocabulary or too long prompt."""
+    async def completion(self, body) -> list[tuple[list[int], str | None]]:
+        """(token ids, text or None) per prompt of a CompletionRequest; 400 for an empty, out-of-vocabulary
+        or too long prompt. All of it on a worker thread: a prompt may be a million token ids."""
+        return await asyncio.to_thread(self._completion, body)
+
+    def _completion(self, body) -> list[tuple[list[int], str | None]]:
+        prompts = body.prompts()
         for i, p in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if not p:
@@ -58,6 +63,7 @@ class PromptEncoder:
             if isinstance(p, str):
                 if self.tok is None:
                     raise APIError(400, "this model has no tokenizer: send prompts as token ids", param)
+                self._check_chars(len(p), param)
             else:
                 self.check_length(len(p), param)
                 low, high = min(p), max(p)
@@ -69,14 +75,10 @@ class PromptEncoder:
                         param,
                         code="invalid_value",
                     )
-        return await asyncio.to_thread(self._encode_all, prompts)
-
-    def _encode_all(self, prompts) -> list[tuple[list[int], str | None]]:
         out = []
         for i, p in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(p, str):
-                self._check_chars(len(p), param)
                 ids = self.tok.encode(p)
                 if not ids:
                     raise APIError(400, f"{param} encodes to no tokens", param, code="invalid_value")
