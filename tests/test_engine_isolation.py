@@ -302,8 +302,8 @@ def test_n_larger_than_the_pool_runs_in_waves(path, sharing):
     assert_no_leak(llm.engine)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_every_admitted_request_finishes_on_a_small_pool(path, seed):
+@pytest.mark.parametrize("seed, sharing", [(0, True), (1, True), (2, False)])
+def test_every_admitted_request_finishes_on_a_small_pool(path, seed, sharing):
     """Random requests arriving at random steps on a pool far too small for all of them, two of them at
     the admission limit (their prompt + max_tokens fill the whole pool): every request is admitted, none
     fails, and each one's tokens equal an unconstrained run; nothing leaks."""
@@ -326,7 +326,10 @@ def test_every_admitted_request_finishes_on_a_small_pool(path, seed):
         arrivals.append((rng.randint(0, 30), prompt, params))
     arrivals.sort(key=lambda a: a[0])
     expected = [refs(path, [p], sp)[0] for _, p, sp in arrivals]
-    engine = LLM(path, kv_cache_tokens=slots, max_num_seqs=6).engine
+    # Sharing off, a sequence holds a private copy of its context: admission asks for twice the room.
+    engine = LLM(
+        path, kv_cache_tokens=slots * (1 if sharing else 2), max_num_seqs=6, prefix_sharing=sharing
+    ).engine
     engine.tail_growth = 8
     pending, live, outs, step = list(arrivals), [], {}, 0
     while pending or engine.has_unfinished():

@@ -18,8 +18,8 @@ import pytest
 from server_helpers import tiny_chat_model
 
 
-def spawn(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HYDRAGEN_API_KEY": ""}
+def spawn(*args: str, api_key: str = "") -> subprocess.Popen:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HYDRAGEN_API_KEY": api_key}
     return subprocess.Popen(
         [sys.executable, "-m", "hydragen", "serve", *args],
         stdout=subprocess.DEVNULL,
@@ -80,7 +80,7 @@ def test_bad_options_are_one_line_errors_before_the_model_loads(model_dir):
             proc.kill()
 
 
-def start_server(model_dir: str, grace: float) -> tuple[subprocess.Popen, Lines, str]:
+def start_server(model_dir: str, grace: float, api_key: str = "") -> tuple[subprocess.Popen, Lines, str]:
     proc = spawn(
         "--model",
         model_dir,
@@ -92,9 +92,14 @@ def start_server(model_dir: str, grace: float) -> tuple[subprocess.Popen, Lines,
         str(grace),
         "--kv-cache-tokens",
         "8192",
+        api_key=api_key,
     )
     lines = Lines(proc)
-    m = lines.wait_for(r"ready: serving 'tiny' on (http://127\.0\.0\.1:\d+)/v1 \| KV cache 8192 tokens")
+    m = lines.wait_for(
+        r"ready: serving 'tiny' on (http://127\.0\.0\.1:\d+)/v1 \| KV cache 8192 tokens \(\d+ MiB\)"
+        + r" \| API key "
+        + ("required" if api_key else "not required")
+    )
     return proc, lines, m.group(1)
 
 
@@ -155,14 +160,17 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(mo
 
 
 def test_a_second_signal_exits_at_once(model_dir):
-    proc, lines, url = start_server(model_dir, grace=60)
+    """Also: the API key comes from $HYDRAGEN_API_KEY when --api-key is not given."""
+    proc, lines, url = start_server(model_dir, grace=60, api_key="env-key")
     body = {"model": "tiny", "prompt": "x", "max_tokens": 500, "n": 8, "ignore_eos": True}
+    auth = {"Authorization": "Bearer env-key"}
     thread = threading.Thread(
         target=lambda: pytest.raises(
-            httpx.TransportError, httpx.post, url + "/v1/completions", json=body, timeout=60
+            httpx.TransportError, httpx.post, url + "/v1/completions", json=body, headers=auth, timeout=60
         )
     )
     try:
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
         thread.start()
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
