@@ -419,6 +419,55 @@ def test_a_fault_in_one_request_fails_it_alone_over_http(live):
     live.assert_no_leak()
 
 
+class PrefixFaultTokenizer:
+    """The real tokenizer, except that decoding the victim's generated tokens raises."""
+
+    def __init__(self, real, victim_prefix: list[int]):
+        self.real, self.victim_prefix = real, victim_prefix
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        if len(ids) >= 4 and ids[:4] == self.victim_prefix:
+            raise ValueError("injected detokenizer fault")
+        return self.real.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_detokenizer_fault_in_one_request_fails_it_alone_over_http(live, model_dir):
+    greedy = {**OK, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    prompts = [[40, 41, 42], [50, 51], [60, 61, 62, 63], [70]]
+    alone = [post(live, C, {**greedy, "prompt": p}).json()["choices"][0] for p in prompts]
+    offline = LLM(model_dir, kv_cache_tokens=1024).generate(
+        prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    victim_ids, *innocent_ids = [o.outputs[0].token_ids for o in offline]
+    assert all(ids != victim_ids for ids in innocent_ids)
+    engine = live.engine
+    real = engine.tokenizer
+    engine.tokenizer = PrefixFaultTokenizer(real, victim_ids)
+    results = {}
+    try:
+        threads = [
+            threading.Thread(
+                target=lambda i=i, p=p: results.__setitem__(i, post(live, C, {**greedy, "prompt": p}))
+            )
+            for i, p in enumerate(prompts)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.tokenizer = real
+    err = assert_openai_error(results[0], 500, code="request_failed")
+    assert "injected detokenizer fault" in err["message"], err
+    for i in range(1, len(prompts)):
+        assert results[i].json()["choices"][0]["text"] == alone[i]["text"]
+    live.assert_no_leak()
+
+
 def test_small_pool_refuses_what_can_never_fit(model_dir):
     srv = LiveServer(LLM(model_dir, kv_cache_tokens=300), "tiny")
     try:

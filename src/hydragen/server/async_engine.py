@@ -242,7 +242,7 @@ class AsyncEngine:
                 upd = self._update_for(tr, now)
             except Exception as e:  # building this request's update failed: it alone ends
                 traceback.print_exc()
-                upd = Update([], True, request_failed(failure_message("output", e)))
+                upd = Update([], True, request_failed(failure_message("output building", e)))
                 tr.times.finished = now
                 try:
                     self.engine.abort(rid)
