@@ -238,13 +238,12 @@ def test_values_at_the_limits_run(path):
     for out, (_, same_as) in zip(outs, cases, strict=True):
         assert out.error is None and all(0 <= t < 256 for t in out.outputs[0].token_ids)
         if same_as is not None:
-            ref = LLM(path, kv_cache_tokens=4096).generate([[3, 4, 5]], same_as, use_tqdm=False)[0]
-            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert [c.token_ids for c in out.outputs] == refs(path, [[3, 4, 5]], same_as)[0]
     # max_tokens at int64's limit stops at the model's context, as "length".
     long = llm.generate(
-        [[3, 4, 5]], SamplingParams(temperature=0, max_tokens=INT64_MAX, ignore_eos=True), use_tqdm=False
+        [[3] * 500], SamplingParams(temperature=0, max_tokens=INT64_MAX, ignore_eos=True), use_tqdm=False
     )
-    assert len(long[0].outputs[0].token_ids) == 512 - 3 and long[0].outputs[0].finish_reason == "length"
+    assert len(long[0].outputs[0].token_ids) == 512 - 500 and long[0].outputs[0].finish_reason == "length"
     assert_no_leak(llm.engine)
 
 
@@ -265,8 +264,12 @@ def test_engine_refuses_what_it_could_never_run(path):
     assert not engine.has_unfinished()
 
 
+_REFERENCE: dict[str, LLM] = {}
+
+
 def refs(path, prompts, params) -> list[list[list[int]]]:
-    big = LLM(path, kv_cache_tokens=16384)
+    """Tokens of an unconstrained run (one big-pool LLM per model, reused)."""
+    big = _REFERENCE.setdefault(path, LLM(path, kv_cache_tokens=16384))
     return [[c.token_ids for c in o.outputs] for o in big.generate(prompts, params, use_tqdm=False)]
 
 
@@ -310,12 +313,12 @@ def test_every_admitted_request_finishes_on_a_small_pool(path, seed, sharing):
     import random
 
     rng = random.Random(seed)
-    slots = 100
+    slots = 64
     arrivals = []
     for i in range(6):
-        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 30))]
+        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 20))]
         big = i in (1, 4)
-        max_tokens = slots - len(prompt) if big else rng.randint(1, 12)
+        max_tokens = slots - len(prompt) if big else rng.randint(1, 10)
         params = SamplingParams(
             n=1 if big else rng.choice([1, 2, 3]),
             temperature=1.0,
@@ -344,6 +347,28 @@ def test_every_admitted_request_finishes_on_a_small_pool(path, seed, sharing):
     for req, exp in zip(live, expected, strict=True):
         assert outs[req.request_id].error is None
         assert tokens(outs, req.request_id) == exp
+    assert_no_leak(engine)
+
+
+def test_a_lone_prompt_is_prefilled_around_cached_prefixes(path):
+    """The cache holds two earlier prompts; a new, long prompt shares the second one's prefix (pinned where
+    the earlier request left it) and needs more KV than any free run beside it (the first verified on the
+    contiguous-run pool of today's engine: the new part is split around the pinned prefix). It must still
+    be admitted and finish with the unconstrained tokens, not stall."""
+    engine = LLM(path, kv_cache_tokens=100).engine
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    shared = [10 + i for i in range(20)]
+    for prompt in ([200 + i % 50 for i in range(30)], shared):
+        engine.add_request(prompt, one)
+        run_all(engine, max_steps=100)
+    long = shared + [100 + (7 * i) % 90 for i in range(59)]
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)  # 79 + 21: the whole pool
+    req = engine.add_request(long, params)
+    other = engine.add_request([90, 91, 92], one)  # scheduled beside it at first, then made to wait
+    outs = run_all(engine, max_steps=500)
+    assert outs[req.request_id].error is None and outs[other.request_id].error is None
+    assert tokens(outs, req.request_id) == refs(path, [long], params)[0]
+    assert tokens(outs, other.request_id) == refs(path, [[90, 91, 92]], one)[0]
     assert_no_leak(engine)
 
 

@@ -148,6 +148,7 @@ class Engine:
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
+        self.prefill_starved = False  # the oldest prefilling sequence found no memory, nothing running
         self.stats = EngineStats()
         self.step_count = 0
         self._ids = itertools.count()
@@ -272,7 +273,7 @@ class Engine:
     def _schedule(self) -> None:
         """Move waiting sequences to prefill: aged ones first, then the longest cached prefix."""
         room = self.max_num_seqs - self.num_running - len(self.prefilling)
-        if room <= 0 or not self.waiting:
+        if room <= 0 or not self.waiting or (self.prefill_starved and self.prefilling):
             return
         aged = [s for s in self.waiting if self.step_count - s.arrival_step >= self.max_wait_steps]
         if len(aged) >= room or not self.prefix_sharing:
@@ -337,9 +338,11 @@ class Engine:
         for req, message in broken.values():
             self._fail(req, message)
         still = self.prefilling
-        if out_of_memory and len(still) > 1 and not ready and self.num_running == 0:
-            # Out of memory with nothing running to free any: partial prefills would deadlock each
-            # other, so all but the oldest go back to wait (their partial KV becomes evictable).
+        # Out of memory with nothing running to free any: partial prefills would deadlock each other, so
+        # all but the oldest go back to wait (their partial KV becomes evictable), and no other sequence is
+        # scheduled until the oldest has its KV (see _alloc_node for how it always gets it).
+        self.prefill_starved = out_of_memory and not ready and self.num_running == 0
+        if self.prefill_starved and len(still) > 1:
             self._requeue(still[1:])
             self.prefilling = still[:1]
         return ready
