@@ -51,22 +51,74 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import os
+
+    from hydragen.server.launch import LOG_LEVELS, bind_socket, configure_logging
+    from hydragen.server.options import ServerOptions
+
+    # Everything that can be checked without the model is checked first: a bad option is one line, at once.
+    api_key = args.api_key if args.api_key is not None else os.environ.get("HYDRAGEN_API_KEY") or None
+    hosts = [h.strip() for h in args.allowed_hosts.split(",")] if args.allowed_hosts else None
+    options = ServerOptions(
+        api_key=api_key,
+        allowed_hosts=hosts,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    problems = []
+    if not 0 <= args.port <= 65535:
+        problems.append(f"--port must be in [0, 65535], got {args.port}")
+    if args.log_level.lower() not in LOG_LEVELS:
+        problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
+    if args.api_key is not None and not args.api_key.strip():
+        problems.append("--api-key must not be empty")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        problems.append(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
+    if args.max_num_seqs < 1:
+        problems.append(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.model is not None and not os.path.exists(args.model):
+        problems.append(f"--model {args.model!r} does not exist")
+    try:
+        options.check()
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
+    log_level = args.log_level.lower()
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(log_level)
 
     from hydragen import LLM
     from hydragen.server.app import create_app
+    from hydragen.server.launch import run
 
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_num_seqs=args.max_num_seqs,
-        prefix_sharing=not args.no_sharing,
-    )
+    try:
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_tokens=args.kv_cache_tokens,
+            max_num_seqs=args.max_num_seqs,
+            prefix_sharing=not args.no_sharing,
+        )
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_model_name or llm.model_path.stem
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level)
+    kv = llm.engine.kv_usage()["total"]
+    mib = kv * llm.engine.pool.bytes_per_token / 2**20
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    ready = (
+        f"ready: serving {name!r} on http://{host}:{{port}}/v1 | KV cache {kv} tokens ({mib:.0f} MiB)"
+        f" | API key {'required' if api_key else 'not required'}"
+    )
+    run(create_app(llm, name, options), sock, options, log_level, ready)
     return 0
 
 
@@ -160,7 +212,39 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-sharing", action="store_true", help="baseline: no prefix cache, no shared attention")
     v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    v.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    v.add_argument(
+        "--log-level",
+        default="info",
+        help="critical, error, warning, info (one line per request; default) or debug",
+    )
+    v.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYDRAGEN_API_KEY, else none)",
+    )
+    v.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated host names accepted in the Host header (default: any)",
+    )
+    v.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body in bytes; larger ones get a 413 (default 8 MiB)",
+    )
+    v.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers and body (default 30)",
+    )
+    v.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds in-flight requests get before they are aborted (default 10)",
+    )
     v.set_defaults(func=_serve)
 
     b = sub.add_parser(

@@ -155,6 +155,8 @@ def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen,
         str(port),
         "--served-model-name",
         "bench",
+        "--log-level",
+        "warning",  # no request lines in the benchmark's output
         *extra,
     ]
     if model:

@@ -30,9 +30,10 @@ import torch
 
 from hydragen.attention.shared_prefix import shared_prefix_attention
 from hydragen.engine.batch import DecodeBatch
+from hydragen.engine.isolation import failure_message, map_rows, sample_rows
 from hydragen.engine.outputs import CompletionOutput, RequestOutput
 from hydragen.engine.sampler import Sampler, derive_seed
-from hydragen.engine.sampling_params import SamplingParams
+from hydragen.engine.sampling_params import ParamError, SamplingParams
 from hydragen.engine.sequence import Request, Sequence
 from hydragen.kv.pool import KVPool, OutOfSlots
 from hydragen.kv.radix import Node, RadixTree
@@ -147,6 +148,7 @@ class Engine:
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
+        self.prefill_starved = False  # the oldest prefilling sequence found no memory, nothing running
         self.stats = EngineStats()
         self.step_count = 0
         self._ids = itertools.count()
@@ -161,26 +163,32 @@ class Engine:
         prompt: str | None = None,
         request_id: str | None = None,
     ) -> Request:
+        """Queue a request. Raises ``ParamError`` (a ValueError naming the parameter) for a request the
+        engine could never finish: bad token ids, too long for the context, or too big for the KV cache."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise ParamError("prompt", f"prompt token ids must be a list, got {type(prompt_ids).__name__}")
         if not prompt_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ParamError("prompt", "prompt is empty: at least one token is needed")
+        ctx = self.cfg.max_position_embeddings
+        if len(prompt_ids) >= ctx:  # before scanning the ids: a huge prompt is refused at once
+            raise ParamError(
+                "prompt", f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens"
+            )
         vocab = self.cfg.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
-        ctx = self.cfg.max_position_embeddings
-        if len(prompt_ids) >= ctx:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens")
-        # Least this request needs alone: the prompt once in the tree, plus each sequence's tail (which
-        # holds a copy of the prompt when nothing can be shared: sharing off, or n == 1). A prompt the cost
-        # rule would copy is shared instead when memory is short (see _rebuild).
-        private_prompt = len(prompt_ids) if (params.n == 1 or not self.prefix_sharing) else 0
-        need = len(prompt_ids) + params.n * (private_prompt + params.max_tokens + 1)
+            raise ParamError("prompt", f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        bad = [t for t in params.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise ParamError("stop_token_ids", f"stop token id {bad[0]} is out of range [0, {vocab})")
+        need = self.sequence_kv_need(len(prompt_ids), params.max_tokens)
         if need > self.pool.num_slots:
-            raise ValueError(
-                f"request needs up to {need} KV slots but the cache has {self.pool.num_slots}; "
-                "raise kv_cache_tokens or lower n/max_tokens"
+            raise ParamError(
+                "max_tokens",
+                f"one sequence of this request needs up to {need} KV slots (prompt + max_tokens) but the "
+                f"cache has {self.pool.num_slots}; lower max_tokens or the prompt length",
             )
         rid = str(next(self._ids)) if request_id is None else request_id
         if rid in self.requests:
@@ -193,6 +201,23 @@ class Engine:
         self.requests[rid] = req
         self.waiting.extend(req.seqs)
         return req
+
+    def sequence_kv_need(self, prompt_len: int, max_tokens: int) -> int:
+        """KV slots one sequence needs to be sure to finish when it runs alone (admission is per sequence:
+        n sequences that do not fit at once run in waves). With sharing on, everything but its newest
+        tokens can live in the prefix tree, read in place; with sharing off it holds a private copy of its
+        whole context, and rebuilding that copy briefly needs room for two."""
+        total = prompt_len + min(max_tokens, self.cfg.max_position_embeddings - prompt_len)
+        return total if self.prefix_sharing else 2 * total
+
+    def kv_usage(self) -> dict:
+        """KV pages (token slots): in use, held by the prefix cache, and in all. When no request is
+        running, used == cached (anything else is a leak)."""
+        return {
+            "used": self.pool.allocator.used,
+            "cached": self.tree.cached_tokens,
+            "total": self.pool.num_slots,
+        }
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its pages are freed (its computed KV stays cached)."""
@@ -223,14 +248,23 @@ class Engine:
         try:
             return self.pool.alloc(n)
         except OutOfSlots:
-            if self.pool.allocator.free + self.tree.evictable_tokens() < n:
+            trees = self._trees()
+            if self.pool.allocator.free + sum(t.evictable_tokens() for t in trees) < n:
                 raise  # hopeless: keep the cache instead of flushing it for nothing
-        while True:
-            try:
-                return self.pool.alloc(n)
-            except OutOfSlots:
-                if self.tree.evict(n) == 0:
-                    raise
+        for tree in trees:
+            while True:
+                try:
+                    return self.pool.alloc(n)
+                except OutOfSlots:
+                    if tree.evict(n) == 0:
+                        break
+        return self.pool.alloc(n)
+
+    def _trees(self) -> list[RadixTree]:
+        """The prefix tree, and with sharing off the requests' own trees (whose unpinned KV, left by
+        preempted sequences, is evictable too)."""
+        private = [r.private_tree for r in self.requests.values() if r.private_tree is not None]
+        return [self.tree, *private]
 
     def _tree_for(self, s: Sequence) -> RadixTree:
         return self.tree if self.prefix_sharing else s.request.private_tree
@@ -239,7 +273,7 @@ class Engine:
     def _schedule(self) -> None:
         """Move waiting sequences to prefill: aged ones first, then the longest cached prefix."""
         room = self.max_num_seqs - self.num_running - len(self.prefilling)
-        if room <= 0 or not self.waiting:
+        if room <= 0 or not self.waiting or (self.prefill_starved and self.prefilling):
             return
         aged = [s for s in self.waiting if self.step_count - s.arrival_step >= self.max_wait_steps]
         if len(aged) >= room or not self.prefix_sharing:
@@ -260,6 +294,8 @@ class Engine:
 
     def _start_prefill(self, s: Sequence) -> None:
         req = s.request
+        if req.first_scheduled is None:
+            req.first_scheduled = time.monotonic()
         if not self.prefix_sharing and req.private_tree is None:
             req.private_tree = RadixTree(self.pool)
         tree = self._tree_for(s)
@@ -276,21 +312,37 @@ class Engine:
         self.prefilling.append(s)
 
     def _prefill(self) -> list[Sequence]:
-        """Spend up to ``prefill_budget`` tokens on uncached nodes; returns sequences ready to decode."""
+        """Spend up to ``prefill_budget`` tokens on uncached nodes; returns sequences ready to decode.
+
+        A chunk that fails (not for memory) ends the requests waiting on that node, and only them.
+        """
         budget, ready, still, out_of_memory = self.prefill_budget, [], [], False
+        broken: dict[int, tuple[Request, str]] = {}
         for s in self.prefilling:
             tree = self._tree_for(s)
-            for node in s.node.path() if s.node.parent is not None else ():
-                while not node.has_kv and budget > 0:
-                    try:
-                        budget -= self._prefill_chunk(tree, node, budget)
-                    except OutOfSlots:
-                        budget, out_of_memory = 0, True
-            (ready if all(n.has_kv for n in s.node.path()) else still).append(s)
+            while budget > 0 and id(s.request) not in broken and (node := _first_without_kv(s.node)):
+                try:
+                    budget -= self._prefill_chunk(tree, node, budget)
+                except OutOfSlots:
+                    budget, out_of_memory = 0, True
+                except Exception as e:
+                    message = failure_message("prefill", e)
+                    for x in self.prefilling:
+                        if any(n is node for n in x.node.path()):
+                            broken.setdefault(id(x.request), (x.request, message))
+            (ready if _first_without_kv(s.node) is None else still).append(s)
+        if broken:
+            still += [s for s in ready if id(s.request) in broken]
+            ready = [s for s in ready if id(s.request) not in broken]
         self.prefilling = still
-        if out_of_memory and len(still) > 1 and not ready and self.num_running == 0:
-            # Out of memory with nothing running to free any: partial prefills would deadlock each
-            # other, so all but the oldest go back to wait (their partial KV becomes evictable).
+        for req, message in broken.values():
+            self._fail(req, message)
+        still = self.prefilling
+        # Out of memory with nothing running to free any: partial prefills would deadlock each other, so
+        # all but the oldest go back to wait (their partial KV becomes evictable), and no other sequence is
+        # scheduled until the oldest has its KV (see _alloc_node for how it always gets it).
+        self.prefill_starved = out_of_memory and not ready and self.num_running == 0
+        if self.prefill_starved and len(still) > 1:
             self._requeue(still[1:])
             self.prefilling = still[:1]
         return ready
@@ -298,7 +350,7 @@ class Engine:
     def _prefill_chunk(self, tree: RadixTree, node: Node, budget: int) -> int:
         """Compute the next chunk of node's KV; its queries attend to the ancestors' KV in place."""
         if node.slot < 0:
-            tree.assign_kv(node, self._alloc(len(node.tokens)), filled=0)
+            node = self._alloc_node(tree, node)
         slot, c0 = node.slot, node.filled
         c1 = min(len(node.tokens), c0 + self.prefill_chunk, c0 + max(budget, 1))
         ancestors = _coalesce([(n.slot, n.slot + len(n.tokens)) for n in node.path()[:-1]])
@@ -324,6 +376,28 @@ class Engine:
         self.stats.prefill_tokens += c1 - c0
         return c1 - c0
 
+    def _alloc_node(self, tree: RadixTree, node: Node) -> Node:
+        """Give a node its KV run; returns the node to prefill now.
+
+        With nothing running and one sequence prefilling, that sequence must make progress even when no
+        free run is long enough (fragmentation): the cache is emptied of everything unpinned and the node is
+        split so that its upper part fits the longest free run (the rest gets its own run later).
+        """
+        try:
+            tree.assign_kv(node, self._alloc(len(node.tokens)), filled=0)
+            return node
+        except OutOfSlots:
+            if self.num_running or len(self.prefilling) > 1:
+                raise
+            self.tree.evict(self.tree.cached_tokens)
+            run = self.pool.allocator.largest_run()
+            if not 0 < run < len(node.tokens):
+                raise
+            tree.split_at(node, node.start_pos + run)
+            upper = node.parent
+            tree.assign_kv(upper, self._alloc(run), filled=0)
+            return upper
+
     # ---- the decode batch ---------------------------------------------------------------------
     def _decide_cuts(self, seqs: list[Sequence], share_all: bool = False) -> dict[int, int]:
         """Per sequence, how much of its context is read from shared nodes (the cost rule).
@@ -333,7 +407,8 @@ class Engine:
         reads it saves per step, ``(holders - 1) * (tokens - MERGE_ROW_TOKENS)``, reach
         ``min_shared_reads``: below that the extra call and LSE merge cost more than the per-sequence
         path reading the tokens again (a node held by one sequence never pays). ``min_shared_reads=0``
-        turns the rule off, and so does ``share_all`` (used when the copies would not fit in memory).
+        turns the rule off. ``share_all`` (used when the copies would not fit in memory) also shares nodes
+        held by a single sequence: it reads them in place instead of holding a copy in its tail.
         Groups above the deepest group that pays are shared too (a cut is a prefix); below it the KV
         lives in the sequence's own tail, copied once. Cuts only move down: a running sequence whose
         private prefix became shared drops that part of its tail and reads the node with the others.
@@ -355,7 +430,8 @@ class Engine:
             group_holders, group_tokens = 0, 0
             for n in s.node.path():
                 h = holders[id(n)]
-                if h < 2 or (self.share_limit is not None and n.end_pos > self.share_limit):
+                beyond_limit = self.share_limit is not None and n.end_pos > self.share_limit
+                if (h < 2 and not share_all) or beyond_limit:
                     break
                 if h != group_holders:
                     group_holders, group_tokens = h, 0
@@ -365,28 +441,39 @@ class Engine:
             cuts[id(s)] = cut
         return cuts
 
-    def _tail_block(self, seqs: list[Sequence], share_all: bool):
-        """Cuts, tail lengths, row capacity and the allocated base of a new tail block for seqs."""
+    def _tail_block(self, seqs: list[Sequence], share_all: bool, smallest: bool = False):
+        """Cuts, tail lengths, row capacity and the allocated base of a new tail block for seqs.
+
+        ``smallest`` (a lone sequence short of memory): the longest free run, if that is less than the usual
+        capacity but holds at least the next token.
+        """
         cuts = self._decide_cuts(seqs, share_all)
         # Tail length of each sequence in the new block: running ones drop the part that became shared.
         lens = {id(s): len(s.context) - 1 - cuts[id(s)] for s in seqs}
         cap = max(min(s.max_len - cuts[id(s)], lens[id(s)] + 1 + self.tail_growth) for s in seqs)
+        if smallest:  # as much as the longest free run holds once the unpinned cache is dropped
+            for tree in self._trees():
+                tree.evict(tree.cached_tokens)
+            cap = max(max(lens.values()) + 1, min(cap, self.pool.allocator.largest_run() // len(seqs)))
         return cuts, lens, cap, self._alloc(len(seqs) * cap)
 
     def _rebuild(self, running: list[Sequence], new: list[Sequence]) -> None:
         """New tail block for running + new sequences (DFS order); tails copied in one indexed op.
 
-        Raises OutOfSlots (state unchanged) when even evicting the whole unpinned cache does not help.
+        When memory is short it falls back to sharing everything in the tree (no copies), then, for a lone
+        sequence, to a smaller block (down to room for one token). Raises OutOfSlots (state unchanged)
+        when even evicting the whole unpinned cache does not help.
         """
         old = self.batch
         seqs = sorted(running + new, key=lambda s: s.order_key)
-        try:
-            cuts, lens, cap, base = self._tail_block(seqs, share_all=False)
-        except OutOfSlots:
-            if self.min_shared_reads == 0:
-                raise
-            # Memory beats speed: share every node held by two sequences rather than copy it.
-            cuts, lens, cap, base = self._tail_block(seqs, share_all=True)
+        attempts = [(False, False), (True, False)] + ([(True, True)] if len(seqs) == 1 else [])
+        for k, (share_all, smallest) in enumerate(attempts):
+            try:
+                cuts, lens, cap, base = self._tail_block(seqs, share_all, smallest)
+                break
+            except OutOfSlots:
+                if k == len(attempts) - 1:
+                    raise
         old_rows = {id(s): s.row for s in running}
         batch = DecodeBatch(self.pool, seqs, cap, base, self.device)
         src, dst = [], []
@@ -446,12 +533,12 @@ class Engine:
             self.waiting.appendleft(s)
 
     def _fail(self, req: Request, message: str) -> None:
-        """End a request with an error instead of crashing the engine for everyone."""
+        """End a request with an error instead of crashing the engine for everyone (reported by step)."""
         req.error = message
-        leaving = [s for s in req.seqs if not s.finished]
-        for s in leaving:
-            s.finish_reason = "error"
-        self._leave(leaving)
+        for s in req.seqs:
+            if not s.finished:
+                s.finish_reason = "error"
+        self._leave(list(req.seqs))  # also a sequence that finished in this very step but never left
         self.waiting = deque(s for s in self.waiting if s.request is not req)
         self.failed.append(req)
 
@@ -471,7 +558,10 @@ class Engine:
                     self._requeue(self.prefilling)
                     self.prefilling = []
                 else:
-                    self._fail(batch.seqs[0].request, "out of KV cache memory while decoding")
+                    # A lone sequence whose block cannot grow (the old and new block would be needed at
+                    # once): its KV goes to the tree and it rejoins reading it in place (admission made
+                    # sure that fits). Never fail an admitted request for memory.
+                    self._preempt(batch.seqs[0])
                     return
 
     def _preempt(self, s: Sequence) -> None:
@@ -534,7 +624,9 @@ class Engine:
         ps = [s.request.params for s in seqs]
         self.next_tokens = torch.tensor([s.context[-1] for s in seqs], dtype=torch.long, device=dev)
         self.s_temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-        self.s_top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
+        # A top_k beyond the vocabulary keeps every token, as top_k=0 does (clamped, so it fits any int64).
+        vocab = self.cfg.vocab_size
+        self.s_top_k = torch.tensor([min(p.top_k, vocab) for p in ps], dtype=torch.long, device=dev)
         self.s_top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
         self.s_seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
         self.s_steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=dev)
@@ -547,7 +639,11 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, prefill a budget, join, decode one token; returns requests finished in this step."""
+        """Schedule, prefill a budget, join, decode one token; returns requests finished in this step.
+
+        A failure that belongs to one request (its prefill, sampling, stop check, detokenization or output)
+        ends that request with ``RequestOutput.error`` set; the others go on untouched. Anything else raises.
+        """
         self.step_count += 1
         t0 = time.perf_counter()
         self._schedule()
@@ -556,18 +652,23 @@ class Engine:
             self._join(ready)
         self._ensure_tail_room()
         self.stats.prefill_seconds += time.perf_counter() - t0
-        failed = [self._finish_request(r) for r in self.failed]
-        self.failed = []
         batch = self.batch
-        if batch is None or not batch.seqs:
-            return [r for r in failed if r is not None]
-        return [r for r in failed if r is not None] + self._decode(batch)
+        done = self._decode(batch) if batch is not None and batch.seqs else []
+        failed = [out for req in self.failed if (out := self._finish_request(req)) is not None]
+        self.failed = []
+        return failed + done
 
     def _finish_request(self, req: Request) -> RequestOutput | None:
         if self.requests.pop(req.request_id, None) is None:
             return None
         self.stats.requests_finished += 1
-        return self._output(req)
+        try:
+            return self._output(req)
+        except Exception as e:
+            req.error = req.error or failure_message("output building", e)
+            return RequestOutput(
+                req.request_id, req.prompt, req.prompt_ids, [], True, req.cached_tokens, req.error
+            )
 
     def _decode(self, batch: DecodeBatch) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -582,9 +683,8 @@ class Engine:
 
         hidden = self.model(self.next_tokens, batch.positions, attend)
         logits = self.model.logits(hidden)
-        tokens = self.sampler(
-            logits, self.s_temp, self.s_top_k, self.s_top_p, self.s_seeds, self.s_steps, *self.s_flags
-        )
+        row_args = (self.s_temp, self.s_top_k, self.s_top_p, self.s_seeds, self.s_steps)
+        tokens, row_errors = sample_rows(self.sampler, logits, row_args, self.s_flags, logits.shape[1])
         batch.end_step()
         self.stats.peak_kv_tokens = max(
             self.stats.peak_kv_tokens, self.tree.cached_tokens + batch.tail_tokens
@@ -592,24 +692,48 @@ class Engine:
         self.s_steps += 1
         self.next_tokens = tokens
         token_list = tokens.tolist()
-        logprob_rows = self._logprobs(logits, tokens) if self.s_logprobs is not None else None
+        logprob_rows = None
+        if self.s_logprobs is not None:
+            logprob_rows, lp_errors = map_rows(
+                lambda: self._logprobs(logits, tokens),
+                lambda i: self._logprobs(logits[i : i + 1], tokens[i : i + 1])[0],
+                len(token_list),
+                "logprobs",
+            )
+            row_errors = {**lp_errors, **row_errors}
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
-        self.stats.generated_tokens += len(token_list)
+        # Per-request work below runs guarded: an exception ends its request alone (errors: by request).
+        errors: dict[int, tuple[Request, str]] = {}
+        for i, message in row_errors.items():
+            errors.setdefault(id(batch.seqs[i].request), (batch.seqs[i].request, message))
         finished: list[Sequence] = []
         for i, (s, t) in enumerate(zip(batch.seqs, token_list, strict=True)):
-            s.generated.append(t)
-            if logprob_rows is not None and s.request.params.logprobs is not None:
-                s.logprobs = s.logprobs or []
-                s.logprobs.append(logprob_rows[i])
-            if self._check_finish(s, t):
-                finished.append(s)
-        done: list[RequestOutput] = []
+            if id(s.request) in errors:
+                continue
+            try:
+                s.generated.append(t)
+                self.stats.generated_tokens += 1
+                if logprob_rows is not None and s.request.params.logprobs is not None:
+                    s.logprobs = s.logprobs or []
+                    s.logprobs.append(logprob_rows[i])
+                if self._check_finish(s, t):
+                    finished.append(s)
+            except Exception as e:
+                errors.setdefault(id(s.request), (s.request, failure_message("stop check", e)))
         # Texts first: a request's output is built as soon as its last sequence is finished, which may
         # be before the loop below reaches its other sequences that finished in this same step.
         for s in finished:
-            self._finish_sequence(s)
+            if id(s.request) not in errors:
+                try:
+                    self._finish_sequence(s)
+                except Exception as e:
+                    errors.setdefault(id(s.request), (s.request, failure_message("detokenization", e)))
+        finished = [s for s in finished if id(s.request) not in errors]
         self._leave(finished)
+        for req, message in errors.values():
+            self._fail(req, message)
+        done: list[RequestOutput] = []
         for s in finished:
             if s.request.finished and (out := self._finish_request(s.request)) is not None:
                 done.append(out)
@@ -669,6 +793,13 @@ class Engine:
             for s in r.seqs
         ]
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, outs, True, r.cached_tokens, r.error)
+
+
+def _first_without_kv(leaf: Node) -> Node | None:
+    """The first node on the path to ``leaf`` whose KV is not complete (prefill goes parent-first)."""
+    if leaf.parent is None:
+        return None
+    return next((n for n in leaf.path() if not n.has_kv), None)
 
 
 def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

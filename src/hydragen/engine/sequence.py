@@ -18,6 +18,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
     error: str | None = None
     private_tree: object | None = None  # sharing off: the request's own throwaway tree
+    first_scheduled: float | None = None  # time.monotonic() when the scheduler first took a sequence
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,79 @@
+"""Finding which rows of a batched call failed, so that only their requests end.
+
+A decode step samples (and computes log-probabilities for) every running sequence in one batched call.
+When that call raises, or returns an impossible token for some rows, the rows are run again one at a time:
+the rows that fail alone are the culprits, and only their requests end, with an error naming the stage.
+Every other row gets exactly what the batched call would have given it, because sampling is
+row-independent and each row is retried with the batch's own flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def failure_message(stage: str, exc: BaseException) -> str:
+    """One line for the client: the stage that failed and the exception, never a traceback."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{stage} failed: {type(exc).__name__}" + (f": {text[:300]}" if text else "")
+
+
+def _bad_token_rows(tokens: Any, rows: int, vocab: int) -> list[int] | None:
+    """Rows holding a token outside [0, vocab); None when the result is not a [rows] integer tensor."""
+    if not isinstance(tokens, torch.Tensor) or tokens.shape != (rows,) or tokens.is_floating_point():
+        return None
+    bad = ((tokens < 0) | (tokens >= vocab)).nonzero().flatten()
+    return bad.tolist()
+
+
+def sample_rows(
+    sampler: Callable[..., torch.Tensor],
+    logits: torch.Tensor,
+    row_args: Sequence[torch.Tensor],
+    flags: Sequence[bool],
+    vocab: int,
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """Tokens [B] and {row: error} for the rows that could not be sampled (their token is 0)."""
+    rows = logits.shape[0]
+    try:
+        tokens = sampler(logits, *row_args, *flags)
+        bad = _bad_token_rows(tokens, rows, vocab)
+    except Exception:
+        tokens, bad = None, None
+    if bad == []:
+        return tokens, {}
+    retry = range(rows) if bad is None else bad
+    out = torch.zeros(rows, dtype=torch.long, device=logits.device) if bad is None else tokens.long().clone()
+    failures: dict[int, str] = {}
+    for i in retry:
+        try:
+            t = sampler(logits[i : i + 1], *(a[i : i + 1] for a in row_args), *flags)
+            if _bad_token_rows(t, 1, vocab) != []:
+                raise ValueError(f"the sampler returned an invalid token {t!r}")
+            out[i] = t[0]
+        except Exception as e:
+            failures[i] = failure_message("sampling", e)
+    return out, failures
+
+
+def map_rows(
+    batched: Callable[[], list], single: Callable[[int], Any], rows: int, stage: str
+) -> tuple[list, dict[int, str]]:
+    """``batched()`` (a list of ``rows`` results), or on failure ``single(i)`` row by row."""
+    try:
+        out = batched()
+        if isinstance(out, list) and len(out) == rows:
+            return out, {}
+    except Exception:
+        pass
+    results: list = [None] * rows
+    failures: dict[int, str] = {}
+    for i in range(rows):
+        try:
+            results[i] = single(i)
+        except Exception as e:
+            failures[i] = failure_message(stage, e)
+    return results, failures
