@@ -8,6 +8,7 @@ import dataclasses
 import re
 import sys
 import time
+from pathlib import Path
 
 # SamplingParams field -> the flag that sets it, so a bad value is reported as the user typed it.
 SAMPLING_FLAGS = {
@@ -307,17 +308,37 @@ BENCHMARKS = {
 EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule"}
 
 
+def _replot(module_name: str, folder: str) -> None:
+    """Redraw a benchmark's plots from the JSON a run saved in ``folder`` (no measuring)."""
+    import importlib
+
+    from hydragen.bench.common import read_results
+
+    module = importlib.import_module(module_name)
+    for path in module.plots(read_results(Path(folder), module.RESULT_NAME), Path(folder)):
+        print(path)
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
+    rest = list(args.rest)
+    if "--replot" in rest:  # `hydragen bench NAME --replot DIR`: the plots again, from DIR/NAME.json
+        at = rest.index("--replot")
+        if at + 1 >= len(rest) or args.which == "all":
+            raise UsageError(
+                "--replot takes one results folder, after a benchmark's name: bench e2e --replot DIR"
+            )
+        _replot({**BENCHMARKS, **EXTRA_BENCHMARKS}[args.which], rest[at + 1])
+        return 0
     if args.which != "all":
-        importlib.import_module({**BENCHMARKS, **EXTRA_BENCHMARKS}[args.which]).main(args.rest)
+        importlib.import_module({**BENCHMARKS, **EXTRA_BENCHMARKS}[args.which]).main(rest)
         return 0
     # The whole suite at its defaults (or --quick), each benchmark into its own folder under --out.
     extra = argparse.ArgumentParser(prog="hydragen bench all")
     extra.add_argument("--quick", action="store_true", help="tiny sizes: checks that every benchmark runs")
     extra.add_argument("--out", default="bench-out")
-    opts = extra.parse_args(args.rest)
+    opts = extra.parse_args(rest)
     for name, module in BENCHMARKS.items():
         print(f"=== hydragen bench {name} ===", file=sys.stderr)
         argv = ["--out", f"{opts.out}/{name}"] + (["--quick"] if opts.quick else [])
@@ -457,7 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule): `hydragen bench NAME -h`",
+        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule): `hydragen bench NAME -h`; "
+        "`hydragen bench NAME --replot DIR` redraws a run's plots from its saved JSON",
     )
     b.add_argument(
         "which",
