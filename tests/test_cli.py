@@ -214,3 +214,18 @@ def test_stable_text_holds_back_what_may_still_change():
     assert stable_text("Hello wor", 0) == "Hello wor"
     assert stable_text("Hello \ufffd", 0) == "Hello "  # half a UTF-8 character
     assert stable_text("Hello wor", 3) == "Hello "  # could be the start of a 4-character stop string
+
+
+def test_live_rate_line_for_several_completions(capsys):
+    from hydragen.cli import _RateLine
+
+    line = _RateLine(4, enabled=True)
+    line(10, 2.0)
+    line(12, 2.05)  # redrawn at most every 0.1 s
+    line.clear()
+    err = capsys.readouterr().err
+    assert err == "\rgenerating 4 completions: 10 tokens in 2.0 s, 5.0 tokens/s\x1b[K\r\x1b[K"
+    quiet = _RateLine(4, enabled=False)  # -q, or stderr not a terminal
+    quiet(10, 2.0)
+    quiet.clear()
+    assert capsys.readouterr().err == ""

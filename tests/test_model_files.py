@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,36 @@ def test_weights_that_do_not_match_the_config(model_dir):
 def test_broken_tokenizer_file(model_dir):
     (model_dir / "tokenizer.json").write_text("{not json")
     _expect(model_dir, model_dir, "its tokenizer files cannot be loaded")
+
+
+class _FakeHFTokenizer:
+    """Stands in for transformers' slow GGUF vocab conversion (the real one takes 10-20 s)."""
+
+    eos_token_id = 2
+    bos_token_id = 1
+    chat_template = None
+
+    def save_pretrained(self, folder) -> None:
+        (Path(folder) / "tokenizer.json").write_text("{}")
+
+
+def test_tokenizer_cache_build_says_what_and_where(monkeypatch, tmp_path, capsys):
+    import transformers
+
+    from hydragen.model.default_model import default_model_path
+    from hydragen.model.tokenizer import load_tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: _FakeHFTokenizer())
+    monkeypatch.setenv("HYDRAGEN_CACHE", str(tmp_path / "cache"))
+    load_tokenizer(default_model_path())
+    err = capsys.readouterr().err
+    assert "building the tokenizer cache for SmolLM2-135M-Instruct.Q4_1.gguf, once" in err
+    assert str(tmp_path / "cache" / "tokenizers") in err and "HYDRAGEN_CACHE" in err
+    assert "tokenizer cache built in" in err
+    load_tokenizer(default_model_path())  # cached: silent
+    assert capsys.readouterr().err == ""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HYDRAGEN_CACHE", str(blocker))  # a cache folder that cannot be created
+    load_tokenizer(default_model_path())
+    assert "the cache could not be written" in capsys.readouterr().err

@@ -106,9 +106,12 @@ def stream_request(
                         shown[i] = text
             if on_step is not None:
                 on_step(tokens, time.perf_counter() - started)
-    finally:
-        if output is None:  # stopped, or an exception (a second Ctrl-C, an engine error): free the request
+    except BaseException:  # a second Ctrl-C or an engine error: free the request if the engine still can
+        with contextlib.suppress(Exception):
             engine.abort(req.request_id)
+        raise
+    if stopped:
+        engine.abort(req.request_id)  # its computed KV stays in the prefix cache
     if output is not None and output.error:
         raise RuntimeError(output.error)
     texts = [c.text for c in output.outputs] if output is not None else shown
