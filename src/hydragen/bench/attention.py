@@ -39,10 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from hydragen.attention import shared_prefix_attention
-from hydragen.bench.common import machine_description, matmul_rate, memory_bandwidth, plot_lines, write_table
+from hydragen.bench.common import machine_description, matmul_rate, memory_bandwidth, say_quick, write_table
+from hydragen.bench.plots import Missing, Panel, plot, plot_lines
 
+RESULT_NAME = "attention"  # attention.json, attention.md
 # name -> (Hq, Hkv, D)
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (8, 1, 128), "gqa": (9, 3, 64)}
+SHAPE_WORDS = {"paper": "the paper's shape", "gqa": "SmolLM2's GQA shape"}
 
 # Sweeps: (batch, prefix, suffix) grid plus a suffix sweep at one (batch, prefix).
 SWEEPS: dict[str, dict] = {
@@ -372,20 +375,57 @@ def bench_point(
 # --------------------------------------------------------------------------------------------------
 
 
-def _plots(rows: list[dict], out: Path, plot_suffix: int, title_tail: str) -> list[Path]:
-    """Speedup vs batch (a line per shape and prefix, at one suffix) and speedup vs suffix."""
+def _shape_words(shape: str) -> str:
+    hq, hkv, d = SHAPES.get(shape, (0, 0, 0))
+    return (
+        f"{SHAPE_WORDS.get(shape, shape)}: {hq} query heads, {hkv} KV head{'s' if hkv > 1 else ''}, dim {d}"
+    )
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    """Speedup vs batch (a panel per shape, a line per prefix length, at one suffix) and speedup vs suffix
+    length, from a run's saved rows."""
+    rows, quick = data["rows"], data.get("quick", False)
     ok = [r for r in rows if r.get("status") == "ok"]
-    order = {s: i for i, s in enumerate(dict.fromkeys(r["shape"] for r in ok))}  # shapes as swept
-    by_batch: dict[str, tuple[list[float], list[float]]] = {}
-    for r in sorted(ok, key=lambda r: (order[r["shape"]], r["prefix"], r["batch"])):
-        if r["suffix"] == plot_suffix:
-            xs, ys = by_batch.setdefault(f"{r['shape']} P={r['prefix']}", ([], []))
-            xs.append(r["batch"])
-            ys.append(r["speedup"])
+    suffixes = [r["suffix"] for r in rows]
+    plot_suffix = data.get("params", {}).get("plot_suffix") or max(
+        set(suffixes), key=suffixes.count, default=0
+    )
+    dtype = next((r["dtype"] for r in rows), "")
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))  # as swept
+    panels = []
+    for shape in shapes:
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        missing = []
+        for r in sorted((r for r in rows if r["shape"] == shape), key=lambda r: (r["prefix"], r["batch"])):
+            if r["suffix"] != plot_suffix:
+                continue
+            name = f"prefix {r['prefix']:,} tokens"
+            xs, ys = series.setdefault(name, ([], []))
+            if r.get("status") == "ok":
+                xs.append(r["batch"])
+                ys.append(r["speedup"])
+            else:
+                missing.append(Missing(name, r["batch"], str(r.get("status", "not run"))))
+        panels.append(Panel(series, _shape_words(shape), missing, hline=(1.0, "same speed")))
+    machine = data.get("machine", "")
+    paths = [
+        plot(
+            panels,
+            out / "attention_speedup_vs_batch.png",
+            f"Shared-prefix attention vs per-sequence SDPA over each sequence's own copy: one decode step, "
+            f"private suffix of {plot_suffix} tokens ({dtype}; above 1: hydragen is faster)",
+            "batch size (sequences sharing the prefix)",
+            "speedup (SDPA time / hydragen time)",
+            logx=True,
+            quick=quick,
+            footnote=f"Machine: {machine}",
+        )
+    ]
     # Speedup vs suffix: the (B, P) groups with >= 2 suffix values, at their most common batch (ties:
     # the largest), so the full grid gives one line per prefix at the largest batch.
     by_suffix: dict[str, tuple[list[float], list[float]]] = {}
-    for shape in order:
+    for shape in shapes:
         groups: dict[tuple[int, int], list[dict]] = {}
         for r in ok:
             if r["shape"] == shape:
@@ -397,30 +437,28 @@ def _plots(rows: list[dict], out: Path, plot_suffix: int, title_tail: str) -> li
         for b, _ in multi:
             counts[b] = counts.get(b, 0) + 1
         best = max(counts, key=lambda b: (counts[b], b))
-        for (b, p), grp in sorted(multi.items()):
+        for (b, pre), grp in sorted(multi.items()):
             if b == best:
                 grp = sorted(grp, key=lambda r: r["suffix"])
-                by_suffix[f"{shape} B={b} P={p}"] = ([r["suffix"] for r in grp], [r["speedup"] for r in grp])
-    return [
-        plot_lines(
-            by_batch,
-            out / "attention_speedup_vs_batch.png",
-            f"Hydragen attention speedup over per-sequence SDPA (suffix {plot_suffix}){title_tail}",
-            "batch size",
-            "speedup (baseline time / hydragen time)",
-            logx=True,
-            hline=(1.0, "parity"),
-        ),
-        plot_lines(
-            by_suffix,
-            out / "attention_speedup_vs_suffix.png",
-            f"Hydragen attention speedup vs. suffix length{title_tail}",
-            "suffix length",
-            "speedup (baseline time / hydragen time)",
-            logx=True,
-            hline=(1.0, "parity"),
-        ),
-    ]
+                name = f"{SHAPE_WORDS.get(shape, shape)}, batch {b}, prefix {pre:,}"
+                by_suffix[name] = ([r["suffix"] for r in grp], [r["speedup"] for r in grp])
+    if by_suffix:
+        paths.append(
+            plot_lines(
+                by_suffix,
+                out / "attention_speedup_vs_suffix.png",
+                f"Shared-prefix attention vs per-sequence SDPA as the private suffix grows ({dtype}; "
+                "above 1: hydragen is faster)",
+                "private suffix length (tokens per sequence)",
+                "speedup (SDPA time / hydragen time)",
+                logx=True,
+                hline=(1.0, "same speed"),
+                quick=quick,
+                footnote=f"Machine: {machine}",
+                ylim_zero=True,
+            )
+        )
+    return paths
 
 
 def run(
@@ -442,6 +480,7 @@ def run(
     mm_n: int | None = None,
     threads: int | None = None,
     out: Path = Path("bench-out"),
+    quick: bool = False,
 ) -> list[dict]:
     """Run the sweep; write attention.{json,md} and the two speedup plots under ``out``; return the rows.
 
@@ -458,6 +497,7 @@ def run(
             shapes=shapes, batch=batch, prefix=prefix, suffix=suffix, suffix_sweep=suffix_sweep,
             suffix_at=suffix_at, device=device, dtype=dtype, trials=trials, target_s=target_s,
             mem_budget=mem_budget, mem_fraction=mem_fraction, impl=impl, bw_mib=bw_mib, mm_n=mm_n, out=out,
+            quick=quick,
         )  # fmt: skip
     finally:
         torch.set_num_threads(saved_threads)
@@ -481,8 +521,11 @@ def _run(
     bw_mib: int | None,
     mm_n: int | None,
     out: Path,
+    quick: bool,
 ) -> list[dict]:
     cuda = device.startswith("cuda")
+    if quick:
+        say_quick("attention")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but torch.cuda.is_available() is False")
     for s in shapes:
@@ -556,6 +599,7 @@ def _run(
         notes.append(
             f"{len(skipped)} point(s) skipped; OOM guard budget {budget / 2**30:.2f} GiB of baseline KV."
         )
+    params = dict(plot_suffix=suffix[len(suffix) // 2] if suffix else 0, shapes=list(shapes), impl=impl)
     md = write_table(
         rows,
         COLUMNS,
@@ -563,9 +607,10 @@ def _run(
         "attention",
         "Attention microbenchmark: shared-prefix (hydragen) vs per-sequence SDPA, decode (Nq = 1)",
         "\n\n".join(notes),
+        quick=quick,
+        params=params,
     )
-    plot_suffix = suffix[len(suffix) // 2] if suffix else 0
-    _plots(rows, out, plot_suffix, f"\n{str(tdtype).removeprefix('torch.')}, {where[:60]}")
+    plots({"rows": rows, "params": params, "quick": quick, "machine": where}, out)
     print(md)
     return rows
 
@@ -633,6 +678,7 @@ def main(argv: list[str] | None = None) -> None:
         impl=a.impl,
         threads=a.threads,
         out=a.out,
+        quick=a.quick,
         **sweep,
         **quick,
     )

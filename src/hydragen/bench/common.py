@@ -1,10 +1,12 @@
-"""Shared benchmark plumbing: machine description, measured matmul rate, result tables."""
+"""Shared benchmark plumbing: machine description, measured rates, result tables, quick-run warnings."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -38,28 +40,78 @@ def matmul_rate(n: int = 2048, dtype=torch.float32, device="cpu", repeats: int =
     return 2 * n**3 / best
 
 
+QUICK_BANNER = (
+    "QUICK RUN: a smoke test at toy sizes that checks every part runs. Its numbers are timing noise, "
+    "not results; run without --quick to measure."
+)
+NOT_MEASURABLE = "n/a"
+
+
 def write_table(
-    rows: list[dict], columns: list[str], out: Path, name: str, title: str, notes: str = ""
+    rows: list[dict],
+    columns: list[str],
+    out: Path,
+    name: str,
+    title: str,
+    notes: str = "",
+    *,
+    quick: bool = False,
+    params: dict | None = None,
 ) -> str:
-    """Write rows as JSON and a Markdown table; returns the Markdown."""
+    """Write rows as JSON and a Markdown table; returns the Markdown.
+
+    The JSON keeps the run's parameters (so ``--replot`` can redraw the plots from it alone) and whether it
+    was a quick run. A quick run's table opens and closes with a warning that its numbers are noise; a value
+    that could not be measured (NaN) shows as "n/a", explained under the table.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"machine": machine_description(), "rows": rows}, indent=2))
-    lines = [f"## {title}", "", f"Machine: {machine_description()}", ""]
+    data = {"machine": machine_description(), "quick": quick, "params": params or {}, "rows": rows}
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+    lines = [f"## {title}", ""]
+    if quick:
+        lines += [f"**{QUICK_BANNER}**", ""]
+    lines += [f"Machine: {machine_description()}", ""]
     if notes:
         lines += [notes, ""]
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    if any(_is_nan(r.get(c)) for r in rows for c in columns):
+        lines += ["", f"{NOT_MEASURABLE}: not measurable in this run (a difference within timing noise)"]
+    if quick:
+        lines += ["", f"**{QUICK_BANNER}**"]
     md = "\n".join(lines) + "\n"
     (out / f"{name}.md").write_text(md)
     return md
 
 
+def _is_nan(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
 def _fmt(x) -> str:
+    if _is_nan(x):
+        return NOT_MEASURABLE
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
     return str(x)
+
+
+def say_quick(tag: str) -> None:
+    """Tell the person watching, before a quick run starts, what its numbers will not be."""
+    print(f"[{tag}] {QUICK_BANNER}", file=sys.stderr)
+
+
+def read_results(folder: Path, name: str) -> dict:
+    """A benchmark's saved JSON (for ``--replot``), with a clear error when it is not there."""
+    path = Path(folder) / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --replot needs the folder a run wrote its {name}.json to")
+    data = json.loads(path.read_text())
+    data.setdefault("params", {})
+    data.setdefault("quick", False)
+    return data
 
 
 def memory_bandwidth(mib: int = 512, device="cpu", repeats: int = 5) -> float:
@@ -78,43 +130,6 @@ def memory_bandwidth(mib: int = 512, device="cpu", repeats: int = 5) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * n * 4 / best
-
-
-def plot_lines(
-    series: dict[str, tuple[list[float], list[float]]],
-    path: Path,
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    logx: bool = False,
-    logy: bool = False,
-    hline: tuple[float, str] | None = None,
-) -> Path:
-    """One PNG line plot, a line per series label; used by every benchmark so the plots look alike."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=label)
-    if hline is not None:
-        ax.axhline(hline[0], color="gray", linestyle="--", linewidth=1, label=hline[1])
-    if logx:
-        ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def touch_kv_pool(llm) -> None:

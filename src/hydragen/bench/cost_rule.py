@@ -22,9 +22,11 @@ import torch
 
 from hydragen.attention.merge import merge_into
 from hydragen.attention.shared_prefix import level_attention, suffix_attention
-from hydragen.bench.common import machine_description, plot_lines, write_table
+from hydragen.bench.common import machine_description, say_quick, write_table
+from hydragen.bench.plots import Panel, plot
 from hydragen.engine.engine import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS, sharing_pays
 
+RESULT_NAME = "cost_rule"  # cost_rule.json, cost_rule.md
 SHAPES = {"gqa": (9, 3, 64), "paper": (8, 1, 128)}  # (Hq, Hkv, D)
 COLUMNS = [
     "tail",
@@ -92,8 +94,11 @@ def run(
     device: str = "cpu",
     dtype: str = "float32",
     trials: int = 15,
+    quick: bool = False,
 ) -> list[dict]:
     dev, dt = torch.device(device), getattr(torch, dtype)
+    if quick:
+        say_quick("cost-rule")
     print(f"[cost-rule] {machine_description()}; shape {shape} {SHAPES[shape]}", file=sys.stderr)
     rows, total, k = [], len(holders) * len(tokens) * len(tails), 0
     for tail in tails:
@@ -132,28 +137,58 @@ def run(
         f"side at {len(rows) - len(wrong)} of {len(rows)} points; its wrong picks are at most {worst:.2f}x "
         "slower than the other side. speedup = private / shared (above 1: sharing is faster)."
     )
-    md = write_table(rows, COLUMNS, out, "cost_rule", "Cost rule: shared call vs private copies", notes)
-    for tail in tails:
-        series = {
-            f"{h} holders": (
-                [r["node_tokens"] for r in rows if r["tail"] == tail and r["holders"] == h],
-                [r["speedup"] for r in rows if r["tail"] == tail and r["holders"] == h],
-            )
-            for h in holders
-        }
-        plot_lines(
-            series,
-            out / f"cost_rule_tail{tail}.png",
-            f"Shared node vs private copies (tail {tail}, {shape})",
-            "node tokens",
-            "speedup of sharing (private / shared)",
-            logx=True,
-            logy=True,
-            hline=(1.0, "break-even"),
-        )
+    params = dict(shape=shape, threshold=threshold, holders=holders, tokens=tokens, tails=tails)
+    md = write_table(
+        rows,
+        COLUMNS,
+        out,
+        "cost_rule",
+        "Cost rule: shared call vs private copies",
+        notes,
+        quick=quick,
+        params=params,
+    )
+    plots({"rows": rows, "params": params, "quick": quick}, out)
     print(md)
     print(notes)
     return rows
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    """Per tail length: the speedup of sharing over private copies vs node length, a line per holder count;
+    the points where the rule picks the slower side are circled."""
+    rows, prm, quick = data["rows"], data["params"], data.get("quick", False)
+    shape, threshold = prm.get("shape", "gqa"), prm.get("threshold", DEFAULT_MIN_SHARED_READS)
+    hq, hkv, d = SHAPES.get(shape, (0, 0, 0))
+    paths = []
+    for tail in sorted({r["tail"] for r in rows}):
+        at = [r for r in rows if r["tail"] == tail]
+        series = {}
+        for h in sorted({r["holders"] for r in at}):
+            pts = sorted((r["node_tokens"], r["speedup"]) for r in at if r["holders"] == h)
+            series[f"{h} holders"] = ([x for x, _ in pts], [y for _, y in pts])
+        wrong = [(r["node_tokens"], r["speedup"]) for r in at if not r["rule_right"]]
+        panel = Panel(
+            series,
+            hline=(1.0, "same speed"),
+            rings=wrong,
+            ring_label=f"the rule picks the slower side ({len(wrong)} of {len(at)})",
+        )
+        paths.append(
+            plot(
+                [panel],
+                out / f"cost_rule_tail{tail}.png",
+                f"Reading a shared node once vs a private copy per holder (private tail {tail} tokens; "
+                f"{hq} query heads, {hkv} KV heads, dim {d}); rule: share when "
+                f"(holders - 1) x (tokens - {MERGE_ROW_TOKENS}) >= {threshold}",
+                "node length (tokens)",
+                "speedup of sharing (private time / shared time)",
+                logx=True,
+                logy=True,
+                quick=quick,
+            )
+        )
+    return paths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -180,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.quick:
         a.holders, a.tokens, a.tails, a.trials = [2, 8], [16, 64], [16], 3
-    run(a.holders, a.tokens, a.tails, a.out, a.shape, a.threshold, a.device, a.dtype, a.trials)
+    run(a.holders, a.tokens, a.tails, a.out, a.shape, a.threshold, a.device, a.dtype, a.trials, quick=a.quick)
 
 
 if __name__ == "__main__":

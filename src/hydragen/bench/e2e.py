@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-from hydragen.bench.common import machine_description, matmul_rate, plot_lines, touch_kv_pool, write_table
+from hydragen.bench.common import machine_description, matmul_rate, say_quick, touch_kv_pool, write_table
+from hydragen.bench.plots import Missing, label, plot_lines
 
+RESULT_NAME = "e2e"  # e2e.json, e2e.md
 MODES = ("hydragen", "nosharing", "noattn", "hf", "llamacpp")
 ENGINE_MODES = ("hydragen", "nosharing", "noattn")
 
@@ -132,6 +134,7 @@ def run(
     random_weights: bool = False,
     device: str = "cpu",
     dtype: str = "float32",
+    quick: bool = False,
 ) -> list[dict]:
     """Run every mode over the sweep points; write e2e.{json,md} and the two plots under ``out``."""
     bad = [m for m in modes if m not in MODES]
@@ -142,15 +145,19 @@ def run(
     ns = list(ns)
     p_sweep_n = p_sweep_n or max(ns)
     points = sweep_points(prompt_len, ns, list(p_sweep), p_sweep_n)
+    if quick:
+        say_quick("e2e")
     rate = matmul_rate(device=device)
     print(f"[e2e] {machine_description()}; matmul {rate / 1e9:.1f} GFLOP/s", file=sys.stderr)
     rows: list[dict] = []
+    skipped: dict[str, str] = {}  # mode -> why it did not run
     cfg = None
     for mode in modes:
-        runner, timer, vocab = _runner(
+        runner, timer, vocab, why = _runner(
             mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n
         )
         if runner is None:
+            skipped[mode] = why
             continue
         if mode in ENGINE_MODES:
             cfg = runner.config
@@ -175,7 +182,8 @@ def run(
                 time_T=tt,
                 decode_tok_s=decode_tps,
                 e2e_tok_s=n * new_tokens / tt,
-                step_ms=1e3 * (tt - t1) / (new_tokens - 1),
+                # the same difference as the rate: noise when the rate is (never a negative step time)
+                step_ms=1e3 * (tt - t1) / (new_tokens - 1) if decode_tps == decode_tps else float("nan"),
             )
             if cfg is not None:
                 row["floor_step_ms"] = 1e3 * step_floor_seconds(cfg, n, p, rate)
@@ -195,6 +203,17 @@ def run(
     name = str(model or "embedded SmolLM2-135M")
     cols = ["mode", "n", "prompt_len", "new_tokens", "decode_tok_s", "vs_nosharing", "of_ceiling"]
     cols += ["time_T", "time_1", "step_ms", "floor_step_ms"]
+    params = dict(
+        model=name,
+        random_weights=random_weights,
+        prompt_len=prompt_len,
+        ns=ns,
+        p_sweep=list(p_sweep),
+        p_sweep_n=p_sweep_n,
+        new_tokens=new_tokens,
+        peer_max_n=peer_max_n,
+        skipped=skipped,
+    )
     md = write_table(
         rows,
         cols,
@@ -203,76 +222,121 @@ def run(
         f"End-to-end decoding ({name}{', random weights' if random_weights else ''}, T={new_tokens})",
         f"device {device}, {dtype}; matmul rate {rate / 1e9:.1f} GFLOP/s; decode_tok_s = n(T-1)/(t_T - t_1); "
         "vs_nosharing and of_ceiling compare decode throughput with sharing off and with attention skipped.",
+        quick=quick,
+        params=params,
     )
-    _plots(rows, out, prompt_len, p_sweep_n)
+    plots({"rows": rows, "params": params, "quick": quick}, out)
     print(md)
     return rows
 
 
 def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n):
-    """(runner, timer, vocab size) for a mode; runner None when a peer is not installed or does not apply."""
+    """(runner, timer, vocab size, why not): runner None, with the reason, when a peer is not installed or
+    does not apply."""
+
+    def skip(why: str):
+        print(f"[e2e] {mode}: {why}; skipped", file=sys.stderr)
+        return None, None, 0, why
+
     if mode == "hf":
         if random_weights or importlib.util.find_spec("transformers") is None:
-            print("[e2e] hf: needs transformers and real weights; skipped", file=sys.stderr)
-            return None, None, 0
+            return skip("needs transformers and real weights")
         hf = _hf_model(model, device, dtype)
-        return hf, time_hf, hf.config.vocab_size
+        return hf, time_hf, hf.config.vocab_size, ""
     if mode == "llamacpp":
         if device != "cpu":
-            print("[e2e] llamacpp: measured on CPU only; skipped", file=sys.stderr)
-            return None, None, 0
+            return skip("measured on CPU only")
         from hydragen.bench import llamacpp_peer
 
         why = llamacpp_peer.unavailable(model, random_weights)
         if why:
-            print(f"[e2e] llamacpp: {why}; skipped", file=sys.stderr)
-            return None, None, 0
+            return skip(why)
         longest, most = max(p for p, _ in points), min(max(n for _, n in points), peer_max_n)
         peer = llamacpp_peer.Peer(model, longest, new_tokens, most)
         llamacpp_peer.timer(peer, synthetic_prompt(peer.vocab, 64), 2, 2)  # warm-up
-        return peer, llamacpp_peer.timer, peer.vocab
+        return peer, llamacpp_peer.timer, peer.vocab, ""
     longest = max(max(p for p, _ in points), 64)  # the warm-up prompt is 64 tokens
     kv = max(max(n for _, n in points), 2) * (longest + new_tokens + 2) + longest + 64
     llm = _engine_llm(model, mode, kv, random_weights, device, dtype)
     touch_kv_pool(llm)
     time_engine(llm, synthetic_prompt(llm.config.vocab_size, 64), 2, 2)  # warm-up
-    return llm, time_engine, llm.config.vocab_size
+    return llm, time_engine, llm.config.vocab_size, ""
 
 
-def _plots(rows: list[dict], out: Path, prompt_len: int, p_sweep_n: int) -> None:
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    series = {}
-    for m in modes:
-        pts = sorted(
-            (r["n"], r["decode_tok_s"]) for r in rows if r["mode"] == m and r["prompt_len"] == prompt_len
-        )
-        if pts:
-            series[m] = ([x for x, _ in pts], [y for _, y in pts])
-    plot_lines(
-        series,
-        out / "e2e_throughput_vs_n.png",
-        f"Decode throughput vs number of completions (P={prompt_len})",
-        "completions n (batch size)",
-        "decode tokens/s",
-        logx=True,
-        logy=True,
+def _most_common(values: list[int]) -> int:
+    return max(sorted(set(values)), key=values.count)
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    """Throughput vs n (the README's headline: how much faster is decoding with a shared prompt?) and
+    throughput vs prompt length, from a run's saved results (its rows and parameters)."""
+    rows, params, quick = data["rows"], data.get("params", {}), data.get("quick", False)
+    # Older result files carry no parameters: the n sweep is the prompt length with the most n values.
+    prompt_len = params.get("prompt_len") or _most_common([r["prompt_len"] for r in rows])
+    sweep_n = params.get("p_sweep_n") or _most_common(
+        [r["n"] for r in rows if r["prompt_len"] != prompt_len] or [0]
     )
-    series = {}
-    for m in modes:
-        pts = sorted(
-            (r["prompt_len"], r["decode_tok_s"]) for r in rows if r["mode"] == m and r["n"] == p_sweep_n
+    peers = [r["n"] for r in rows if r["mode"] in ("hf", "llamacpp")]
+    peer_max = params.get("peer_max_n") or (max(peers) if peers else None)
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    ns = sorted({r["n"] for r in rows if r["prompt_len"] == prompt_len})
+
+    def curve(mode: str, key: str, fixed: str, value: int) -> tuple[list[int], list[float]]:
+        pts = sorted((r[key], r["decode_tok_s"]) for r in rows if r["mode"] == mode and r[fixed] == value)
+        return [x for x, _ in pts], [y for _, y in pts]
+
+    series = {label(m): curve(m, "n", "prompt_len", prompt_len) for m in modes}
+    missing = [
+        Missing(label(m), n, f"peers were run up to n = {peer_max} only, to keep the run short")
+        for m in modes
+        for n in ns
+        if n not in series[label(m)][0]
+    ]
+    skipped = params.get("skipped", {})
+    footnote = "; ".join(f"{label(m)} not run: {why}" for m, why in skipped.items())
+    by_n = {(r["mode"], r["n"]): r["decode_tok_s"] for r in rows if r["prompt_len"] == prompt_len}
+    top = max(ns) if ns else 0
+    on, off = by_n.get(("hydragen", top), float("nan")), by_n.get(("nosharing", top), float("nan"))
+    title = f"Decode throughput vs number of completions (one {prompt_len:,}-token prompt)"
+    notes = []
+    if on == on and off == off and off > 0 and not quick:  # a quick run's ratio is noise: no claim
+        ratio = on / off
+        how = f"{ratio:.1f}x faster than" if ratio >= 1.05 else f"at {ratio:.2f}x the speed of"
+        title = (
+            f"One {prompt_len:,}-token prompt, n completions: sharing decodes {how} sharing off at n = {top}"
         )
-        if len(pts) > 1:
-            series[m] = ([x for x, _ in pts], [y for _, y in pts])
-    if series:
+        notes.append((top, off, on, f"{ratio:.1f}x"))
+    paths = [
         plot_lines(
             series,
-            out / "e2e_throughput_vs_prompt.png",
-            f"Decode throughput vs shared prompt length (n={p_sweep_n})",
-            "prompt length P (tokens)",
-            "decode tokens/s",
+            out / "e2e_throughput_vs_n.png",
+            title,
+            "completions n (batch size)",
+            "decode tokens/s, all completions together",
             logx=True,
+            missing=missing,
+            brackets=notes,
+            quick=quick,
+            footnote=footnote,
+            ylim_zero=True,
         )
+    ]
+    series = {label(m): curve(m, "prompt_len", "n", sweep_n) for m in modes}
+    series = {k: v for k, v in series.items() if len(v[0]) > 1}
+    if series:
+        paths.append(
+            plot_lines(
+                series,
+                out / "e2e_throughput_vs_prompt.png",
+                f"Decode throughput vs length of the shared prompt ({sweep_n} completions)",
+                "prompt length (tokens)",
+                "decode tokens/s, all completions together",
+                logx=True,
+                quick=quick,
+                ylim_zero=True,
+            )
+        )
+    return paths
 
 
 def _hf_model(model, device: str, dtype: str):
@@ -336,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         random_weights=a.random_weights is not None,
         device=a.device,
         dtype=dtype,
+        quick=a.quick,
     )
 
 

@@ -41,9 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydragen.bench.common import machine_description, plot_lines, write_table
+from hydragen.bench.common import machine_description, say_quick, write_table
+from hydragen.bench.plots import label, plot_lines
 
 COLORS = ("black", "white", "brown", "gray", "red", "blue", "green", "yellow", "purple", "orange")
+RESULT_NAME = "longdoc"  # longdoc.json, longdoc.md
 FORMATS = ("stem", "raw", "chat")
 DEFAULT_FORMAT = "stem"
 
@@ -325,6 +327,7 @@ def run(
         torch.set_num_threads(threads)
 
     if quick:
+        say_quick("longdoc")
         doc_tokens, num_facts, questions, num_shots = 200, 6, (1, 3), 2
     questions = tuple(sorted(set(questions)))
     if not questions or questions[0] < 1:
@@ -447,27 +450,40 @@ def run(
         "answers_match",
     ]
     title = f"Long document, many questions (document {setup.doc_tokens} tokens, {num_facts} facts)"
-    md = write_table(rows, cols, out, "longdoc", title, notes)
-    series = {
-        f"sharing {m}": (
-            [r["questions"] for r in rows if r["mode"] == m],
-            [r["time_s"] for r in rows if r["mode"] == m],
-        )
-        for m in modes
-    }
-    plot_lines(
-        series,
-        out / "longdoc_time_vs_questions.png",
-        f"Time to answer Q questions about a {setup.doc_tokens}-token document",
-        "questions (Q)",
-        "seconds to answer all Q",
-    )
+    prm = dict(doc_tokens=setup.doc_tokens, num_facts=num_facts, questions=list(questions), modes=list(modes))
+    md = write_table(rows, cols, out, "longdoc", title, notes, quick=quick, params=prm)
+    plots({"rows": rows, "params": prm, "quick": quick}, out)
     print(md)
     if not match:
         raise RuntimeError("answers differ between sharing on and off: attention is not exact")
     if not consistent:
         raise RuntimeError("an answer changed with the other questions in the batch: attention is not exact")
     return rows
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    """Time to answer Q questions, sharing on and off."""
+    rows, quick = data["rows"], data.get("quick", False)
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    series = {
+        label(m): (
+            [r["questions"] for r in rows if r["mode"] == m],
+            [r["time_s"] for r in rows if r["mode"] == m],
+        )
+        for m in modes
+    }
+    doc = data["params"].get("doc_tokens") or rows[0]["doc_tokens"]
+    return [
+        plot_lines(
+            series,
+            out / "longdoc_time_vs_questions.png",
+            f"Time to answer Q questions about one {doc:,}-token document",
+            "questions (Q)",
+            "seconds to answer all Q questions",
+            quick=quick,
+            ylim_zero=True,
+        )
+    ]
 
 
 def _model_name(model) -> str:

@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from hydragen.bench.common import plot_lines, write_table
+from hydragen.bench.common import say_quick, write_table
+from hydragen.bench.plots import LABELS, plot_lines
 
 WORDS = [
     "river",
@@ -45,6 +46,7 @@ WORDS = [
 ]
 
 
+RESULT_NAME = "serve"  # serve.json, serve.md
 QUICK = dict(groups=2, per_group=2, system_len=30, question_len=5, output_len=4, rate=0.0)
 
 
@@ -155,6 +157,8 @@ def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen,
         str(port),
         "--served-model-name",
         "bench",
+        "--log-level",
+        "warning",  # no request lines in the benchmark's output
         *extra,
     ]
     if model:
@@ -177,6 +181,9 @@ def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen,
 
 
 def run(args) -> list[dict]:
+    quick = getattr(args, "quick", False)
+    if quick:
+        say_quick("serve")
     convs = workload(args.groups, args.per_group, args.system_len, args.question_len)
     rows = []
     configs = [("cache on", [])] + ([] if args.url or args.no_baseline else [("cache off", ["--no-sharing"])])
@@ -232,16 +239,40 @@ def run(args) -> list[dict]:
         f"Serving: {args.groups} groups x {args.per_group} requests, system {args.system_len} words, "
         f"question {args.question_len}, output {args.output_len} tokens, Poisson {args.rate} req/s"
     )
-    print(write_table(rows, cols, Path(args.out), "serve", title, "ttft/tpot in seconds"))
-    for metric, label in (("ttft", "time to first token (s)"), ("tpot", "time per output token (s)")):
-        plot_lines(
-            {r["config"]: ([50, 90, 99], [r[f"{metric}_p{q}"] for q in (50, 90, 99)]) for r in rows},
-            Path(args.out) / f"serve_{metric}.png",
-            title,
-            "percentile",
-            label,
-        )
+    keys = ("groups", "per_group", "system_len", "question_len", "output_len", "rate")
+    params = {k: getattr(args, k) for k in keys}
+    out = Path(args.out)
+    print(write_table(rows, cols, out, "serve", title, "ttft/tpot in seconds", quick=quick, params=params))
+    plots({"rows": rows, "params": params, "quick": quick}, out)
     return rows
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    """Time to first token and time per output token at the 50th/90th/99th percentile, cache on and off."""
+    rows, prm, quick = data["rows"], data["params"], data.get("quick", False)
+    title = (
+        f"{prm.get('groups', '?')} system prompts x {prm.get('per_group', '?')} requests each, arriving "
+        f"at {prm.get('rate', '?')} req/s (system prompt {prm.get('system_len', '?')} words, question "
+        f"{prm.get('question_len', '?')} words, {prm.get('output_len', '?')} output tokens)"
+    )
+    paths = []
+    for metric, what in (("ttft", "time to first token (s)"), ("tpot", "time per output token (s)")):
+        series = {
+            LABELS.get(r["config"], r["config"]): ([50, 90, 99], [r[f"{metric}_p{q}"] for q in (50, 90, 99)])
+            for r in rows
+        }
+        paths.append(
+            plot_lines(
+                series,
+                out / f"serve_{metric}.png",
+                title,
+                "percentile of requests (50 = median)",
+                what,
+                quick=quick,
+                ylim_zero=True,
+            )
+        )
+    return paths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

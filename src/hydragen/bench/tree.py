@@ -23,8 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from hydragen.bench.common import machine_description, plot_lines, touch_kv_pool, write_table
+from hydragen.bench.common import machine_description, say_quick, touch_kv_pool, write_table
+from hydragen.bench.plots import Missing, label, plot_lines
 
+RESULT_NAME = "tree"  # tree.json, tree.md
 MODES = ("tree", "onelevel", "nosharing")
 
 
@@ -85,6 +87,7 @@ def run(
     out: Path = Path("bench-out"),
     max_batch: int = 1024,
     random_weights: bool = False,
+    quick: bool = False,
 ) -> list[dict]:
     """Sweep problems per batch for every mode, then tree sharing at the batch one-level's memory holds."""
     from hydragen import LLM
@@ -93,6 +96,8 @@ def run(
     if bad:
         raise ValueError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
     counts, k, F, L, T = sorted(problem_counts), samples, fewshot, problem_len, new_tokens
+    if quick:
+        say_quick("tree")
     budget = kv_tokens_needed("onelevel", F, counts[-1], L, k, T)
     k_mem = min((budget - F) // (L + k * T), max_batch // k)
     print(
@@ -158,6 +163,9 @@ def run(
         "same_seqs",
         "preemptions",
     ]
+    params = dict(
+        fewshot=F, problem_len=L, samples=k, new_tokens=T, problem_counts=counts, memory_matched=k_mem
+    )
     md = write_table(
         rows,
         cols,
@@ -168,21 +176,46 @@ def run(
         f"tokens; tree sharing fits {k_mem} problems in that memory. vs_onelevel_max and time_saved compare "
         f"with one-level at {counts[-1]} problems; same_seqs: fraction of samples whose tokens equal "
         "tree sharing's.",
+        quick=quick,
+        params=params,
     )
+    plots({"rows": rows, "params": params, "quick": quick}, out)
+    print(md)
+    return rows
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    """Decode throughput vs batch for the three modes; the memory-matched tree point is labelled."""
+    rows, prm, quick = data["rows"], data["params"], data.get("quick", False)
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
     series = {}
     for m in modes:
         pts = sorted((r["batch"], r["decode_tok_s"]) for r in rows if r["mode"] == m)
-        series[m] = ([x for x, _ in pts], [y for _, y in pts])
-    plot_lines(
-        series,
-        out / "tree_throughput_vs_batch.png",
-        f"Two-level sharing: F={F}, problems of L={L}, k={k} samples, T={T}",
-        "batch (problems x k samples)",
-        "decode tokens/s",
-        logx=True,
-    )
-    print(md)
-    return rows
+        series[label(m)] = ([x for x, _ in pts], [y for _, y in pts])
+    matched = [r for r in rows if r.get("point") == "memory-matched"]
+    notes, missing = [], []
+    most = max((r["problems"] for r in rows if r.get("point") == "sweep"), default=0)
+    for r in matched:
+        text = f"{r['problems']} problems: what fits in the KV memory\none-level sharing needs for {most}"
+        notes.append((r["batch"], r["decode_tok_s"], text))
+        why = f"would need more KV memory than one-level sharing uses at {most} problems"
+        missing += [Missing(label(m), r["batch"], why) for m in modes if m != "tree"]
+    F, L, k, T = (prm.get(key, "?") for key in ("fewshot", "problem_len", "samples", "new_tokens"))
+    return [
+        plot_lines(
+            series,
+            out / "tree_throughput_vs_batch.png",
+            f"A few-shot block of {F:,} tokens shared by all, each {L}-token problem by its {k} samples "
+            f"({T} new tokens each): decode throughput",
+            "batch (problems x samples)",
+            "decode tokens/s, all samples together",
+            logx=True,
+            missing=missing,
+            notes=notes,
+            quick=quick,
+            ylim_zero=True,
+        )
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         a.out,
         a.max_batch,
         random_weights=a.random_weights is not None,
+        quick=a.quick,
     )
 
 

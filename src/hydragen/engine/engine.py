@@ -20,7 +20,7 @@ from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampler import derive_seed
-from hydragen.engine.sampling_params import SamplingParams
+from hydragen.engine.sampling_params import ParamError, SamplingParams
 from hydragen.engine.scheduler import Scheduler, StepPlan
 from hydragen.engine.sequence import Request, Sequence
 from hydragen.kv.manager import (  # noqa: F401  (re-exported for the benchmarks)
@@ -107,7 +107,7 @@ class Engine:
             raise ValueError(f"min_shared_reads must be a non-negative integer, got {min_shared_reads!r}")
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
-        self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
+        self.cfg, self.device = cfg, device
         self.prefix_sharing = prefix_sharing
         num_pages = max(1, kv_cache_tokens // page_size)
         self.pool = PagePool(
@@ -162,9 +162,20 @@ class Engine:
     max_num_seqs = _knob("max_num_seqs", "scheduler")
     share_limit = _knob("share_limit", "kv")
     eos_ids = _knob("eos_ids", "outputs")
+    tokenizer = _knob("tokenizer", "outputs")
+    model = _knob("model", "runner")
     del _knob
 
+    def sequence_kv_need(self, prompt_len: int, max_tokens: int) -> int:
+        """KV slots (whole pages) one sequence needs to be sure to finish when it runs alone: its prompt
+        in the tree plus its own pages (with sharing off, its own copy of the whole context instead)."""
+        pool = self.pool
+        new = min(max_tokens, self.cfg.max_position_embeddings - prompt_len)
+        own = new if self.prefix_sharing else prompt_len - 1 + new
+        return (pool.pages_for(prompt_len - 1) + pool.pages_for(own)) * pool.page_size
+
     def kv_usage(self) -> dict:
+        """KV pages in use, held by the prefix cache, and in all: after every request ends, used == cached."""
         return self.kv.usage()
 
     def text_of(self, s: Sequence) -> str:
@@ -179,27 +190,34 @@ class Engine:
         prompt: str | None = None,
         request_id: str | None = None,
     ) -> Request:
+        """Queue a request. Raises ``ParamError`` (a ValueError naming the parameter) for a request the
+        engine could never finish: bad token ids, too long for the context, or too big for the KV cache."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise ParamError("prompt", f"prompt token ids must be a list, got {type(prompt_ids).__name__}")
         if not prompt_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ParamError("prompt", "prompt is empty: at least one token is needed")
+        ctx = self.cfg.max_position_embeddings
+        if len(prompt_ids) >= ctx:  # before scanning the ids: a huge prompt is refused at once
+            raise ParamError(
+                "prompt", f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens"
+            )
         vocab = self.cfg.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
-        ctx = self.cfg.max_position_embeddings
-        if len(prompt_ids) >= ctx:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens")
-        # One sequence alone must fit: the prompt in the tree plus its own pages (a private copy of the
-        # prompt too when sharing is off). The n sequences of a request run in waves when they do not
-        # all fit at once.
-        pool = self.pool
-        copy = 0 if self.prefix_sharing else pool.pages_for(len(prompt_ids))
-        need = pool.pages_for(len(prompt_ids)) + copy + pool.pages_for(params.max_tokens + 1) + 1
-        if need > pool.num_pages:
-            raise ValueError(
-                f"one sequence of this request needs up to {need * pool.page_size} KV slots but the cache "
-                f"has {pool.num_slots}; raise kv_cache_tokens or lower max_tokens"
+            raise ParamError("prompt", f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        bad = [t for t in params.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise ParamError("stop_token_ids", f"stop token id {bad[0]} is out of range [0, {vocab})")
+        # One sequence alone must fit; the n sequences of a request run in waves when they do not all fit.
+        need = self.sequence_kv_need(len(prompt_ids), params.max_tokens)
+        if need > self.pool.num_slots:
+            raise ParamError(
+                "max_tokens",
+                f"one sequence of this request needs up to {need} KV slots (prompt + max_tokens, in pages of "
+                f"{self.pool.page_size}) but the cache has {self.pool.num_slots}; lower max_tokens or the "
+                "prompt length",
             )
         rid = str(next(self._ids)) if request_id is None else request_id
         if rid in self.requests:

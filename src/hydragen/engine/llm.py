@@ -157,7 +157,16 @@ class LLM:
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
         engine = self.engine
-        reqs = [engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(items, params, strict=True)]
+        reqs = []
+        try:
+            for (text, ids), p in zip(items, params, strict=True):
+                reqs.append(engine.add_request(ids, p, prompt=text))
+        except (ValueError, TypeError) as e:
+            for r in reqs:  # all or nothing: no half-added batch left behind in the engine
+                engine.abort(r.request_id)
+            if len(items) > 1 and isinstance(e, ValueError):
+                e.args = (f"prompt {len(reqs)}: {e}",)
+            raise
         index = {r.request_id: i for i, r in enumerate(reqs)}
         results: list[RequestOutput | None] = [None] * len(reqs)
         bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
@@ -165,12 +174,16 @@ class LLM:
         try:
             while engine.has_unfinished():
                 for out in engine.step():
-                    results[index[out.request_id]] = out
-                    bar.update(1)
+                    if out.request_id in index:
+                        results[index[out.request_id]] = out
+                        bar.update(1)
                 rate = (engine.stats.generated_tokens - generated0) / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         finally:
             bar.close()
+            for r in reqs:  # interrupted (an engine error, Ctrl-C): leave the engine clean for the next call
+                if results[index[r.request_id]] is None:
+                    engine.abort(r.request_id)
         errors = [r.error for r in results if r is not None and r.error]
         if errors:
             raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
+
+from hydragen.model.errors import ModelFileError, first_line
 
 # general.architecture -> (HF architecture, model_type, whether llama.cpp permuted attn_q/attn_k)
 _ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -37,14 +41,39 @@ _SKIP = {"rope_freqs.weight"}  # folded into config["rope_scaling"] instead
 _DEFAULT_ORIG_CTX = 8192  # llama3 rope: any value works, only L/(hi-lo) and lo/(hi-lo) matter (see below)
 
 
+class _PastEnd(Exception):
+    """A read past the end of the file: the header or tensor table points beyond the last byte."""
+
+    def __init__(self, end: int, in_tensor_data: bool) -> None:
+        super().__init__(end)
+        self.end, self.in_tensor_data = end, in_tensor_data
+
+
 class _Reader(gguf.GGUFReader):
     """GGUFReader slicing a plain ndarray view of its memmap: same bytes, but skips memmap's Python-level
-    ``__array_finalize__`` on each of the ~250k header reads a 49k-token vocab needs (3.5 s -> 1.3 s)."""
+    ``__array_finalize__`` on each of the ~250k header reads a 49k-token vocab needs (3.5 s -> 1.3 s).
 
-    def _get(self, *args: Any, **kwargs: Any) -> np.ndarray:
+    Every read is bounds-checked, so a truncated file is reported as such instead of as a numpy shape error.
+    """
+
+    _in_tensor_data = False
+    _itemsize: dict[Any, int] = {}
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None) -> np.ndarray:
         if isinstance(self.data, np.memmap):
             self.data = self.data.view(np.ndarray)
-        return super()._get(*args, **kwargs)
+        count = int(count)
+        if (size := self._itemsize.get(dtype)) is None:
+            size = self._itemsize[dtype] = np.dtype(dtype).itemsize
+        end = int(offset) + size * count
+        if end > len(self.data):
+            raise _PastEnd(end, self._in_tensor_data)
+        arr = self.data[offset:end].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _build_tensors(self, *args: Any, **kwargs: Any) -> None:
+        self._in_tensor_data = True
+        super()._build_tensors(*args, **kwargs)
 
 
 def hf_name(name: str) -> str:
@@ -62,6 +91,88 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     (x0,y0,x1,y1,..) for its GPT-J-style RoPE; HF's rotate-half RoPE wants (x0,x1,..,y0,y1,..)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# What a damaged header makes the gguf package's parser raise (it reads past the end, or finds impossible
+# counts, lengths or type codes).
+_HEADER_ERRORS = (
+    ValueError,
+    IndexError,
+    KeyError,
+    OverflowError,
+    MemoryError,
+    UnicodeDecodeError,
+    struct.error,
+)
+
+
+def open_gguf(path: str | Path) -> _Reader:
+    """Parse a GGUF header, turning every way a file can be broken into a one-line ModelFileError.
+
+    Checked here: empty file, wrong magic, a header that is cut short or holds impossible values, tensor
+    type codes the gguf package does not know, and data that runs past the end of the file (the usual sign
+    of an interrupted download).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(path, f"cannot be read ({first_line(e)})") from None
+    if size == 0:
+        raise ModelFileError(path, "the file is empty")
+    if magic != b"GGUF":
+        raise ModelFileError(
+            path, f"not a GGUF file (it starts with {magic!r}; a GGUF file starts with b'GGUF')"
+        )
+    try:
+        reader = _Reader(str(path))
+    except _PastEnd as e:
+        if e.in_tensor_data:
+            raise ModelFileError(
+                path,
+                f"truncated: its tensor data runs to byte {e.end:,} but the file has {size:,} bytes "
+                "(an interrupted download or copy?)",
+            ) from None
+        raise ModelFileError(
+            path, f"truncated or corrupt: its header runs past the end of the file ({size:,} bytes)"
+        ) from None
+    except _HEADER_ERRORS as e:
+        why = first_line(e)
+        if "GGMLQuantizationType" in why:
+            raise ModelFileError(
+                path,
+                f"a tensor has an unknown type code ({why}): the file is corrupt or newer than this gguf",
+            ) from None
+        if why.startswith("Sorry, file appears to be version"):
+            raise ModelFileError(path, f"unsupported GGUF version ({why})") from None
+        raise ModelFileError(path, f"truncated or corrupt GGUF header ({why})") from None
+    return reader
+
+
+@cache
+def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros(type_size, dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _check_quantization(path: Path, tensors: dict[str, Any]) -> None:
+    """Fail before any work if a tensor's quantization type cannot be dequantized, naming both."""
+    for name, t in tensors.items():
+        if not _can_dequantize(t.tensor_type):
+            readable = sorted(
+                q.name for q in gguf.GGMLQuantizationType if q in gguf.GGML_QUANT_SIZES and _can_dequantize(q)
+            )
+            raise ModelFileError(
+                path,
+                f"tensor {name!r} uses quantization type {t.tensor_type.name}, which hydragen cannot read "
+                f"(it reads {', '.join(readable)})",
+            )
 
 
 def _dequantize(t: Any) -> np.ndarray:
@@ -110,29 +221,50 @@ def llama3_rope_scaling(
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """Metadata fields of a GGUF, minus long arrays (the vocab), for callers that need no tensors."""
-    reader = _Reader(str(path))
+    reader = open_gguf(path)
     long_array = lambda f: f.types[:1] == [gguf.GGUFValueType.ARRAY] and len(f.data) > 64
     return {k: f.contents() for k, f in reader.fields.items() if not long_array(f)}
 
 
 def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Return (HF-style config dict, HF-named float32 state dict) for a llama/mistral/qwen2 GGUF."""
-    reader = _Reader(str(path))
+    """Return (HF-style config dict, HF-named float32 state dict) for a llama/mistral/qwen2 GGUF.
+
+    Any unreadable file raises ModelFileError naming the file and the problem.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
 
     def meta(key: str, default: Any = None) -> Any:
         field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except _HEADER_ERRORS as e:
+            raise ModelFileError(path, f"corrupt metadata field {key!r} ({first_line(e)})") from None
 
     def need(key: str) -> int:
         if (value := meta(key)) is None:
-            raise ValueError(f"GGUF {path} lacks required metadata {key!r}")
-        return int(value)
+            raise ModelFileError(path, f"lacks required metadata {key!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ModelFileError(path, f"metadata {key!r} should be a number, got {value!r}") from None
 
     arch = meta("general.architecture")
     if arch not in _ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: {', '.join(_ARCHS)})")
+        raise ModelFileError(path, f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHS)})")
     hf_arch, model_type, permuted = _ARCHS[arch]
     tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelFileError(path, "lacks the tensor 'token_embd.weight' (the token embeddings)")
+    for name in tensors:
+        if name not in _SKIP:
+            try:
+                hf_name(name)
+            except ValueError:
+                raise ModelFileError(path, f"unexpected tensor {name!r} for a {arch} model") from None
+    _check_quantization(path, tensors)
     n_head = need(f"{arch}.attention.head_count")
     n_kv = int(meta(f"{arch}.attention.head_count_kv", n_head))
     hidden = need(f"{arch}.embedding_length")
@@ -174,7 +306,10 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     }
 
     def convert(name: str) -> tuple[str, torch.Tensor]:
-        w = _dequantize(tensors[name])
+        try:
+            w = _dequantize(tensors[name])
+        except ValueError as e:  # data whose size does not match its shape
+            raise ModelFileError(path, f"tensor {name!r} is corrupt ({first_line(e)})") from None
         if permuted and (".attn_q." in name or ".attn_k." in name):
             w = np.ascontiguousarray(unpermute_qk(w, n_head if ".attn_q." in name else n_kv))
         return hf_name(name), torch.from_numpy(w)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from hydragen.model.config import ModelConfig
+from hydragen.model.errors import ModelFileError, first_line
 from hydragen.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,18 +46,44 @@ def resolve_model_path(model: str | Path | None) -> Path:
             "(weights cannot be downloaded from a hub by hydragen)"
         )
     if path.is_file() and path.suffix != ".gguf":
-        raise ValueError(f"model file {path} is not a .gguf file")
+        raise ModelFileError(path, "not a .gguf file (pass a .gguf file or a Hugging Face model directory)")
     if path.is_dir() and not (path / "config.json").exists():
-        raise ValueError(f"model directory {path} has no config.json")
+        raise ModelFileError(path, "a model directory needs a config.json, and this one has none")
     return path
 
 
-def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelFileError(path, f"cannot be read ({first_line(e)})") from None
+    except json.JSONDecodeError as e:
+        raise ModelFileError(
+            path, f"is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ModelFileError(path, f"should hold a JSON object, not a {type(data).__name__}")
+    return data
 
-    cfg = json.loads((path / "config.json").read_text())
+
+def _load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors or pytorch_model*.bin file; a damaged one is a ModelFileError naming it."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors, pickle and zip each raise their own types for a damaged file
+        raise ModelFileError(
+            path, f"unreadable weights file, truncated or corrupt ({first_line(e)})"
+        ) from None
+
+
+def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg = _read_json(path / "config.json")
     gen = path / "generation_config.json"
-    if gen.exists() and "eos_token_id" in (g := json.loads(gen.read_text())):
+    if gen.exists() and "eos_token_id" in (g := _read_json(gen)):
         eos = (
             [cfg.get("eos_token_id")]
             if not isinstance(cfg.get("eos_token_id"), list)
@@ -64,19 +91,31 @@ def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         )
         extra = g["eos_token_id"] if isinstance(g["eos_token_id"], list) else [g["eos_token_id"]]
         cfg["eos_token_id"] = sorted({e for e in eos + extra if e is not None})
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
-        bins = sorted(path.glob("pytorch_model*.bin"))
-        if not bins:
-            raise ValueError(f"model directory {path} has no *.safetensors or pytorch_model*.bin weights")
-        sd: dict[str, torch.Tensor] = {}
-        for f in bins:
-            sd.update(torch.load(f, map_location="cpu", weights_only=True))
-        return cfg, sd
-    sd = {}
+        raise ModelFileError(path, "the model directory has no *.safetensors or pytorch_model*.bin weights")
+    sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(f))
+        sd.update(_load_weights_file(f))
     return cfg, sd
+
+
+def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device, dtype, where: Path) -> LlamaModel:
+    """The model with the checkpoint's weights; a missing or misshapen tensor names the checkpoint."""
+    with torch.device("meta"):
+        net = LlamaModel(cfg)
+    net = net.to_empty(device=device).to(dtype)
+    try:
+        net.load_hf_state_dict({k: v.to(dtype) for k, v in sd.items()})
+    except KeyError as e:
+        raise ModelFileError(
+            where, f"the weights lack the tensor {e.args[0]!r} that the config calls for"
+        ) from None
+    except RuntimeError as e:  # copy_ into a parameter of another shape
+        raise ModelFileError(where, f"a tensor's shape does not match the config ({first_line(e)})") from None
+    except ValueError as e:
+        raise ModelFileError(where, first_line(e)) from None
+    return net
 
 
 def load_model(
@@ -94,13 +133,17 @@ def load_model(
         from hydragen.model.gguf import read_gguf
 
         hf_cfg, sd = read_gguf(path)
+        cfg_file = path
     else:
         hf_cfg, sd = _read_hf_dir(path)
-    cfg = ModelConfig.from_hf(hf_cfg)
-    with torch.device("meta"):
-        net = LlamaModel(cfg)
-    net = net.to_empty(device=device).to(dtype)
-    net.load_hf_state_dict({k: v.to(dtype) for k, v in sd.items()})
+        cfg_file = path / "config.json"
+    try:
+        cfg = ModelConfig.from_hf(hf_cfg)
+    except KeyError as e:
+        raise ModelFileError(cfg_file, f"lacks the field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(cfg_file, first_line(e)) from None
+    net = _build(cfg, sd, device, dtype, path)
     net.setup_rotary(device)
     net.eval()
     return net, cfg, path

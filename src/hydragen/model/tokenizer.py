@@ -1,7 +1,9 @@
 """Tokenizer: a thin wrapper over a transformers fast tokenizer, loadable from a HF directory or a GGUF file.
 
-Converting a GGUF vocab through transformers costs ~10 s, so the converted tokenizer is cached on disk
+Converting a GGUF vocab through transformers costs ~10-20 s, so the converted tokenizer is cached on disk
 (keyed by the file's name, size and mtime) and later loads read the cached tokenizer.json in well under 1 s.
+The cache lives in ``$HYDRAGEN_CACHE/tokenizers`` (default ``~/.cache/hydragen/tokenizers``); the one slow
+build says so on stderr, with the folder.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hydragen.model.errors import ModelFileError, first_line
+
+CACHE_ENV = "HYDRAGEN_CACHE"  # where converted tokenizers are kept (default ~/.cache/hydragen)
 _META = "hydragen_tokenizer.json"  # extra eos ids from the GGUF metadata, kept beside the cached tokenizer
 
 
@@ -88,7 +95,7 @@ def _json_eos(path: Path) -> list[int]:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("HYDRAGEN_CACHE") or Path.home() / ".cache" / "hydragen")
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hydragen")
 
 
 def _cache_dir(gguf_path: Path) -> Path:
@@ -97,8 +104,12 @@ def _cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "tokenizers" / f"{gguf_path.stem}-{key}"
 
 
-def _save_cache(hf_tokenizer: Any, extra_eos: list[int], target: Path) -> None:
-    """Write to a temp dir and rename it into place, so readers never see half a tokenizer."""
+def _save_cache(hf_tokenizer: Any, extra_eos: list[int], target: Path) -> str | None:
+    """Write to a temp dir and rename it into place, so readers never see half a tokenizer.
+
+    Returns why the cache could not be written (read-only or full disk), or None. Losing a race to another
+    process writing the same entry is not a failure.
+    """
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -107,11 +118,17 @@ def _save_cache(hf_tokenizer: Any, extra_eos: list[int], target: Path) -> None:
         Path(tmp, _META).write_text(json.dumps({"extra_eos_token_ids": extra_eos}))
         os.rename(tmp, target)
         tmp = None
-    except OSError:
-        pass  # read-only or full cache dir, or another process won the race: just don't cache
+    except OSError as e:
+        if not (target / _META).is_file():
+            return first_line(e)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    return None
+
+
+def _say(message: str) -> None:
+    print(f"hydragen: {message}", file=sys.stderr, flush=True)
 
 
 def _load_gguf(path: Path) -> Tokenizer:
@@ -132,8 +149,24 @@ def _load_gguf(path: Path) -> Tokenizer:
         for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         if meta.get(k) is not None
     ]
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    _save_cache(tok, extra, cached)
+    _say(
+        f"building the tokenizer cache for {path.name}, once (10-20 s): {cached} "
+        f"(set {CACHE_ENV} to keep it elsewhere)"
+    )
+    start = time.perf_counter()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:  # transformers raises many types for a vocab it cannot convert
+        raise ModelFileError(path, f"cannot build a tokenizer from its metadata ({first_line(e)})") from None
+    failed = _save_cache(tok, extra, cached)
+    took = time.perf_counter() - start
+    if failed:
+        _say(
+            f"tokenizer built in {took:.0f} s, but the cache could not be written ({failed}): "
+            "every load will build it again"
+        )
+    else:
+        _say(f"tokenizer cache built in {took:.0f} s; later loads take about a second")
     return Tokenizer(tok, extra)
 
 
@@ -147,5 +180,8 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
         raise FileNotFoundError(f"no tokenizer at {path}: expected a .gguf file or a Hugging Face model dir")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # a damaged tokenizer.json / tokenizer_config.json, in any of several ways
+        raise ModelFileError(path, f"its tokenizer files cannot be loaded ({first_line(e)})") from None
     return Tokenizer(tok, _json_eos(path / "config.json") + _json_eos(path / "generation_config.json"))

@@ -1,65 +1,59 @@
-"""FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /health, /metrics."""
+"""FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /health, /metrics.
+
+A completion request goes: gate (host, API key) -> body read (size and time bounded) -> parse and
+validate on a worker thread -> tokenize on a worker thread (context checks) -> engine -> response. Every
+failure on the way is an ``APIError`` in OpenAI's shape; a client that goes away has its requests aborted.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from hydragen.engine.sampling_params import MAX_N
 from hydragen.server.async_engine import AsyncEngine, Update
-from hydragen.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from hydragen.server.body import parse_body, read_body
+from hydragen.server.errors import APIError, install_error_handlers
+from hydragen.server.metrics import LatencyMetrics, render_gauges
+from hydragen.server.middleware import Gate
+from hydragen.server.options import ServerOptions
+from hydragen.server.prompts import PromptEncoder
+from hydragen.server.protocol import ChatCompletionRequest, CompletionRequest, refuse_unsupported
+from hydragen.server.responses import SSE_DONE, Collected, Shapes, sse, usage
 
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default); chat gets the room left
+CLIENT_CLOSED = 499  # logged status of a request whose client went away before its response
 
 
-def create_app(llm, model_name: str) -> FastAPI:
-    engine = AsyncEngine(llm)
+def create_app(llm, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
+    options.check()
+    metrics = LatencyMetrics()
+    engine = AsyncEngine(llm, metrics)
     tok = llm.tokenizer
+    encoder = PromptEncoder(tok, llm.config.max_position_embeddings, llm.config.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         engine.shutdown()
 
-    app = FastAPI(title="hydragen", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="hydragen", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        if err.get("type") == "json_invalid":
-            msg = "request body is not valid JSON"
-        elif err.get("type") == "missing":
-            msg = f"missing required field {param!r}"
-        else:
-            msg = f"invalid value for {param!r}: {err.get('msg', 'invalid')}"
-        return JSONResponse(APIError(400, msg, param).body(), status_code=400)
-
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(
-                404,
-                f"model {name!r} does not exist; this server serves {model_name!r}",
-                "model",
-                code="model_not_found",
-            )
+    app.state.options = options
+    install_error_handlers(app)
+    app.add_middleware(Gate, api_key=options.api_key, allowed_hosts=options.allowed_hosts)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        err = engine.unavailable()
+        return {"status": "ok"} if err is None else err.response()
 
     @app.get("/v1/models")
     async def models():
@@ -71,11 +65,10 @@ def create_app(llm, model_name: str) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics():
+    async def prometheus():
         e = llm.engine
-        st = e.stats
-        used = e.pool.used_pages
-        lines = [
+        st, kv = e.stats, e.kv_usage()
+        rows = [
             ("hydragen_requests_running", "gauge", "sequences in the decode batch", e.num_running),
             (
                 "hydragen_requests_waiting",
@@ -83,15 +76,26 @@ def create_app(llm, model_name: str) -> FastAPI:
                 "sequences waiting or prefilling",
                 len(e.waiting) + len(e.prefilling),
             ),
-            ("hydragen_kv_pages_used", "gauge", f"KV pages in use ({e.pool.page_size} tokens a page)", used),
-            ("hydragen_kv_pages_free", "gauge", "free KV pages", e.pool.num_pages - used),
-            ("hydragen_prefix_cache_tokens", "gauge", "tokens held by the prefix tree", e.tree.cached_tokens),
+            (
+                "hydragen_kv_pages_used",
+                "gauge",
+                f"KV pages in use ({e.pool.page_size} tokens a page)",
+                kv["used"],
+            ),
+            ("hydragen_kv_pages_free", "gauge", "free KV pages", kv["total"] - kv["used"]),
+            ("hydragen_prefix_cache_tokens", "gauge", "tokens held by the prefix tree", kv["cached"]),
             ("hydragen_prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens", st.hit_rate),
             (
                 "hydragen_generation_tokens_per_second",
                 "gauge",
                 "decode rate over the last 5 s",
                 engine.tokens_per_second,
+            ),
+            (
+                "hydragen_engine_healthy",
+                "gauge",
+                "1 while the engine takes requests",
+                engine.unavailable() is None,
             ),
             (
                 "hydragen_prompt_tokens_total",
@@ -102,252 +106,200 @@ def create_app(llm, model_name: str) -> FastAPI:
             ("hydragen_prefill_tokens_total", "counter", "prompt tokens computed", st.prefill_tokens),
             ("hydragen_generation_tokens_total", "counter", "generated tokens", st.generated_tokens),
             ("hydragen_requests_finished_total", "counter", "finished requests", st.requests_finished),
+            (
+                "hydragen_requests_failed_total",
+                "counter",
+                "requests ended by an engine error",
+                metrics.failed,
+            ),
             ("hydragen_preemptions_total", "counter", "sequences preempted for memory", st.preemptions),
         ]
-        text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {float(v)}\n" for n, t, h, v in lines)
+        text = render_gauges(rows) + metrics.render()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    async def submit_all(prompts, params) -> list[tuple[str, asyncio.Queue]]:
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    async def handle(http: Request, chat: bool):
+        started = time.monotonic()
+        record = http.scope["state"]["log"]
+        record["id"] = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if (err := engine.unavailable()) is not None:
+            raise err
+        raw = await read_body(http, options.max_request_bytes, options.read_timeout)
+        body = await parse_body(raw, ChatCompletionRequest if chat else CompletionRequest, refuse_unsupported)
+        check_model(body.model)
+        logprobs = body.logprobs_count()
+        requested = body.requested_max_tokens()
+        body.sampling_params(1 if requested is None else requested, logprobs)  # every value checked up front
+        if chat:
+            prompts = [(await encoder.chat(body.conversation()), None)]
+        else:
+            prompts = await encoder.completion(body)
+        if len(prompts) * body.n > MAX_N:
+            raise APIError(
+                400,
+                f"prompts x n must be at most {MAX_N}, got {len(prompts) * body.n}",
+                "n",
+                code="invalid_value",
+            )
+        params = []
+        for i, (ids, _) in enumerate(prompts):
+            where = "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            encoder.check_length(len(ids), where)
+            default = None if chat else DEFAULT_MAX_TOKENS
+            max_tokens = encoder.max_tokens(
+                len(ids), body.requested_max_tokens(), default, body.max_tokens_param
+            )
+            params.append(body.sampling_params(max_tokens, logprobs))
+        record["prompt_tokens"] = sum(len(ids) for ids, _ in prompts)
+        subs = await submit_all(prompts, params, chat, body.max_tokens_param)
+        shapes = Shapes(tok, chat, (body.top_logprobs or 0) if chat else 0, logprobs is not None)
+        meta = {"id": record["id"], "created": int(time.time()), "model": body.model}
+        record["stream"] = body.stream
+        if not body.stream:
+            return await respond(http, subs, body.n, shapes, meta, chat, record, started)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = stream(subs, body.n, shapes, meta, chat, include_usage, record, started)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def submit_all(
+        prompts, params, chat: bool, max_tokens_param: str
+    ) -> list[tuple[str, asyncio.Queue]]:
         subs = []
         try:
-            for ids, text in prompts:
-                subs.append(await engine.submit(ids, params, text))
-        except ValueError as e:
+            for (ids, text), p in zip(prompts, params, strict=True):
+                subs.append(await engine.submit(ids, p, text))
+        except (ValueError, TypeError) as e:
             for rid, _ in subs:
                 engine.abort(rid)
-            param = "messages" if "chat" in str(e) else "prompt"
-            raise APIError(400, str(e), param) from None
+            param = getattr(e, "param", None) or "prompt"
+            if param == "prompt" and chat:
+                param = "messages"
+            elif param == "max_tokens":
+                param = max_tokens_param
+            raise APIError(400, str(e), param, code="invalid_value") from None
+        except BaseException:
+            for rid, _ in subs:
+                engine.abort(rid)
+            raise
         return subs
 
-    def encode(p) -> tuple[list[int], str | None]:
-        if isinstance(p, str):
-            if tok is None:
-                raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-            return tok.encode(p), p
-        return list(p), None
-
-    def usage(updates: dict[str, Update], completion_tokens: int) -> dict:
-        prompt_tokens = sum(u.prompt_tokens for u in updates.values())
-        cached = sum(u.cached_tokens for u in updates.values())
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def token_str(t: int) -> str:
-        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
-
-    def completion_logprobs(lps: list[dict[int, float]], ids: list[int]) -> dict:
-        return {
-            "tokens": [token_str(t) for t in ids],
-            "token_logprobs": [lp[t] for lp, t in zip(lps, ids, strict=False)],
-            "top_logprobs": [{token_str(k): v for k, v in lp.items()} for lp in lps],
-            "text_offset": [],
-        }
-
-    def chat_logprobs(lps: list[dict[int, float]], ids: list[int], top: int) -> dict:
-        content = []
-        for lp, t in zip(lps, ids, strict=False):
-            alts = sorted(((k, v) for k, v in lp.items()), key=lambda kv: -kv[1])[:top]
-            s = token_str(t)
-            content.append(
-                {
-                    "token": s,
-                    "logprob": lp[t],
-                    "bytes": list(s.encode()),
-                    "top_logprobs": [
-                        {"token": token_str(k), "logprob": v, "bytes": list(token_str(k).encode())}
-                        for k, v in alts
-                    ],
-                }
-            )
-        return {"content": content}
-
-    async def run(http: Request, body, prompts, params, chat: bool):
-        subs = await submit_all(prompts, params)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        n = params.n
-        top = (body.top_logprobs or 0) if chat else 0
-        want_lp = params.logprobs is not None
-
-        if not body.stream:
-            results: dict[str, Update] = {}
-            texts, ids, lps, reasons = {}, {}, {}, {}
-            try:
-                for p_idx, (req_id, q) in enumerate(subs):
-                    while True:
-                        upd: Update = await q.get()
-                        if upd.error:
-                            raise APIError(500, upd.error, type_="server_error")
-                        for d in upd.deltas:
-                            k = p_idx * n + d.index
-                            texts[k] = texts.get(k, "") + d.text
-                            ids.setdefault(k, []).extend(d.token_ids)
-                            if d.logprobs:
-                                lps.setdefault(k, []).extend(d.logprobs)
-                            if d.finish_reason:
-                                reasons[k] = d.finish_reason
-                        if upd.finished:
-                            results[req_id] = upd
-                            break
-            except (asyncio.CancelledError, APIError):
-                for req_id, _ in subs:
-                    engine.abort(req_id)
-                raise
-            choices = []
-            for k in sorted(texts.keys() | reasons.keys()):
-                c = {"index": k, "finish_reason": reasons.get(k)}
-                if chat:
-                    c["message"] = {"role": "assistant", "content": texts.get(k, "")}
-                    c["logprobs"] = chat_logprobs(lps.get(k, []), ids.get(k, []), top) if want_lp else None
-                else:
-                    c["text"] = texts.get(k, "")
-                    c["logprobs"] = completion_logprobs(lps.get(k, []), ids.get(k, [])) if want_lp else None
-                choices.append(c)
-            return {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": body.model,
-                "choices": choices,
-                "usage": usage(results, sum(len(v) for v in ids.values())),
+    async def respond(http, subs, n, shapes, meta, chat, record, started) -> Response:
+        collected, finals = Collected(), []
+        gone = asyncio.ensure_future(_client_gone(http))
+        pending = [rid for rid, _ in subs]
+        try:
+            for p_idx, (rid, q) in enumerate(subs):
+                while True:
+                    getter = asyncio.ensure_future(q.get())
+                    await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        record["client"] = "disconnected"
+                        return Response(status_code=CLIENT_CLOSED)
+                    upd: Update = getter.result()
+                    if upd.error is not None:
+                        raise upd.error
+                    if record.get("ttft") is None and any(d.token_ids for d in upd.deltas):
+                        record["ttft"] = f"{time.monotonic() - started:.3f}s"
+                    collected.add(p_idx * n, upd)
+                    if upd.finished:
+                        finals.append(upd)
+                        pending.remove(rid)
+                        break
+        finally:
+            gone.cancel()
+            for rid in pending:  # an error, or the client went away: free their pages now
+                engine.abort(rid)
+        note_finish(record, collected.completion_tokens, finals, collected.reasons.values())
+        return JSONResponse(
+            {
+                **meta,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": collected.choices(shapes),
+                "usage": usage(finals, collected.completion_tokens),
             }
+        )
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def events() -> AsyncIterator[str]:
-            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-            results: dict[str, Update] = {}
-            completion_tokens = 0
-            pending = {req_id: (p_idx, q) for p_idx, (req_id, q) in enumerate(subs)}
-            try:
-                if chat:
-                    for p_idx in range(len(subs)):
-                        for i in range(n):
-                            yield _sse(
-                                {
-                                    "id": rid,
-                                    "object": chunk_obj,
-                                    "created": created,
-                                    "model": body.model,
-                                    "choices": [
-                                        {
-                                            "index": p_idx * n + i,
-                                            "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None,
-                                            "finish_reason": None,
-                                        }
-                                    ],
-                                }
-                            )
-                while pending:
-                    getters = {asyncio.ensure_future(q.get()): req_id for req_id, (_, q) in pending.items()}
-                    done, rest = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
-                    for fut in rest:
-                        fut.cancel()
-                    for fut in done:
-                        req_id = getters[fut]
-                        p_idx, _ = pending[req_id]
-                        upd: Update = fut.result()
-                        if upd.error:
-                            yield _sse({"error": {"message": upd.error, "type": "server_error"}})
-                            pending.pop(req_id)
-                            continue
-                        for d in upd.deltas:
-                            completion_tokens += len(d.token_ids)
-                            k = p_idx * n + d.index
-                            if chat:
-                                lp = (
-                                    chat_logprobs(d.logprobs, d.token_ids, top)
-                                    if want_lp and d.logprobs
-                                    else None
-                                )
-                                choice = {
-                                    "index": k,
-                                    "delta": {"content": d.text} if d.text else {},
-                                    "logprobs": lp,
-                                    "finish_reason": d.finish_reason,
-                                }
-                            else:
-                                lp = (
-                                    completion_logprobs(d.logprobs, d.token_ids)
-                                    if want_lp and d.logprobs
-                                    else None
-                                )
-                                choice = {
-                                    "index": k,
-                                    "text": d.text,
-                                    "logprobs": lp,
-                                    "finish_reason": d.finish_reason,
-                                }
-                            chunk = {
-                                "id": rid,
-                                "object": chunk_obj,
-                                "created": created,
-                                "model": body.model,
-                                "choices": [choice],
-                            }
-                            if include_usage:
-                                chunk["usage"] = None
-                            yield _sse(chunk)
-                        if upd.finished:
-                            results[req_id] = upd
-                            pending.pop(req_id)
-                if include_usage:
-                    yield _sse(
-                        {
-                            "id": rid,
-                            "object": chunk_obj,
-                            "created": created,
-                            "model": body.model,
-                            "choices": [],
-                            "usage": usage(results, completion_tokens),
-                        }
-                    )
-                yield "data: [DONE]\n\n"
-            finally:
-                for req_id in pending:  # client went away (or an error): free its pages now
-                    engine.abort(req_id)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+    async def stream(subs, n, shapes, meta, chat, include_usage, record, started) -> AsyncIterator[str]:
+        chunk_base = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
+        finals: list[Update] = []
+        reasons: list[str] = []
+        completion_tokens = 0
+        pending = {rid: (p_idx, q) for p_idx, (rid, q) in enumerate(subs)}
+        try:
+            if chat:
+                for k in range(len(subs) * n):
+                    yield sse({**chunk_base, "choices": [shapes.role_choice(k)]})
+            while pending:
+                getters = {asyncio.ensure_future(q.get()): rid for rid, (_, q) in pending.items()}
+                done, rest = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                for fut in rest:
+                    fut.cancel()
+                for fut in done:
+                    rid = getters[fut]
+                    p_idx, _ = pending[rid]
+                    upd: Update = fut.result()
+                    if upd.error is not None:
+                        record.update(error=upd.error.type, code=upd.error.code)
+                        yield sse(upd.error.body())
+                        yield SSE_DONE
+                        return
+                    if record.get("ttft") is None and any(d.token_ids for d in upd.deltas):
+                        record["ttft"] = f"{time.monotonic() - started:.3f}s"
+                    for d in upd.deltas:
+                        completion_tokens += len(d.token_ids)
+                        if d.finish_reason:
+                            reasons.append(d.finish_reason)
+                        chunk = {**chunk_base, "choices": [shapes.delta_choice(p_idx * n + d.index, d)]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield sse(chunk)
+                    if upd.finished:
+                        finals.append(upd)
+                        pending.pop(rid)
+            if include_usage:
+                yield sse({**chunk_base, "choices": [], "usage": usage(finals, completion_tokens)})
+            note_finish(record, completion_tokens, finals, reasons)
+            yield SSE_DONE
+        except Exception as e:  # a bug while formatting: end this stream with an error, never hang it
+            err = APIError(500, f"internal server error: {type(e).__name__}", code="internal_error")
+            record.update(error=err.type, code=err.code)
+            yield sse(err.body())
+            yield SSE_DONE
+        finally:
+            if pending and "error" not in record:
+                record["client"] = "disconnected"
+            for rid in pending:  # client went away (or an error): free their pages now
+                engine.abort(rid)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
-        check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise APIError(400, "logprobs must be in [0, 20]", "logprobs")
-        params = body.sampling_params(body.logprobs, DEFAULT_MAX_TOKENS)
-        prompts = [encode(p) for p in body.prompts()]
-        return await run(http, body, prompts, params, chat=False)
+    async def completions(http: Request):
+        return await handle(http, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: Request):
-        check_model(body.model)
-        if tok is None or not tok.has_chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise APIError(400, "top_logprobs must be in [0, 20]", "top_logprobs")
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(logprobs, llm.config.max_position_embeddings)
-        try:
-            ids = tok.apply_chat_template(body.conversation(), add_generation_prompt=True)
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        room = llm.config.max_position_embeddings - len(ids)
-        if body._max_tokens() is None and room > 0:
-            params.max_tokens = min(params.max_tokens, room)
-        return await run(http, body, [(ids, None)], params, chat=True)
+    async def chat_completions(http: Request):
+        return await handle(http, chat=True)
 
     return app
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def note_finish(record: dict, completion_tokens: int, finals: list[Update], reasons) -> None:
+    record["completion_tokens"] = completion_tokens
+    record["cached_tokens"] = sum(u.cached_tokens for u in finals)
+    record["finish"] = ",".join(sorted({r for r in reasons if r})) or None
+
+
+async def _client_gone(http: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so only a disconnect can arrive)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -3,19 +3,31 @@
 The engine is not thread-safe, so only the worker thread touches it: HTTP handlers submit requests and
 aborts through a queue and read updates from an asyncio queue per request. Every step, each active
 request gets one update (new text and tokens per sequence); the final update carries the outputs.
+
+Failures stay with their request: the engine ends a request whose own work failed (its output carries the
+error), and building one request's update is guarded here the same way. An exception the engine cannot
+attribute ends every request in flight with a 500, marks the engine failed (``/health`` answers 503, new
+requests 503), and leaves the thread answering commands, so no client ever waits on a dead engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 
+from hydragen.engine.isolation import failure_message
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.sequence import Request
+from hydragen.server.errors import APIError
+from hydragen.server.metrics import LatencyMetrics, RequestTimes
+
+log = logging.getLogger("hydragen.server")
 
 
 @dataclass
@@ -31,7 +43,7 @@ class SeqDelta:
 class Update:
     deltas: list[SeqDelta]
     finished: bool
-    error: str | None = None
+    error: APIError | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
@@ -41,40 +53,76 @@ class _Tracked:
     request: Request
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    times: RequestTimes
     sent_text: list[str] = field(default_factory=list)
     sent_tokens: list[int] = field(default_factory=list)
     finished_sent: list[bool] = field(default_factory=list)
 
 
+def request_failed(message: str) -> APIError:
+    return APIError(500, f"request failed: {message}", code="request_failed")
+
+
 class AsyncEngine:
-    def __init__(self, llm):
+    def __init__(self, llm, metrics: LatencyMetrics | None = None):
         self.llm = llm
         self.engine = llm.engine
+        self.metrics = metrics or LatencyMetrics()
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
         self._stop = False
         self._ids = 0
+        self.failure: str | None = None  # set when the engine loop failed: it takes no more requests
+        self.draining = False  # shutting down: in-flight requests finish, new ones are refused
         self.started = time.time()
         self.tokens_per_second = 0.0
         self._thread = threading.Thread(target=self._run, name="hydragen-engine", daemon=True)
         self._thread.start()
 
     # ---- called from the event loop ---------------------------------------------------------------
+    def unavailable(self) -> APIError | None:
+        """Why no request can be taken now (503), or None when the engine is ready."""
+        if self.failure is not None or not self._thread.is_alive():
+            reason = self.failure or "the engine thread stopped"
+            return APIError(
+                503, f"the engine failed and takes no more requests: {reason}", code="engine_failed"
+            )
+        if self.draining:
+            return APIError(
+                503, "the server is shutting down and takes no more requests", code="shutting_down"
+            )
+        return None
+
     async def submit(
         self, prompt_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns its id and the queue its updates arrive on. Raises ValueError."""
+        """Queue a request; returns its id and the queue its updates arrive on.
+
+        Raises ValueError/ParamError for a request the engine refuses, APIError 503 when unavailable.
+        """
+        if (err := self.unavailable()) is not None:
+            raise err
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
-        self._commands.put(("add", (prompt_ids, params, prompt, loop, out, accepted)))
+        times = RequestTimes(arrival=time.monotonic())
+        self._commands.put(("add", (prompt_ids, params, prompt, loop, out, accepted, times)))
         self._wake.set()
-        request_id = await accepted  # raises the engine's ValueError for a bad request
-        return request_id, out
+        if not self._thread.is_alive():  # nobody else will ever answer the command
+            self._reject_queued()
+        return await accepted, out
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def fail_all(self, error: APIError) -> None:
+        """End every request in flight with ``error`` (used when the shutdown grace period runs out)."""
+        self._commands.put(("fail_all", error))
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -84,10 +132,19 @@ class AsyncEngine:
 
     # ---- worker thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - the loop itself broke: fail everyone, never hang them
+            traceback.print_exc()
+            self._die(f"engine loop stopped: {type(e).__name__}: {e}")
+        finally:
+            self._reject_queued()
+
+    def _loop(self) -> None:
         window: list[tuple[float, int]] = []
         while not self._stop:
             self._drain_commands()
-            if not self.engine.has_unfinished():
+            if self.failure is not None or not self.engine.has_unfinished():
                 self.tokens_per_second = 0.0
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -95,9 +152,9 @@ class AsyncEngine:
             before = self.engine.stats.generated_tokens
             try:
                 self.engine.step()
-            except Exception as e:  # never lose a request: fail everything in flight with the error
+            except Exception as e:  # not attributable to a request: the engine's state is suspect
                 traceback.print_exc()
-                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                self._die(failure_message("engine step", e))
                 continue
             now = time.time()
             window.append((now, self.engine.stats.generated_tokens - before))
@@ -106,6 +163,17 @@ class AsyncEngine:
             self.tokens_per_second = sum(n for _, n in window) / span
             self._publish()
 
+    def _die(self, message: str) -> None:
+        log.error("engine failed, ending %d request(s) in flight: %s", len(self._tracked), message)
+        self.failure = message
+        error = APIError(500, f"engine failed: {message}", code="engine_failed")
+        for rid, tr in list(self._tracked.items()):
+            tr.times.finished = time.monotonic()
+            self._send(tr, Update([], True, error))
+            with contextlib.suppress(Exception):  # best effort: the engine is already failed
+                self.engine.abort(rid)
+        self._tracked.clear()
+
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -113,45 +181,115 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                prompt_ids, params, prompt, loop, out, accepted = payload
-                self._ids += 1
-                rid = f"req-{self._ids}"
-                try:
-                    req = self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=rid)
-                except (ValueError, TypeError) as e:
-                    loop.call_soon_threadsafe(_set_exception, accepted, ValueError(str(e)))
-                    continue
-                n = len(req.seqs)
-                self._tracked[rid] = _Tracked(req, loop, out, [""] * n, [0] * n, [False] * n)
-                loop.call_soon_threadsafe(_set_result, accepted, rid)
+                self._add(*payload)
             elif kind == "abort":
-                self.engine.abort(payload)
                 self._tracked.pop(payload, None)
+                if self.failure is None:
+                    try:
+                        self.engine.abort(payload)
+                    except Exception as e:
+                        traceback.print_exc()
+                        self._die(failure_message("abort", e))
+            elif kind == "fail_all":
+                for rid, tr in list(self._tracked.items()):
+                    self._send(tr, Update([], True, payload))
+                    del self._tracked[rid]
+                    if self.failure is None:
+                        try:
+                            self.engine.abort(rid)
+                        except Exception as e:
+                            traceback.print_exc()
+                            self._die(failure_message("abort", e))
+
+    def _add(self, prompt_ids, params, prompt, loop, out, accepted, times) -> None:
+        if (err := self.unavailable()) is not None:
+            loop.call_soon_threadsafe(_set_exception, accepted, err)
+            return
+        self._ids += 1
+        rid = f"req-{self._ids}"
+        try:
+            req = self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=rid)
+        except (ValueError, TypeError) as e:
+            loop.call_soon_threadsafe(_set_exception, accepted, e)
+            return
+        except Exception as e:  # a bug in admission: this request fails, the engine goes on
+            traceback.print_exc()
+            loop.call_soon_threadsafe(
+                _set_exception, accepted, request_failed(failure_message("admission", e))
+            )
+            return
+        n = len(req.seqs)
+        self._tracked[rid] = _Tracked(req, loop, out, times, [""] * n, [0] * n, [False] * n)
+        loop.call_soon_threadsafe(_set_result, accepted, rid)
+
+    def _reject_queued(self) -> None:
+        """Answer every queued command once no engine loop will (it failed or stopped)."""
+        error = self.unavailable() or APIError(503, "the engine stopped", code="engine_failed")
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                loop, accepted = payload[3], payload[5]
+                with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+                    loop.call_soon_threadsafe(_set_exception, accepted, error)
 
     def _publish(self) -> None:
+        now = time.monotonic()
         for rid, tr in list(self._tracked.items()):
-            deltas = []
-            for i, s in enumerate(tr.request.seqs):
-                if tr.finished_sent[i]:
-                    continue
-                new_tokens = s.generated[tr.sent_tokens[i] :]
-                if not new_tokens and not s.finished:
-                    continue
-                text = self._stable_text(s)
-                delta_text = text[len(tr.sent_text[i]) :] if text.startswith(tr.sent_text[i]) else ""
-                lp = s.logprobs[tr.sent_tokens[i] :] if s.logprobs is not None else None
-                tr.sent_tokens[i] = len(s.generated)
-                tr.sent_text[i] = text if text.startswith(tr.sent_text[i]) else tr.sent_text[i]
-                tr.finished_sent[i] = s.finished
-                deltas.append(SeqDelta(s.index, delta_text, new_tokens, lp, s.finish_reason))
-            finished = all(tr.finished_sent)
-            if deltas or finished:
-                upd = Update(
-                    deltas, finished, tr.request.error, len(tr.request.prompt_ids), tr.request.cached_tokens
-                )
-                tr.loop.call_soon_threadsafe(tr.out.put_nowait, upd)
-            if finished:
+            try:
+                upd = self._update_for(tr, now)
+            except Exception as e:  # building this request's update failed: it alone ends
+                traceback.print_exc()
+                upd = Update([], True, request_failed(failure_message("output building", e)))
+                tr.times.finished = now
+                try:
+                    self.engine.abort(rid)
+                except Exception as e:
+                    traceback.print_exc()
+                    self._send(tr, upd)
+                    del self._tracked[rid]
+                    self._die(failure_message("abort", e))
+                    return
+            if upd is not None:
+                self._send(tr, upd)
+            if upd is not None and upd.finished:
                 del self._tracked[rid]
+                if upd.error is not None:
+                    self.metrics.failed += 1
+                self.metrics.observe(tr.times)
+
+    def _update_for(self, tr: _Tracked, now: float) -> Update | None:
+        req = tr.request
+        if tr.times.scheduled is None and req.first_scheduled is not None:
+            tr.times.scheduled = req.first_scheduled
+        if req.error is not None:
+            tr.times.finished = now
+            return Update([], True, request_failed(req.error), len(req.prompt_ids), req.cached_tokens)
+        deltas = []
+        for i, s in enumerate(req.seqs):
+            if tr.finished_sent[i]:
+                continue
+            new_tokens = s.generated[tr.sent_tokens[i] :]
+            if not new_tokens and not s.finished:
+                continue
+            text = self._stable_text(s)
+            delta_text = text[len(tr.sent_text[i]) :] if text.startswith(tr.sent_text[i]) else ""
+            lp = s.logprobs[tr.sent_tokens[i] :] if s.logprobs is not None else None
+            tr.sent_tokens[i] = len(s.generated)
+            tr.sent_text[i] = text if text.startswith(tr.sent_text[i]) else tr.sent_text[i]
+            tr.finished_sent[i] = s.finished
+            deltas.append(SeqDelta(s.index, delta_text, new_tokens, lp, s.finish_reason))
+        if tr.times.first_token is None and any(d.token_ids for d in deltas):
+            tr.times.first_token = now
+        finished = all(tr.finished_sent)
+        if finished:
+            tr.times.finished = now
+            tr.times.max_tokens_out = max(len(s.generated) for s in req.seqs)
+        if not deltas and not finished:
+            return None
+        return Update(deltas, finished, None, len(req.prompt_ids), req.cached_tokens)
 
     def _stable_text(self, s) -> str:
         """Text safe to send now: final text when finished; otherwise hold back an unfinished UTF-8
@@ -165,11 +303,10 @@ class AsyncEngine:
             text = text[: max(0, len(text) - hold)]
         return text.rstrip("\ufffd")
 
-    def _fail_all(self, message: str) -> None:
-        for rid, tr in list(self._tracked.items()):
-            self.engine.abort(rid)
-            tr.loop.call_soon_threadsafe(tr.out.put_nowait, Update([], True, message))
-        self._tracked.clear()
+    @staticmethod
+    def _send(tr: _Tracked, upd: Update) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+            tr.loop.call_soon_threadsafe(tr.out.put_nowait, upd)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -1,39 +1,84 @@
-"""OpenAI request bodies (pydantic), validated into SamplingParams with errors that name the field."""
+"""OpenAI request bodies (pydantic, strict), validated into SamplingParams with errors that name the field.
+
+Strict: a string is not a number and ``true`` is not 1. Closed: a parameter the server does not declare is
+refused with a 400 naming it (``unsupported_parameter``), never silently dropped, except the few in
+``IGNORED`` that cannot change the output. ``NEUTRAL`` lists unimplemented parameters that clients often
+send at their no-op value: that value is accepted, any other is refused. As parameters get implemented,
+they become fields here and leave those lists.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from hydragen.engine.sampling_params import SamplingParams
+from hydragen.engine.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
+from hydragen.server.errors import APIError
+
+# Accepted and ignored: bookkeeping for the caller, no effect on what is generated.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+# Not implemented; accepted only at the value that means "off".
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+}
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's JSON shape."""
+def refuse_unsupported(body: dict) -> dict:
+    """Drop ignored and neutral-valued parameters; 400 for an unimplemented one set to anything else."""
+    out = {}
+    for key, value in body.items():
+        if key in IGNORED or (key in NEUTRAL and (value is None or _same(value, NEUTRAL[key]))):
+            continue
+        if key in NEUTRAL:
+            allowed = " or ".join(repr(v) for v in NEUTRAL[key])
+            raise APIError(
+                400,
+                f"{key!r} is not supported by this server (only {allowed} or null, which change nothing)",
+                key,
+                code="unsupported_parameter",
+            )
+        out[key] = value
+    return out
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+def _same(value: Any, choices: tuple) -> bool:
+    """Equal to one of ``choices`` with the same JSON type (``false`` is not ``0``)."""
+    for c in choices:
+        if isinstance(c, bool) or isinstance(value, bool):
+            if value is c:
+                return True
+        elif isinstance(c, (int, float)) and isinstance(value, (int, float)):
+            if value == c:
+                return True
+        elif type(value) is type(c) and value == c:
+            return True
+    return False
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class _Common(_Strict):
     model: str
     n: int = 1
     temperature: float | None = None
@@ -47,21 +92,16 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
-    def sampling_params(self, logprobs: int | None, default_max: int) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported by hydragen (only 0)", name)
-        max_tokens = self._max_tokens()
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams, or a 400 naming the parameter the engine could not represent."""
         fields = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
-            max_tokens=default_max if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             stop=self.stop or None,
             stop_token_ids=self.stop_token_ids,
             seed=self.seed,
@@ -70,44 +110,81 @@ class _Common(BaseModel):
         )
         try:
             return SamplingParams(**fields)
-        except ValueError as e:
-            param = str(e).split()[0].removeprefix("SamplingParams.")
-            raise APIError(400, str(e).replace("SamplingParams.", ""), param) from None
+        except ParamError as e:
+            param = self.max_tokens_param if e.param == "max_tokens" else e.param
+            raise APIError(400, str(e).replace("SamplingParams.", ""), param, code="invalid_value") from None
 
-    def _max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None)
-    echo: bool = False
+    # Checked by prompts() rather than as a pydantic union: a union of list types validates a
+    # million-id prompt several times over (about a second of CPU), these type-set checks run in C.
+    prompt: str | list[Any]
+    logprobs: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string, or a list of token ids."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if not p:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+            raise APIError(400, "prompt must not be empty", "prompt", code="invalid_value")
+        kinds = set(map(type, p))
+        if kinds == {int}:
+            return [p]
+        if kinds == {str}:
+            return list(p)
+        if kinds == {list}:
+            for i, ids in enumerate(p):
+                if ids and set(map(type, ids)) != {int}:
+                    raise APIError(
+                        400,
+                        f"prompt[{i}] must be a list of token ids (integers)",
+                        f"prompt[{i}]",
+                        code="invalid_value",
+                    )
+            return list(p)
+        raise APIError(
+            400,
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+            "prompt",
+            code="invalid_value",
+        )
+
+    def logprobs_count(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs", code="invalid_value")
+        return self.logprobs
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
+    def text(self, index: int) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported", "messages")
+        for j, part in enumerate(self.content):
+            if (
+                part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+                or set(part) - {"type", "text"}
+            ):
+                raise APIError(
+                    400,
+                    "only text content parts ({'type': 'text', 'text': ...}) are supported",
+                    f"messages[{index}].content[{j}]",
+                    code="unsupported_parameter",
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -118,10 +195,24 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def _max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def logprobs_count(self) -> int | None:
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(
+                400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs", code="invalid_value"
+            )
+        if top and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs", code="invalid_value")
+        return (top or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         if not self.messages:
-            raise APIError(400, "messages must not be empty", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+            raise APIError(400, "messages must not be empty", "messages", code="invalid_value")
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]

@@ -1,0 +1,154 @@
+"""`hydragen chat`: a conversation in the terminal, replies streamed as they are generated.
+
+Each turn sends the whole conversation through the model's chat template; the engine finds the earlier
+turns' KV in its prefix cache (prompt and reply of the last turn were cached when it finished), so only the
+new message is computed. The statistics line after each reply shows how many prompt tokens were reused.
+
+With standard input not a terminal (``printf 'Hi\\nAnd then?\\n' | hydragen chat``) every line is one user
+turn and only the replies go to standard output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from typing import TextIO
+
+from hydragen.streaming import StreamResult, interrupt_flag, stream_request
+
+COMMANDS = {
+    "/reset": "forget the conversation (the system prompt stays)",
+    "/exit": "leave (Ctrl-D does too)",
+    "/help": "this list",
+}
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+class Chat:
+    """One conversation with one model. ``run`` reads turns until /exit or end of input."""
+
+    def __init__(
+        self,
+        llm,
+        params,
+        context: int,
+        *,
+        system: str | None = None,
+        max_tokens: int | None = None,
+        quiet: bool = False,
+        stdin: TextIO | None = None,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> None:
+        self.llm, self.params, self.context, self.max_tokens = llm, params, context, max_tokens
+        self.system, self.quiet = system, quiet
+        self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+        self.interactive = self.stdin.isatty()
+        self.history: list[dict[str, str]] = self._start()
+
+    def _start(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}] if self.system is not None else []
+
+    # ---- output --------------------------------------------------------------------------------
+    def _note(self, text: str) -> None:
+        """Statistics and hints: on stderr, dimmed on a terminal, never mixed into piped replies."""
+        if self.quiet:
+            return
+        styled = f"{DIM}{text}{PLAIN}" if self.stderr.isatty() else text
+        print(styled, file=self.stderr, flush=True)
+
+    def _write(self, _: int, piece: str) -> None:
+        self.stdout.write(piece)
+        self.stdout.flush()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, load_s: float) -> int:
+        if self.interactive:
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401  (line editing and history for input())
+        self._warm_up()
+        self._note(
+            f"{self.llm.model_path.name} loaded in {load_s:.1f} s. Type a message; /help lists the commands, "
+            "Ctrl-C stops a reply, Ctrl-D leaves."
+            if self.interactive
+            else f"{self.llm.model_path.name} loaded in {load_s:.1f} s; one user turn per input line."
+        )
+        while True:
+            try:
+                line = self._read()
+            except KeyboardInterrupt:  # at the prompt: a fresh line, not an exit
+                print(file=self.stdout)
+                self._note("(Ctrl-D or /exit to leave)")
+                continue
+            if line is None:  # end of input: Ctrl-D or the end of a pipe
+                if self.interactive:
+                    print(file=self.stdout)
+                return 0
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/") and len(line.split()) == 1:  # a command; longer lines are messages
+                if self._command(line):
+                    return 0
+                continue
+            self._turn(line)
+
+    def _read(self) -> str | None:
+        if self.interactive:
+            try:
+                return input(">>> ")
+            except EOFError:
+                return None
+        line = self.stdin.readline()
+        return line if line else None
+
+    def _command(self, name: str) -> bool:
+        """Runs a /command; True means leave."""
+        if name == "/exit":
+            return True
+        if name == "/reset":
+            self.history = self._start()
+            self._note("conversation cleared")
+        elif name == "/help":
+            self._note("\n".join(f"{c:7s} {what}" for c, what in COMMANDS.items()))
+        else:
+            self._note(f"unknown command {name}; /help lists the commands")
+        return False
+
+    def _warm_up(self) -> None:
+        """Compute the template's opening (system prompt) before the first message, so the first reply
+        starts as fast as the later ones: a 1-token request whose KV stays in the prefix cache."""
+        ids = self.llm.tokenizer.apply_chat_template(self.history + [{"role": "user", "content": "Hi"}])
+        stream_request(self.llm.engine, ids, dataclasses.replace(self.params, max_tokens=1, stop=None))
+
+    def _turn(self, message: str) -> None:
+        conversation = self.history + [{"role": "user", "content": message}]
+        ids = self.llm.tokenizer.apply_chat_template(conversation)
+        room = self.context - len(ids)
+        if room < 1:
+            self._note(
+                f"the conversation is {len(ids)} tokens and the context holds {self.context}: "
+                "/reset to start over"
+            )
+            return
+        params = dataclasses.replace(self.params, max_tokens=min(self.max_tokens or room, room))
+        stats = self.llm.engine.stats
+        prompt0, computed0 = stats.prompt_tokens, stats.prefill_tokens
+        with interrupt_flag() as stop:
+            result = stream_request(self.llm.engine, ids, params, on_text=self._write, should_stop=stop)
+        print(file=self.stdout, flush=True)
+        reused = (stats.prompt_tokens - prompt0) - (stats.prefill_tokens - computed0)
+        self.history = conversation + [{"role": "assistant", "content": result.texts[0]}]
+        self._note(turn_summary(result, len(ids), reused))
+
+
+def turn_summary(result: StreamResult, prompt_tokens: int, reused: int) -> str:
+    """One line per reply: its size and speed, and how much of the conversation came from the cache."""
+    parts = [f"{result.tokens} tokens"]
+    if result.time_to_first_token is not None:
+        parts.append(f"first after {result.time_to_first_token:.2f} s")
+    if result.decode_rate is not None:
+        parts.append(f"{result.decode_rate:.1f} tokens/s")
+    head = ", ".join(parts) + (" (stopped)" if result.stopped else "")
+    return f"[{head} | prompt {prompt_tokens} tokens, {max(reused, 0)} from the prefix cache]"

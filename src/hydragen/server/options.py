@@ -1,0 +1,30 @@
+"""The server's limits and access settings (``hydragen serve`` flags; tests build them directly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+
+
+@dataclass
+class ServerOptions:
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    allowed_hosts: list[str] | None = None  # Host header names accepted; None: any
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get a 413
+    read_timeout: float = 30.0  # seconds to receive a request's headers and body (408 / connection closed)
+    shutdown_timeout: float = 10.0  # grace for in-flight requests after SIGTERM, then they are aborted
+    keep_alive_timeout: float = 5.0  # idle keep-alive connections are closed after this
+
+    def check(self) -> None:
+        """ValueError naming the first bad option."""
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        for name in ("read_timeout", "shutdown_timeout", "keep_alive_timeout"):
+            value = getattr(self, name)
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if self.read_timeout <= 0:
+            raise ValueError(f"--read-timeout must be > 0, got {self.read_timeout}")
+        if self.allowed_hosts is not None and not all(h.strip() for h in self.allowed_hosts):
+            raise ValueError("--allowed-hosts must be a comma-separated list of host names")

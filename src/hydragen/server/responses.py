@@ -1,0 +1,123 @@
+"""OpenAI response bodies: choices, log-probabilities, usage and SSE chunks, built from engine updates."""
+
+from __future__ import annotations
+
+import json
+
+from hydragen.server.async_engine import SeqDelta, Update
+
+
+class Shapes:
+    """Formats one request's choices; ``chat`` picks the chat or the text-completion shape."""
+
+    def __init__(self, tokenizer, chat: bool, top_logprobs: int, want_logprobs: bool):
+        self.tok, self.chat, self.top, self.want_lp = tokenizer, chat, top_logprobs, want_logprobs
+
+    def token_str(self, t: int) -> str:
+        return self.tok.decode([t], skip_special_tokens=False) if self.tok is not None else str(t)
+
+    def logprobs(self, lps: list[dict[int, float]], ids: list[int]) -> dict | None:
+        if not self.want_lp:
+            return None
+        if not self.chat:
+            return {
+                "tokens": [self.token_str(t) for t in ids],
+                "token_logprobs": [lp[t] for lp, t in zip(lps, ids, strict=False)],
+                "top_logprobs": [{self.token_str(k): v for k, v in lp.items()} for lp in lps],
+                "text_offset": [],
+            }
+        content = []
+        for lp, t in zip(lps, ids, strict=False):
+            alts = sorted(lp.items(), key=lambda kv: -kv[1])[: self.top]
+            s = self.token_str(t)
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp[t],
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": self.token_str(k), "logprob": v, "bytes": list(self.token_str(k).encode())}
+                        for k, v in alts
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def final_choice(self, index: int, text: str, ids: list[int], lps: list, reason: str | None) -> dict:
+        c: dict = {"index": index, "finish_reason": reason}
+        if self.chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        c["logprobs"] = self.logprobs(lps, ids)
+        return c
+
+    def delta_choice(self, index: int, d: SeqDelta) -> dict:
+        lp = self.logprobs(d.logprobs, d.token_ids) if self.want_lp and d.logprobs else None
+        if self.chat:
+            return {
+                "index": index,
+                "delta": {"content": d.text} if d.text else {},
+                "logprobs": lp,
+                "finish_reason": d.finish_reason,
+            }
+        return {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+
+    @staticmethod
+    def role_choice(index: int) -> dict:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+
+class Collected:
+    """A non-streaming request's choices, accumulated from its updates."""
+
+    def __init__(self):
+        self.texts: dict[int, str] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.lps: dict[int, list] = {}
+        self.reasons: dict[int, str | None] = {}
+
+    def add(self, first_index: int, upd: Update) -> None:
+        for d in upd.deltas:
+            k = first_index + d.index
+            self.texts[k] = self.texts.get(k, "") + d.text
+            self.ids.setdefault(k, []).extend(d.token_ids)
+            if d.logprobs:
+                self.lps.setdefault(k, []).extend(d.logprobs)
+            if d.finish_reason:
+                self.reasons[k] = d.finish_reason
+
+    def choices(self, shapes: Shapes) -> list[dict]:
+        return [
+            shapes.final_choice(
+                k, self.texts.get(k, ""), self.ids.get(k, []), self.lps.get(k, []), self.reasons.get(k)
+            )
+            for k in sorted(self.texts.keys() | self.reasons.keys())
+        ]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(v) for v in self.ids.values())
+
+
+def usage(finals: list[Update], completion_tokens: int) -> dict:
+    prompt_tokens = sum(u.prompt_tokens for u in finals)
+    cached = sum(u.cached_tokens for u in finals)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

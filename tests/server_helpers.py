@@ -1,0 +1,99 @@
+"""Helpers for server tests: a tiny random model that has a tokenizer and a chat template, and a live
+server on a loopback port in a background thread (the production server class, bound the same way)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def byte_level_tokenizer(dest: Path) -> None:
+    """Save a 256-token byte-level tokenizer (one token per UTF-8 byte, no merges) with a chat template:
+    it fits the tiny models' 256-entry vocabulary exactly, so any generated id decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    shifted = iter(range(256, 512))
+    char_of = {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
+    assert set(char_of.values()) == set(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE).save_pretrained(dest)
+
+
+def tiny_chat_model(tiny_dir: str, dest: Path) -> str:
+    """A copy of a tiny random checkpoint (vocab 256) with the byte-level tokenizer beside it."""
+    if not dest.exists():
+        shutil.copytree(tiny_dir, dest)
+        byte_level_tokenizer(dest)
+        assert json.loads((dest / "config.json").read_text())["vocab_size"] == 256
+    return str(dest)
+
+
+class LiveServer:
+    """``create_app(llm, name, options)`` served on 127.0.0.1 by HydragenServer in a thread."""
+
+    def __init__(self, llm, name: str = "tiny", options=None):
+        import uvicorn
+
+        from hydragen.server.app import create_app
+        from hydragen.server.launch import HydragenServer, bind_socket
+        from hydragen.server.options import ServerOptions
+
+        self.llm, self.name = llm, name
+        self.options = options or ServerOptions()
+        self.app = create_app(llm, name, self.options)
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=self.options.keep_alive_timeout,
+        )
+        self.server = HydragenServer(config, self.app.state.engine, self.options)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    @property
+    def engine(self):
+        return self.llm.engine
+
+    def headers(self) -> dict[str, str]:
+        key = self.options.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine holds no request (client disconnects are processed asynchronously)."""
+        deadline = time.time() + timeout
+        while self.engine.has_unfinished():
+            assert time.time() < deadline, "engine still busy"
+            time.sleep(0.02)
+
+    def assert_no_leak(self) -> None:
+        self.wait_idle()
+        usage = self.engine.kv_usage()
+        assert usage["used"] == usage["cached"], usage
+
+    def stop(self, timeout: float = 15.0) -> float:
+        """Stop like a signal does; returns how long shutting down took."""
+        t0 = time.time()
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout)
+        assert not self.thread.is_alive(), "server did not stop"
+        return time.time() - t0

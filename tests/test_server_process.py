@@ -1,0 +1,184 @@
+"""`hydragen serve` as a process: options checked before the model loads, the ready line, and SIGTERM
+with requests in flight (bounded grace, then an error for what is left; a second signal exits at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from server_helpers import tiny_chat_model
+
+
+def spawn(*args: str, api_key: str = "") -> subprocess.Popen:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HYDRAGEN_API_KEY": api_key}
+    return subprocess.Popen(
+        [sys.executable, "-m", "hydragen", "serve", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+class Lines:
+    """Collects a process's stderr lines on a thread."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def _read(self, proc):
+        for line in proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in:\n" + "\n".join(self.lines[-30:]))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models, tmp_path_factory):
+    return tiny_chat_model(tiny_models["llama"], tmp_path_factory.mktemp("proc") / "tiny")
+
+
+def test_bad_options_are_one_line_errors_before_the_model_loads(model_dir):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    cases = {
+        "port": (["--port", "70000"], "--port must be in [0, 65535]"),
+        "busy": (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+        "level": (["--log-level", "loud"], "--log-level must be one of"),
+    }
+    procs = {name: spawn("--model", model_dir, *args) for name, (args, _) in cases.items()}  # in parallel
+    try:
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=120)
+            lines = [x for x in err.splitlines() if x.strip()]
+            assert proc.returncode == 2, (name, err)
+            assert len(lines) == 1 and lines[0].startswith("error: "), (name, err)
+            assert cases[name][1] in lines[0], (name, lines[0])
+    finally:
+        busy.close()
+        for proc in procs.values():
+            proc.kill()
+
+
+def start_server(model_dir: str, grace: float, api_key: str = "") -> tuple[subprocess.Popen, Lines, str]:
+    proc = spawn(
+        "--model",
+        model_dir,
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--shutdown-timeout",
+        str(grace),
+        "--kv-cache-tokens",
+        "8192",
+        api_key=api_key,
+    )
+    lines = Lines(proc)
+    m = lines.wait_for(
+        r"ready: serving 'tiny' on (http://127\.0\.0\.1:\d+)/v1 \| KV cache 8192 tokens \(\d+ MiB\)"
+        + r" \| API key "
+        + ("required" if api_key else "not required")
+    )
+    return proc, lines, m.group(1)
+
+
+def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(model_dir):
+    proc, lines, url = start_server(model_dir, grace=3)
+    results: dict = {}
+    first_chunk = threading.Event()
+    long_body = {"model": "tiny", "prompt": "go on and on", "max_tokens": 500, "n": 8, "ignore_eos": True}
+
+    def streaming():
+        events = []
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**long_body, "stream": True}, timeout=120
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first_chunk.set()
+                    events.append(line[6:])
+        results["stream"] = events
+
+    def plain(name, body):
+        results[name] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+    threads = [
+        threading.Thread(target=streaming),
+        threading.Thread(target=plain, args=("long", long_body)),
+    ]
+    try:
+        for t in threads:
+            t.start()
+        assert first_chunk.wait(60)
+        short = threading.Thread(
+            target=plain, args=("short", {"model": "tiny", "prompt": "hi", "max_tokens": 5})
+        )
+        short.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        lines.wait_for("shutting down: no new requests")
+        with pytest.raises(httpx.TransportError):  # the listener is closed at once
+            httpx.get(url + "/health", timeout=5)
+        for t in [*threads, short]:
+            t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+        elapsed = time.time() - t0
+    finally:
+        proc.kill()
+    assert results["short"].status_code == 200  # finished within the grace period
+    assert results["short"].json()["usage"]["completion_tokens"] == 5
+    err = results["long"].json()["error"]
+    assert results["long"].status_code == 503 and err["code"] == "shutting_down"
+    assert results["stream"][-1] == "[DONE]"
+    assert json.loads(results["stream"][-2])["error"]["code"] == "shutting_down"
+    assert 3 <= elapsed < 20
+    log = "\n".join(lines.lines)
+    assert "POST /v1/completions 200" in log and "POST /v1/completions 503" in log
+    assert "go on and on" not in log  # no prompt text in the request lines
+
+
+def test_a_second_signal_exits_at_once(model_dir):
+    """Also: the API key comes from $HYDRAGEN_API_KEY when --api-key is not given."""
+    proc, lines, url = start_server(model_dir, grace=60, api_key="env-key")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 500, "n": 8, "ignore_eos": True}
+    auth = {"Authorization": "Bearer env-key"}
+    thread = threading.Thread(
+        target=lambda: pytest.raises(
+            httpx.TransportError, httpx.post, url + "/v1/completions", json=body, headers=auth, timeout=60
+        )
+    )
+    try:
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        thread.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        lines.wait_for("shutting down")
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        assert time.time() - t0 < 5 and code == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        thread.join(timeout=30)
