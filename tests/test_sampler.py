@@ -254,4 +254,13 @@ def test_min_p_is_validated_and_accepted_by_the_server():
         with pytest.raises(ValueError, match="min_p"):
             SamplingParams(min_p=bad)
     body = CompletionRequest(model="m", prompt="hi", min_p=0.1)
-    assert body.sampling_params(None, 16).min_p == 0.1
+    assert body.sampling_params(16, None).min_p == 0.1
+
+
+def test_seed_zero_is_not_degenerate():
+    """mix32(0) == 0: without salts, seed 0's first draw was u ~ 0 (the lowest-id token every time)."""
+    sampler = Sampler()
+    seeds = torch.tensor([derive_seed(s, i) for s in range(4) for i in range(4)])
+    u = sampler.uniforms(seeds, torch.zeros_like(seeds))
+    assert bool((u > 1e-3).all()) and bool((u < 1 - 1e-3).all())
+    assert derive_seed(0, 0) != 0

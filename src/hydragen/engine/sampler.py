@@ -32,10 +32,14 @@ def _mix32_int(x: int) -> int:
     return (x >> 16) ^ x
 
 
+_SEED_SALT = 0x5BD1E995  # arbitrary odd constants: keep 0 inputs away from mix32's fixed point 0
+_STEP_SALT = 0x27D4EB2F
+
+
 def derive_seed(seed: int, index: int) -> int:
     """Seed (32-bit) of sample ``index`` of a request seeded with ``seed`` (any Python int)."""
-    folded = _mix32_int(seed & _M32) ^ _mix32_int((seed >> 32) & _M32)
-    return _mix32_int(folded ^ (index * 0x9E3779B1 & _M32))
+    folded = _mix32_int((seed ^ _SEED_SALT) & _M32) ^ _mix32_int(((seed >> 32) ^ _STEP_SALT) & _M32)
+    return _mix32_int(folded ^ ((index * 0x9E3779B1 + _STEP_SALT) & _M32))
 
 
 @dataclass
@@ -51,7 +55,9 @@ class SampleOutput:
 class Sampler:
     def uniform_bits(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """[B] int64 in [0, 2**24): the 24 random bits of each row's uniform for this step."""
-        return mix32(mix32(seeds & _M32) ^ (steps * 0xC2B2AE3D & _M32)) >> 8
+        # Offsets before each mix: mix32(0) == 0, so without them seed 0 at step 0 would draw u ~ 0
+        # (always the lowest-id token with any probability).
+        return mix32(mix32((seeds ^ _SEED_SALT) & _M32) ^ (steps * 0xC2B2AE3D + _STEP_SALT & _M32)) >> 8
 
     def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """[B] uniforms strictly inside (0, 1) (24 bits, exact in fp32) from seeds and step counters."""
