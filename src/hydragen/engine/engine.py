@@ -389,7 +389,8 @@ class Engine:
         except OutOfSlots:
             if self.num_running or len(self.prefilling) > 1:
                 raise
-            self.tree.evict(self.tree.cached_tokens)
+            for t in self._trees():
+                t.evict(t.cached_tokens)
             run = self.pool.allocator.largest_run()
             if not 0 < run < len(node.tokens):
                 raise
