@@ -69,7 +69,7 @@ if have=$("$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null); then
 else
     # TORCH_INDEX_URL picks a wheel index for torch alone (e.g. PyTorch's CPU-only or CUDA index).
     quietly "$VPY" -m pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
-    done_step "installed torch $("$VPY" -c 'import torch; print(torch.__version__)')"
+    done_step "installed torch $("$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 fi
 
 begin "hydragen and its dependencies (pip install -e \".[test]\")"
@@ -82,5 +82,5 @@ done_step
 
 begin "check"
 quietly "$VPY" -c 'import hydragen, torch; from hydragen.model.default_model import default_model_path as p; p()'
-done_step "hydragen $("$VPY" -c 'import hydragen; print(hydragen.__version__)'), torch $("$VPY" -c 'import torch; print(torch.__version__)'), model found"
+done_step "hydragen $("$VPY" -c 'import hydragen; print(hydragen.__version__)' 2>/dev/null), torch $("$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null), model found"
 echo "ready: $VENV/bin/hydragen (or: source $VENV/bin/activate)"

@@ -44,10 +44,8 @@ class LiveServer:
     """``create_app(llm, name, options)`` served on 127.0.0.1 by HydragenServer in a thread."""
 
     def __init__(self, llm, name: str = "tiny", options=None):
-        import uvicorn
-
         from hydragen.server.app import create_app
-        from hydragen.server.launch import HydragenServer, bind_socket
+        from hydragen.server.launch import bind_socket, make_server
         from hydragen.server.options import ServerOptions
 
         self.llm, self.name = llm, name
@@ -56,13 +54,7 @@ class LiveServer:
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            access_log=False,
-            timeout_keep_alive=self.options.keep_alive_timeout,
-        )
-        self.server = HydragenServer(config, self.app.state.engine, self.options)
+        self.server = make_server(self.app, self.options, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 60

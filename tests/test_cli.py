@@ -128,7 +128,7 @@ def test_several_completions_summary_counts_reuse_and_memory(capsys, reused_llm)
     prompt_len = int(err[2].split("prompt: ")[1].split()[0])
     computed, reused = (int(x) for x in err[2].split("; ")[1].replace(",", "").split()[0:3:2])
     assert computed + reused == 4 * prompt_len and computed < prompt_len + 4  # computed once, not 4 times
-    assert "if each completion kept its own copy" in err[3] and "x less)" in err[3]  # a long prompt is shared
+    assert "a private copy of prompt and output per completion would total" in err[3]  # the prompt is shared
 
     assert main(["generate", long_prompt, "-n", "4", "--max-tokens", "4", "--seed", "0", "--no-sharing"]) == 0
     err = capsys.readouterr().err
@@ -146,6 +146,7 @@ def test_max_model_len_and_threads(capsys, reused_llm):
     finally:
         torch.set_num_threads(threads)
     err = capsys.readouterr().err
+    assert "(hit the context limit)" in err  # not "--max-tokens": 50 was lowered to fit the context
     tokens = int(err.split("1 completion, ")[1].split()[0])
     prompt = int(err.split("prompt: ")[1].split()[0])
     assert prompt + tokens <= 40  # the context limit stops generation
@@ -184,9 +185,9 @@ def test_summary_lines_show_only_comparable_numbers():
         shared[2]
         == "prompt: 100 tokens x 4 completions = 400; 103 computed, 297 reused from the prefix cache"
     )
-    assert (
-        shared[3]
-        == "KV cache: 140.0 MiB at peak, vs 428.0 MiB if each completion kept its own copy (3.1x less)"
+    assert shared[3] == (
+        "KV cache: 140.0 MiB at peak; a private copy of prompt and output per completion would total "
+        "428.0 MiB (3.1x)"
     )
     copied = summary_lines(
         result=_result(32, 4), n=4, computed=103, reused=297, peak_kv_tokens=500, copies_kv_tokens=428,

@@ -306,6 +306,19 @@ def test_stalled_clients_cannot_hold_connections(live):
         assert s.recv(1024) == b""
 
 
+def test_unparseable_http_gets_an_openai_error(live):
+    with raw_connection(live) as s:
+        s.sendall(b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    if b"transfer-encoding: chunked" in head.lower():
+        body = body.split(b"\r\n", 1)[1].rsplit(b"\r\n0\r\n", 1)[0]
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+
+
 def test_non_streaming_client_that_leaves_is_aborted(live):
     engine = live.engine
     before = engine.stats.generated_tokens

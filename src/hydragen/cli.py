@@ -164,7 +164,7 @@ def summary_lines(
     elif n > 1 and peak_kv_tokens < copies_kv_tokens:
         saved = copies_kv_tokens / max(peak_kv_tokens, 1)
         copies = _mib(copies_kv_tokens, bytes_per_token)
-        kv += f", vs {copies} if each completion kept its own copy ({saved:.1f}x less)"
+        kv += f"; a private copy of prompt and output per completion would total {copies} ({saved:.1f}x)"
     elif n > 1:
         kv += " (this prompt is too short for a shared read to pay, so each completion reads its own copy)"
     lines.append(kv)
@@ -231,9 +231,7 @@ def _generate(args: argparse.Namespace) -> int:
         print()
     else:
         for c in result.output.outputs if result.output is not None else ():
-            print(
-                f"--- completion {c.index} ({_ending(c, params.max_tokens)}, {len(c.token_ids)} tokens) ---"
-            )
+            print(f"--- completion {c.index} ({_ending(c, args.max_tokens)}, {len(c.token_ids)} tokens) ---")
             print(c.text.strip())
     if result.stopped:
         print("stopped (Ctrl-C)", file=sys.stderr)
@@ -250,7 +248,7 @@ def _generate(args: argparse.Namespace) -> int:
             load_s=load_s,
             result=result,
             n=args.n,
-            max_tokens=params.max_tokens,
+            max_tokens=args.max_tokens,  # a lower limit from --max-model-len reads as the context
             prompt_len=len(ids),
             computed=computed,
             reused=prompt_tokens - computed,

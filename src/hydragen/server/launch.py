@@ -14,13 +14,16 @@ graceful SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import sys
 import time
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from hydragen.server.async_engine import AsyncEngine
 from hydragen.server.errors import APIError
@@ -124,14 +127,35 @@ class HydragenServer(uvicorn.Server):
         self._idle_since = {k: v for k, v in self._idle_since.items() if k in live}
 
 
-def run(app, sock: socket.socket, options: ServerOptions, log_level: str, ready: str) -> None:
-    """Serve ``app`` on the bound ``sock`` until a signal; ``ready`` is logged once serving."""
+class OpenAIErrorH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, but a request it cannot even parse (bad request line, oversized
+    headers) gets its 400 in OpenAI's shape too, not plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        err = APIError(400, f"malformed HTTP request: {msg}", code="invalid_http")
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=json.dumps(err.body()).encode()),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+def make_server(app, options: ServerOptions, log_level: str = "info", ready: str = "") -> HydragenServer:
+    """The uvicorn server for ``app`` (from create_app); ``ready`` is logged once serving."""
     config = uvicorn.Config(
         app,
+        http=OpenAIErrorH11Protocol,
         log_level=log_level,
         access_log=False,  # the Gate writes one line per request
         timeout_keep_alive=options.keep_alive_timeout,
         timeout_graceful_shutdown=int(options.shutdown_timeout) + 5,  # a backstop: requests end at the grace
     )
-    server = HydragenServer(config, app.state.engine, options, ready)
-    server.run(sockets=[sock])
+    return HydragenServer(config, app.state.engine, options, ready)
+
+
+def run(app, sock: socket.socket, options: ServerOptions, log_level: str, ready: str) -> None:
+    """Serve ``app`` on the bound ``sock`` until a signal."""
+    make_server(app, options, log_level, ready).run(sockets=[sock])
