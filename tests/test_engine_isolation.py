@@ -293,8 +293,11 @@ def test_a_lone_request_at_the_admission_limit_finishes(path, sharing):
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.error is None
     assert [c.token_ids for c in out.outputs] == refs(path, [prompt], params)[0]
+    more = max_tokens + 1  # the first max_tokens that needs one more page than the pool has
+    while llm.engine.sequence_kv_need(len(prompt), more) <= slots:
+        more += 1
     with pytest.raises(ParamError, match="KV"):
-        llm.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens + 1))
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=more))
     assert_no_leak(llm.engine)
 
 
@@ -337,8 +340,13 @@ def test_every_admitted_request_finishes_on_a_small_pool(path, seed, sharing):
     arrivals.sort(key=lambda a: a[0])
     expected = [refs(path, [p], sp)[0] for _, p, sp in arrivals]
     # Sharing off, a sequence holds a private copy of its context: admission asks for twice the room.
+    # One-token pages: the pool limit is exact in tokens, and fragmentation is at its finest.
     engine = LLM(
-        path, kv_cache_tokens=slots * (1 if sharing else 2), max_num_seqs=6, prefix_sharing=sharing
+        path,
+        kv_cache_tokens=slots * (1 if sharing else 2),
+        max_num_seqs=6,
+        prefix_sharing=sharing,
+        page_size=1,
     ).engine
     engine.tail_growth = 8
     pending, live, outs, step = list(arrivals), [], {}, 0
@@ -362,7 +370,7 @@ def test_a_lone_prompt_is_prefilled_around_cached_prefixes(path):
     the earlier request left it) and needs more KV than any free run beside it (the first verified on the
     contiguous-run pool of today's engine: the new part is split around the pinned prefix). It must still
     be admitted and finish with the unconstrained tokens, not stall."""
-    engine = LLM(path, kv_cache_tokens=100).engine
+    engine = LLM(path, kv_cache_tokens=100, page_size=1).engine  # the limit exact in tokens
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     shared = [10 + i for i in range(20)]
     for prompt in ([200 + i % 50 for i in range(30)], shared):
