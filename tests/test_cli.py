@@ -11,7 +11,7 @@ import torch
 
 from hydragen import __version__
 from hydragen.cli import flag_named, main, summary_lines
-from hydragen.streaming import StreamResult, stable_text
+from hydragen.streaming import StreamResult
 
 GREEDY = ["--temperature", "0", "--max-tokens", "12"]
 _LOADED: dict = {}
@@ -209,12 +209,6 @@ def test_summary_lines_show_only_comparable_numbers():
     )  # fmt: skip
     assert "tokens/s" not in one[1]  # one token: no decode rate to speak of
     assert one[3] == "KV cache: 101.0 MiB at peak"
-
-
-def test_stable_text_holds_back_what_may_still_change():
-    assert stable_text("Hello wor", 0) == "Hello wor"
-    assert stable_text("Hello \ufffd", 0) == "Hello "  # half a UTF-8 character
-    assert stable_text("Hello wor", 3) == "Hello "  # could be the start of a 4-character stop string
 
 
 def test_live_rate_line_for_several_completions(capsys):

@@ -104,27 +104,34 @@ def test_sampler_fault_mid_decode_fails_only_its_request(path, undisturbed, mode
 
 
 class FaultyTokenizer:
-    """Decodes ids as text; raises on the victim's tokens (recognised by their first three ids)."""
+    """Decodes ids as text; raises on the victim's tokens, recognised by its first two generated ids
+    appearing one after the other (an incremental detokenizer decodes short windows, never the whole
+    generation, so a window holding that pair is what identifies the victim)."""
 
     eos_token_ids = frozenset()
 
-    def __init__(self, victim_prefix: list[int]):
-        self.victim_prefix = victim_prefix
+    def __init__(self, victim_pair: list[int]):
+        self.victim_pair = victim_pair
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = list(ids)
-        if len(ids) >= 5 and ids[:3] == self.victim_prefix:
+        if any(ids[i : i + 2] == self.victim_pair for i in range(len(ids) - 1)):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
         return " ".join(map(str, ids))
 
 
+def _has_pair(ids: list[int], pair: list[int]) -> bool:
+    return any(ids[i : i + 2] == pair for i in range(len(ids) - 1))
+
+
 @pytest.mark.parametrize("stop", [None, ["never matches"]])
 def test_detokenizer_fault_fails_only_its_request(path, undisturbed, stop):
-    """With stop strings the stop check decodes every step; without, the final text does."""
-    victim_prefix = tokens(undisturbed, "victim")[0][:3]
-    assert all(t[:3] != victim_prefix for i in range(len(PROMPTS)) for t in tokens(undisturbed, f"ok{i}"))
+    """The incremental detokenizer decodes every step, with or without stop strings."""
+    victim_pair = tokens(undisturbed, "victim")[0][:2]
+    others = [t for i in range(len(PROMPTS)) for t in tokens(undisturbed, f"ok{i}")]
+    assert not any(_has_pair(t, victim_pair) for t in others)
     engine = LLM(path, kv_cache_tokens=4096).engine
-    engine.tokenizer = FaultyTokenizer(victim_prefix)
+    engine.tokenizer = FaultyTokenizer(victim_pair)
     reqs = [
         engine.add_request(p, SamplingParams(n=1 + i % 2, seed=i, stop=stop, **SAMPLED), request_id=f"ok{i}")
         for i, p in enumerate(PROMPTS)
@@ -135,8 +142,7 @@ def test_detokenizer_fault_fails_only_its_request(path, undisturbed, stop):
     outs = run_all(engine)
     assert outs["victim"].error is not None
     assert "injected detokenizer fault" in outs["victim"].error
-    stage = "stop check" if stop else "detokenization"
-    assert outs["victim"].error.startswith(f"{stage} failed")
+    assert outs["victim"].error.startswith("detokenization failed")
     for r in reqs:
         out = outs[r.request_id]
         assert out.error is None
@@ -275,19 +281,23 @@ def refs(path, prompts, params) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("sharing", [True, False])
 def test_a_lone_request_at_the_admission_limit_finishes(path, sharing):
-    """prompt + max_tokens exactly at the admission limit (twice that with sharing off, where the
-    sequence holds its own copy): the request runs alone, its tail grows past the memory that holds old
-    and new blocks at once, and it finishes with the tokens of an unconstrained run."""
-    prompt, max_tokens = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 120
-    slots = (len(prompt) + max_tokens) * (1 if sharing else 2)
+    """prompt + max_tokens exactly at the admission limit (in whole pages; with sharing off the sequence
+    holds its own copy): the request runs alone to the last page and finishes with the tokens of an
+    unconstrained run; one more token (one more page) is refused."""
+    prompt, max_tokens = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 128  # own pages end on a page boundary
+    probe = LLM(path, kv_cache_tokens=4096, prefix_sharing=sharing).engine
+    slots = probe.sequence_kv_need(len(prompt), max_tokens)  # whole pages: the engine's own admission limit
     llm = LLM(path, kv_cache_tokens=slots, prefix_sharing=sharing)
     llm.engine.tail_growth = 16  # grow often
     params = SamplingParams(temperature=0.9, seed=4, max_tokens=max_tokens, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.error is None
     assert [c.token_ids for c in out.outputs] == refs(path, [prompt], params)[0]
+    more = max_tokens + 1  # the first max_tokens that needs one more page than the pool has
+    while llm.engine.sequence_kv_need(len(prompt), more) <= slots:
+        more += 1
     with pytest.raises(ParamError, match="KV"):
-        llm.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens + 1))
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=more))
     assert_no_leak(llm.engine)
 
 
@@ -330,8 +340,13 @@ def test_every_admitted_request_finishes_on_a_small_pool(path, seed, sharing):
     arrivals.sort(key=lambda a: a[0])
     expected = [refs(path, [p], sp)[0] for _, p, sp in arrivals]
     # Sharing off, a sequence holds a private copy of its context: admission asks for twice the room.
+    # One-token pages: the pool limit is exact in tokens, and fragmentation is at its finest.
     engine = LLM(
-        path, kv_cache_tokens=slots * (1 if sharing else 2), max_num_seqs=6, prefix_sharing=sharing
+        path,
+        kv_cache_tokens=slots * (1 if sharing else 2),
+        max_num_seqs=6,
+        prefix_sharing=sharing,
+        page_size=1,
     ).engine
     engine.tail_growth = 8
     pending, live, outs, step = list(arrivals), [], {}, 0
@@ -355,7 +370,7 @@ def test_a_lone_prompt_is_prefilled_around_cached_prefixes(path):
     the earlier request left it) and needs more KV than any free run beside it (the first verified on the
     contiguous-run pool of today's engine: the new part is split around the pinned prefix). It must still
     be admitted and finish with the unconstrained tokens, not stall."""
-    engine = LLM(path, kv_cache_tokens=100).engine
+    engine = LLM(path, kv_cache_tokens=100, page_size=1).engine  # the limit exact in tokens
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     shared = [10 + i for i in range(20)]
     for prompt in ([200 + i % 50 for i in range(30)], shared):

@@ -1,10 +1,14 @@
-"""The sampler draws exactly from the filtered distribution, reproducibly per (seed, step)."""
+"""The sampler draws exactly from the filtered distribution, reproducibly per (seed, step), whatever
+the batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from hydragen.engine import truncation
 from hydragen.engine.sampler import Sampler, derive_seed
+from hydragen.engine.sampling_params import SamplingParams
 
 
 def _draw(logits, temperature=1.0, top_k=0, top_p=1.0, n=20000, seed=3):
@@ -48,3 +52,215 @@ def test_greedy_and_reproducible():
     assert set(_draw(logits, temperature=0.0, n=8).tolist()) == {int(logits.argmax())}
     assert torch.equal(_draw(logits, n=64, seed=5), _draw(logits, n=64, seed=5))
     assert not torch.equal(_draw(logits, n=64, seed=5), _draw(logits, n=64, seed=6))
+
+
+# ---- the truncated sampler against a float64 definition -------------------------------------------
+
+V = 1000  # not a multiple of the block size: the padding is exercised too
+# (temperature, top_k, top_p, min_p)
+SETTINGS = [
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (1.0, 0, 0.95, 0.0),
+    (0.8, 40, 0.95, 0.0),
+    (1.0, 0, 0.95, 0.05),
+    (0.7, 40, 0.9, 0.05),
+    (1.3, 5, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.2),
+    (0.9, 3000, 0.5, 0.0),  # top_k above the vocabulary: off
+]
+
+
+def reference(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """The documented definition in float64: min_p, then top_k, then top_p over the renormalised
+    survivors, ties at every cut kept together."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    keep = p >= min_p * p.max()
+    if 0 < top_k < p.numel():
+        keep &= p >= p.sort(descending=True).values[top_k - 1]
+    q = p * keep
+    above = torch.stack([q[q > x].sum() for x in q]) if q.numel() <= 64 else _above(q)
+    keep &= above < top_p * q.sum()
+    q = p * keep
+    return q / q.sum()
+
+
+def _above(q: torch.Tensor) -> torch.Tensor:
+    """Mass strictly above each entry (ties share the mass above their group)."""
+    values, inverse = torch.unique(q, return_inverse=True)  # ascending
+    group_mass = torch.zeros_like(values).index_add_(0, inverse, q)
+    above_group = group_mass.flip(0).cumsum(0).flip(0) - group_mass
+    return above_group[inverse]
+
+
+def realistic_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    """Zipf-like logits with a random spread: some rows peaked, some flat, as a language model's."""
+    gen = torch.Generator().manual_seed(seed)
+    rank_logit = -torch.log(torch.arange(1, V + 1, dtype=torch.float32))
+    out = []
+    for _ in range(rows):
+        sharp = float(torch.empty(1).uniform_(0.5, 4.0, generator=gen))
+        row = rank_logit * sharp + torch.randn(V, generator=gen) * 0.5
+        out.append(row[torch.randperm(V, generator=gen)])
+    return torch.stack(out)
+
+
+def run(sampler, logits, settings, seeds=None, steps=None, num_logprobs=None):
+    b = logits.shape[0]
+    t, k, p, mp = (torch.tensor(col) for col in zip(*settings, strict=True))
+    seeds = torch.tensor([derive_seed(1, i) for i in range(b)]) if seeds is None else seeds
+    steps = torch.zeros(b, dtype=torch.long) if steps is None else steps
+    flags = (bool((t > 0).any()), bool((k > 0).any()), bool((p < 1).any()))
+    return sampler.sample(
+        logits, t.float(), k, p.float(), seeds, steps, *flags, mp.float(), bool((mp > 0).any()), num_logprobs
+    )
+
+
+def test_swept_uniforms_reproduce_the_reference_distribution(monkeypatch):
+    """With the uniforms swept evenly over (0, 1), each kept token is drawn its probability times the
+    number of draws (to within one), tokens come in ascending id (the CDF order), and no other token
+    is ever drawn: the filtering and the masses are exact."""
+    draws, rows = 1024, 3
+    sampler = Sampler()
+    sweep = (torch.arange(draws) * (1 << 24) // draws).repeat(rows)
+    monkeypatch.setattr(sampler, "uniform_bits", lambda seeds, steps: sweep)
+    logits = realistic_logits(rows)
+    for setting in SETTINGS:
+        batch = logits.repeat_interleave(draws, dim=0)
+        tokens = run(sampler, batch, [setting] * (rows * draws)).tokens.view(rows, draws)
+        for row, drawn in zip(logits, tokens, strict=True):
+            ref = reference(row, *setting)
+            counts = torch.bincount(drawn, minlength=V).double()
+            assert bool((drawn[1:] >= drawn[:-1]).all())
+            assert set(drawn.tolist()) <= set(ref.nonzero().squeeze(1).tolist()), setting
+            assert float((counts - ref * draws).abs().max()) <= 1.0 + 1e-6, setting
+
+
+def test_hashed_uniforms_match_the_reference_in_one_mixed_batch():
+    """Many seeds, every setting in the same batch: a chi-square test per setting against float64."""
+    draws = 1500
+    row = realistic_logits(1, seed=3)[0]
+    settings = [s for s in SETTINGS for _ in range(draws)]
+    tokens = run(Sampler(), row.expand(len(settings), -1).contiguous(), settings).tokens
+    for i, setting in enumerate(SETTINGS):
+        counts = torch.bincount(tokens[i * draws : (i + 1) * draws], minlength=V).double()
+        expected = reference(row, *setting) * draws
+        assert counts[expected == 0].sum() == 0, setting
+        big = expected >= 5
+        cells_obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+        cells_exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+        keep = cells_exp > 0
+        chi2 = float(((cells_obs - cells_exp)[keep] ** 2 / cells_exp[keep]).sum())
+        dof = int(keep.sum()) - 1
+        assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (setting, chi2, dof)
+
+
+def test_rows_are_batch_invariant():
+    """A row's token depends only on its own logits, settings, seed and step: alone, in a batch of 64
+    mixed settings (greedy rows included) and in a shuffled batch of 256."""
+    sampler = Sampler()
+    settings = [(0.0, 0, 1.0, 0.0), *SETTINGS] * 8  # 80 rows
+    settings = settings[:64]
+    logits = realistic_logits(64, seed=5)
+    seeds = torch.tensor([derive_seed(9, i) for i in range(64)])
+    steps = torch.arange(64) * 7
+    batch = run(sampler, logits, settings, seeds, steps).tokens
+    for i in range(64):
+        alone = run(sampler, logits[i : i + 1], settings[i : i + 1], seeds[i : i + 1], steps[i : i + 1])
+        assert alone.tokens.item() == batch[i].item(), settings[i]
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(0)) % 64
+    big = run(sampler, logits[order], [settings[i] for i in order], seeds[order], steps[order]).tokens
+    assert torch.equal(big, batch[order])
+
+
+def test_retry_passes_give_the_same_tokens(monkeypatch):
+    """Forcing rows through the later candidate passes (the exact fallback) changes no token."""
+    sampler = Sampler()
+    logits = realistic_logits(48, seed=7)
+    settings = [SETTINGS[i % len(SETTINGS)] for i in range(48)]
+    expected = run(sampler, logits, settings).tokens
+    calls = []
+    draw = truncation._draw
+    monkeypatch.setattr(truncation, "_draw", lambda *a, **kw: calls.append(a[0].shape[0]) or draw(*a, **kw))
+    for floors in ((0.9, 0.0), (0.5, 1e-2, 1e-3, 0.0)):
+        calls.clear()
+        monkeypatch.setattr(truncation, "FLOORS", floors)
+        assert torch.equal(run(sampler, logits, settings).tokens, expected), floors
+        assert len(calls) >= 2 and calls[-1] > 0, "rows must have gone through a retry pass"
+
+
+def test_ties_stay_together_at_every_cut(monkeypatch):
+    draws = 1 << 10
+    sampler = Sampler()
+    sweep = torch.arange(draws) * (1 << 24) // draws
+    monkeypatch.setattr(sampler, "uniform_bits", lambda seeds, steps: sweep)
+    logits = torch.full((V,), -20.0)
+    logits[[7, 3, 900, 41, 5]] = torch.tensor([4.0, 2.0, 2.0, 2.0, 1.0])  # 3, 900, 41 tie
+
+    def support(setting):
+        return set(run(sampler, logits.expand(draws, -1).contiguous(), [setting] * draws).tokens.tolist())
+
+    assert support((1.0, 2, 1.0, 0.0)) == {7, 3, 900, 41}  # three tokens tie at the 2nd value
+    p = torch.softmax(logits.double(), -1)
+    # top_p reaches into the tied group: the whole group stays.
+    assert support((1.0, 0, float(p[7] + p[3] * 0.5), 0.0)) == {7, 3, 900, 41}
+    assert support((1.0, 0, float(p[7]) * 0.99, 0.0)) == {7}
+    # min_p exactly at the tied value keeps the group.
+    assert support((1.0, 0, 1.0, float(p[3] / p[7]) * (1 - 1e-6))) == {7, 3, 900, 41}
+
+
+def test_greedy_rows_mixed_with_random_rows():
+    sampler = Sampler()
+    logits = realistic_logits(16, seed=2)
+    logits[0, [11, 12]] = logits[0].max() + 1  # a tie for the maximum: argmax takes the first
+    settings = [(0.0, 0, 1.0, 0.0) if i % 2 == 0 else SETTINGS[2] for i in range(16)]
+    tokens = run(sampler, logits, settings).tokens
+    assert tokens[0] == 11
+    assert torch.equal(tokens[::2], logits[::2].argmax(-1))
+
+
+def test_logprobs_match_log_softmax():
+    sampler = Sampler()
+    logits = realistic_logits(12, seed=4) * 3
+    settings = [(0.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 40, 0.95, 0.05)] * 4
+    out = run(sampler, logits, settings, num_logprobs=5)
+    logp = torch.log_softmax(logits.double(), -1)
+    chosen = logp.gather(1, out.tokens.unsqueeze(1)).squeeze(1)
+    assert torch.allclose(out.logprobs.double(), chosen, atol=1e-5)
+    top = logp.topk(5, dim=-1)
+    assert torch.equal(out.top_ids, top.indices)
+    assert torch.allclose(out.top_logprobs.double(), top.values, atol=1e-5)
+    only_chosen = run(sampler, logits, settings, num_logprobs=0)
+    assert only_chosen.top_ids is None and torch.equal(only_chosen.tokens, out.tokens)
+
+
+@pytest.mark.parametrize("width", [64 * 50, 64 * 50 + 13])
+def test_top_values_equals_topk(width):
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(7, width, generator=gen)
+    x[:, ::97] = 5.0  # ties across blocks
+    padded = truncation.pad_to_blocks(x, float("-inf"))
+    for k in (1, 5, 40, 200):
+        values, ids = truncation.top_values(padded, k)
+        assert torch.equal(values, x.topk(k, dim=-1).values)
+        assert torch.equal(x.gather(1, ids), values)
+
+
+def test_min_p_is_validated_and_accepted_by_the_server():
+    from hydragen.server.protocol import CompletionRequest
+
+    assert SamplingParams(min_p=0.05).min_p == 0.05
+    for bad in (-0.1, 1.5, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="min_p"):
+            SamplingParams(min_p=bad)
+    body = CompletionRequest(model="m", prompt="hi", min_p=0.1)
+    assert body.sampling_params(16, None).min_p == 0.1
+
+
+def test_seed_zero_is_not_degenerate():
+    """mix32(0) == 0: without salts, seed 0's first draw was u ~ 0 (the lowest-id token every time)."""
+    sampler = Sampler()
+    seeds = torch.tensor([derive_seed(s, i) for s in range(4) for i in range(4)])
+    u = sampler.uniforms(seeds, torch.zeros_like(seeds))
+    assert bool((u > 1e-3).all()) and bool((u < 1 - 1e-3).all())
+    assert derive_seed(0, 0) != 0

@@ -100,12 +100,13 @@ def test_eviction_under_a_small_pool_keeps_every_request_correct(path):
         prompts, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in big]
-    assert llm.engine.pool.allocator.used == llm.engine.tree.cached_tokens  # nothing leaked
+    usage = llm.engine.kv_usage()
+    assert usage["used"] == usage["cached"]  # nothing leaked: every page in use belongs to the cache
 
 
 def test_preemption_completes_every_request(path):
+    # 16 running sequences need up to 3 pages each (4 prompt + 40 tokens): 43 pages force preemption.
     llm = LLM(path, kv_cache_tokens=700, max_num_seqs=16)
-    llm.engine.tail_growth = 8  # tails grow often, so memory runs out mid-decode
     prompts = [[i, i + 1, i + 2, i + 3] for i in range(40, 52)]
     params = SamplingParams(n=2, max_tokens=40, **GREEDY)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -118,8 +119,8 @@ def test_preemption_completes_every_request(path):
 def test_seeded_sampling_survives_preemption(path):
     params = SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
     prompts = [[i, i + 1, i + 2] for i in range(60, 70)]
-    small = LLM(path, kv_cache_tokens=600, max_num_seqs=12)
-    small.engine.tail_growth = 8
+    # 12 running sequences need up to 3 pages each (3 prompt + 30 tokens): 25 pages force preemption.
+    small = LLM(path, kv_cache_tokens=400, max_num_seqs=12)
     outs = small.generate(prompts, params, use_tqdm=False)
     ref = LLM(path, kv_cache_tokens=16384).generate(prompts, params, use_tqdm=False)
     assert small.engine.stats.preemptions > 0
@@ -157,7 +158,8 @@ def test_abort_frees_pages(path):
         eng.step()
     assert eng.abort(req.request_id)
     assert not eng.has_unfinished()
-    assert eng.pool.allocator.used == eng.tree.cached_tokens
+    usage = eng.kv_usage()
+    assert usage["used"] == usage["cached"]
     assert all(s.finish_reason == "abort" for s in req.seqs)
 
 
@@ -202,19 +204,24 @@ def test_min_shared_reads_is_validated(path):
         LLM(path, kv_cache_tokens=1024, min_shared_reads=-1)
 
 
-def test_cost_rule_shares_anyway_when_copies_do_not_fit(path, share_every_common_node):
-    """Memory beats speed: a prompt the rule would copy into 4 tails is shared when the copies do not fit."""
+def test_cost_rule_never_costs_memory(path, share_every_common_node):
+    """Groups the rule does not share are read per sequence in place, not copied: a pool that holds the
+    prompt once plus the generated tokens runs the request whatever the threshold, in the same pages."""
     params = SamplingParams(n=4, max_tokens=6, **GREEDY)
-    prompt = SYSTEM + [5, 6]  # copies: 4 rows of 307 slots + the cached prompt > 800; shared: ~330
-    llm = LLM(path, kv_cache_tokens=800, min_shared_reads=share_every_common_node)
-    eng = llm.engine
-    req = eng.add_request(prompt, params)
-    while eng.batch is None:
-        eng.step()
-    assert eng.batch.items and all(s.cut == len(prompt) - 1 for s in eng.batch.seqs)
-    run_all(eng)
-    assert req.error is None
-    assert [s.generated for s in req.seqs] == [alone(path, prompt, 6)] * 4
+    prompt = SYSTEM + [5, 6]  # copies would need 4 x 307 slots > 480; shared: ~330
+    peaks = []
+    for threshold in (0, share_every_common_node):
+        llm = LLM(path, kv_cache_tokens=480, min_shared_reads=threshold)
+        eng = llm.engine
+        req = eng.add_request(prompt, params)
+        while eng.batch is None:
+            eng.step()
+        assert bool(eng.batch.items) == (threshold == 0)
+        run_all(eng)
+        assert req.error is None and eng.stats.preemptions == 0
+        assert [s.generated for s in req.seqs] == [alone(path, prompt, 6)] * 4
+        peaks.append(eng.stats.peak_kv_tokens)
+    assert peaks[0] == peaks[1] < 4 * len(prompt)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

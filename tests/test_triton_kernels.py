@@ -16,7 +16,7 @@ import torch
 from hydragen import LLM, SamplingParams
 from hydragen.attention.reference import reference_attention
 from hydragen.attention.tree_plan import build_tree_plan
-from hydragen.engine.batch import DecodeBatch
+from hydragen.engine.model_runner import ModelRunner
 
 if not torch.cuda.is_available():  # conftest does this too: it must happen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -224,16 +224,16 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
     baseline = "auto"
     ref = LLM(path, device=DEV, attention=baseline, kv_cache_tokens=2048)
     want = ref.generate(PROMPTS, params, use_tqdm=False)
-    monkeypatch.setattr(DecodeBatch, "plan_options", options)
+    monkeypatch.setattr(ModelRunner, "plan_options", options)
     seen = []  # (shared items, work units) of every Triton call: the shared path must really run
-    inner = DecodeBatch._triton_attention
+    inner = ModelRunner._triton_attention
 
-    def spy(self, layer, q, scale):
-        out = inner(self, layer, q, scale)
-        seen.append((len(self.items), self.tree_plan.num_units))
+    def spy(self, layer, q, batch):
+        out = inner(self, layer, q, batch)
+        seen.append((batch.shared_items, batch.tree_plan.num_units))
         return out
 
-    monkeypatch.setattr(DecodeBatch, "_triton_attention", spy)
+    monkeypatch.setattr(ModelRunner, "_triton_attention", spy)
     llm = LLM(path, device=DEV, attention="triton", kv_cache_tokens=2048)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert seen and max(items for items, _ in seen) >= 2  # stem + per-prompt nodes: nested sharing

@@ -336,7 +336,7 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     name = args.served_model_name or llm.model_path.stem
-    kv = llm.engine.kv_usage()["total"]
+    kv = llm.engine.pool.num_slots
     mib = kv * llm.engine.pool.bytes_per_token / 2**20
     host = f"[{args.host}]" if ":" in args.host else args.host
     ready = (
@@ -355,7 +355,7 @@ BENCHMARKS = {
     "serve": "hydragen.bench.serve",
 }
 # Calibrations, run on their own (not part of `bench all`).
-EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule"}
+EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule", "exactness": "hydragen.bench.exactness"}
 
 
 def _replot(module_name: str, folder: str) -> None:

@@ -49,16 +49,6 @@ class StreamResult:
         return later / seconds if later > 0 and seconds > 0 else None
 
 
-def stable_text(text: str, hold: int) -> str:
-    """The part of a growing completion that can be shown now.
-
-    Drops a trailing incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives) and the
-    last ``hold`` characters, which could still turn out to be the start of a stop string.
-    """
-    text = text.rstrip("\ufffd")
-    return text[: len(text) - hold] if hold > 0 else text
-
-
 def stream_request(
     engine,
     prompt_ids: list[int],
@@ -76,7 +66,6 @@ def stream_request(
     A request that fails in the engine raises RuntimeError with the engine's reason.
     """
     req = engine.add_request(prompt_ids, params, prompt=prompt)
-    hold = max((len(s) for s in params.stop or ()), default=1) - 1
     shown = [""] * params.n
     started = time.perf_counter()
     first_token: float | None = None
@@ -99,7 +88,7 @@ def stream_request(
             if on_text is not None:
                 for i, s in enumerate(req.seqs):
                     text = (
-                        output.outputs[i].text if output is not None else stable_text(engine.text_of(s), hold)
+                        output.outputs[i].text if output is not None else engine.text_of(s)
                     )
                     if len(text) > len(shown[i]) and text.startswith(shown[i]):
                         on_text(i, text[len(shown[i]) :])

@@ -51,11 +51,15 @@ def _engine_llm(model, mode: str, kv_tokens: int, random_weights: bool, device: 
     )
 
 
+# Sampling settings of hydragen's runs (--temperature/--top-p/--top-k): real clients send top_p.
+ENGINE_SAMPLING: dict = dict(temperature=1.0)
+
+
 def time_engine(llm, prompt: list[int], n: int, tokens: int) -> float:
     from hydragen import SamplingParams
 
     llm.reset_prefix_cache()
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)
+    params = SamplingParams(n=n, max_tokens=tokens, ignore_eos=True, seed=0, **ENGINE_SAMPLING)
     _sync(llm.engine.device)
     t0 = time.perf_counter()
     outs = llm.generate([prompt], params, use_tqdm=False)
@@ -371,9 +375,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peer-max-n", type=int, default=4, help="largest n run for hf/llamacpp (default 4)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--temperature", type=float, default=1.0, help="hydragen's sampling temperature (1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="hydragen's nucleus mass (1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="hydragen's top-k (0 = off)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     a = p.parse_args(argv)
+    ENGINE_SAMPLING.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if a.random_weights and a.model:
         p.error("give either --model or --random-weights, not both")
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")

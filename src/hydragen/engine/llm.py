@@ -37,7 +37,7 @@ class LLM:
     ``min_shared_reads`` is the cost rule's threshold: a prefix shared by h running sequences is read
     by one batched call only if (h - 1) x (length - 16) reaches it (the KV reads saved per step, less
     the merge); shorter ones are copied once into each sequence's private tail (0: share everything
-    held by two sequences).
+    held by two sequences). ``page_size`` is the KV allocation unit in tokens (16 by default).
     ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
     config.json or a model directory) with random weights: for throughput benchmarks without downloads.
     """
@@ -53,6 +53,7 @@ class LLM:
         max_num_seqs: int = 256,
         random_weights: bool = False,
         min_shared_reads: int | None = None,
+        page_size: int = 16,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -88,6 +89,7 @@ class LLM:
             kv_cache_tokens=kv_cache_tokens,
             max_num_seqs=max_num_seqs,
             min_shared_reads=min_shared_reads,
+            page_size=page_size,
         )
 
     # ---- prompts ------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
-        self.engine.tree.evict(self.engine.tree.cached_tokens)
+        self.engine.tree.evict_all()
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:

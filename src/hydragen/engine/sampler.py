@@ -1,15 +1,20 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with counter-based per-sequence randomness.
+"""Batched sampling: greedy, temperature, min_p, top_k, top_p and logprobs, reproducible per sequence.
 
 Each sequence draws one uniform per step from a hash of (its seed, its step), so a sequence's samples
 depend only on its own seed and history, never on which other sequences share the batch: seeded runs
 reproduce exactly with sharing on or off and at any batch size, and the n samples of one prompt (seeds
-derived from (seed, index)) differ. The token is found by inverse-CDF search over the filtered
-distribution, one batched cumsum + searchsorted for the whole batch.
+derived from (seed, index)) differ. Every draw is an inverse CDF over the kept tokens taken in ascending
+token id. Rows without truncation use the whole vocabulary's CDF; rows with min_p / top_k / top_p use
+the exact candidate method of :mod:`hydragen.engine.truncation`, which never sorts the vocabulary.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from hydragen.engine.truncation import block_maxima, pad_to_blocks, sample_truncated, top_values
 
 _M32 = 0xFFFFFFFF
 
@@ -27,17 +32,36 @@ def _mix32_int(x: int) -> int:
     return (x >> 16) ^ x
 
 
+_SEED_SALT = 0x5BD1E995  # arbitrary odd constants: keep 0 inputs away from mix32's fixed point 0
+_STEP_SALT = 0x27D4EB2F
+
+
 def derive_seed(seed: int, index: int) -> int:
     """Seed (32-bit) of sample ``index`` of a request seeded with ``seed`` (any Python int)."""
-    folded = _mix32_int(seed & _M32) ^ _mix32_int((seed >> 32) & _M32)
-    return _mix32_int(folded ^ (index * 0x9E3779B1 & _M32))
+    folded = _mix32_int((seed ^ _SEED_SALT) & _M32) ^ _mix32_int(((seed >> 32) ^ _STEP_SALT) & _M32)
+    return _mix32_int(folded ^ ((index * 0x9E3779B1 + _STEP_SALT) & _M32))
+
+
+@dataclass
+class SampleOutput:
+    """Sampled tokens and, when asked for, log-probabilities under the raw (untempered) logits."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] of the sampled tokens
+    top_ids: torch.Tensor | None = None  # [B, n] most likely tokens, most likely first
+    top_logprobs: torch.Tensor | None = None  # [B, n]
 
 
 class Sampler:
+    def uniform_bits(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """[B] int64 in [0, 2**24): the 24 random bits of each row's uniform for this step."""
+        # Offsets before each mix: mix32(0) == 0, so without them seed 0 at step 0 would draw u ~ 0
+        # (always the lowest-id token with any probability).
+        return mix32(mix32((seeds ^ _SEED_SALT) & _M32) ^ (steps * 0xC2B2AE3D + _STEP_SALT & _M32)) >> 8
+
     def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """[B] uniforms strictly inside (0, 1) (24 bits, exact in fp32) from seeds and step counters."""
-        x = mix32(mix32(seeds & _M32) ^ (steps * 0xC2B2AE3D & _M32))
-        return ((x >> 8).float() + 0.5) * (1.0 / 16777216.0)
+        return (self.uniform_bits(seeds, steps).float() + 0.5) * (1.0 / 16777216.0)
 
     def __call__(
         self,
@@ -50,28 +74,128 @@ class Sampler:
         any_random: bool,
         any_top_k: bool,
         any_top_p: bool,
+        min_p: torch.Tensor | None = None,
+        any_min_p: bool = False,
     ) -> torch.Tensor:
         """logits [B, V] fp32; per-row tensors [B]. Returns sampled token ids [B] (int64)."""
-        greedy = logits.argmax(-1)
-        if not any_random:
-            return greedy
-        scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
-        if any_top_k:
-            k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp_max(logits.shape[1])
-            kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if any_top_p:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Drop tokens whose preceding mass already reaches top_p; the top token always stays.
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p.unsqueeze(1)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        return self.sample(
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+            steps,
+            any_random,
+            any_top_k,
+            any_top_p,
+            min_p,
+            any_min_p,
+        ).tokens
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seeds: torch.Tensor,
+        steps: torch.Tensor,
+        any_random: bool,
+        any_top_k: bool,
+        any_top_p: bool,
+        min_p: torch.Tensor | None = None,
+        any_min_p: bool = False,
+        num_logprobs: int | None = None,
+    ) -> SampleOutput:
+        """Like ``__call__``; with ``num_logprobs`` (0 = the sampled token's only) also logprobs.
+
+        Temperature 0 is greedy (argmax). The flags say whether any row is random / uses top_k / top_p /
+        min_p, so a batch that uses none of them skips their work.
+        """
+        batch, vocab = logits.shape
+        random_rows = temperature > 0
+        if any_random:
+            tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+        else:
+            tokens = logits.argmax(-1)
+        probs = maxima = None
+        if any_random or num_logprobs is not None:
+            # Greedy rows get temperature 1 here, which is what their logprobs need.
+            scale = torch.where(random_rows, temperature, torch.ones_like(temperature))
+            probs = pad_to_blocks(torch.softmax(logits / scale.unsqueeze(1), dim=-1))
+            maxima = block_maxima(probs)
+        if any_random:
+            greedy = _rows_where(~random_rows)
+            if greedy.numel():
+                tokens[greedy] = logits[greedy].argmax(-1)
+            truncated = torch.zeros_like(random_rows)
+            if any_top_p:
+                truncated |= top_p < 1
+            if any_top_k:
+                truncated |= (top_k > 0) & (top_k < vocab)
+            if any_min_p and min_p is not None:
+                truncated |= min_p > 0
+            bits = self.uniform_bits(seeds, steps)
+            plain = _rows_where(random_rows & ~truncated)
+            if plain.numel():
+                tokens[plain] = self._draw_plain(probs[plain, :vocab], bits[plain])
+            cut = random_rows & truncated
+            if bool(cut.any()):
+                rows = None if bool(cut.all()) else _rows_where(cut)  # None: all rows, no copies
+                tokens[cut] = sample_truncated(
+                    _take(probs, rows),
+                    _take(maxima, rows),
+                    vocab,
+                    _take(top_k, rows) if any_top_k else None,
+                    _take(top_p, rows) if any_top_p else torch.ones_like(_take(top_p, rows)),
+                    _take(min_p, rows) if any_min_p and min_p is not None else None,
+                    _take(bits, rows),
+                )
+        if num_logprobs is None:
+            return SampleOutput(tokens)
+        return self._with_logprobs(logits, maxima, temperature, tokens, num_logprobs)
+
+    @staticmethod
+    def _draw_plain(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """Inverse CDF over the whole vocabulary in token order (fp32 CDF, accumulated in double)."""
         cdf = probs.cumsum(-1)
         total = cdf[:, -1]
+        u = (bits.float() + 0.5) * (1.0 / 16777216.0)
         # Strictly below the total, so the search lands on a token with nonzero probability.
-        target = torch.minimum(
-            self.uniforms(seeds, steps) * total, torch.nextafter(total, torch.zeros_like(total))
-        )
-        sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
-        return torch.where(temperature > 0, sampled, greedy)
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+
+    @staticmethod
+    def _with_logprobs(
+        logits: torch.Tensor,
+        prob_maxima: torch.Tensor,
+        temperature: torch.Tensor,
+        tokens: torch.Tensor,
+        n: int,
+    ) -> SampleOutput:
+        """Logprobs of the raw logits without a log_softmax over the batch.
+
+        A row's log-normaliser is max(logits) - log(max(softmax(logits))): softmax gives the top token
+        exp(0) / sum. Rows sampled at temperature 1 (and greedy rows) reuse the sampler's softmax; other
+        rows pay one more. The top n come from the n blocks with the best maxima, not a full topk.
+        """
+        padded = pad_to_blocks(logits, float("-inf"))
+        maxima = block_maxima(padded)
+        prob_max = prob_maxima.amax(-1)
+        other = _rows_where((temperature != 0) & (temperature != 1))
+        if other.numel():
+            prob_max[other] = torch.softmax(logits[other], dim=-1).amax(-1)
+        lse = maxima.amax(-1) - prob_max.log()
+        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        if n == 0:
+            return SampleOutput(tokens, chosen)
+        values, ids = top_values(padded, n, maxima)
+        return SampleOutput(tokens, chosen, ids, values - lse.unsqueeze(1))
+
+
+def _rows_where(mask: torch.Tensor) -> torch.Tensor:
+    return mask.nonzero().squeeze(1)
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t[rows]

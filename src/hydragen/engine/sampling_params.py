@@ -40,6 +40,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -64,6 +65,8 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1] and not round to 0 in float32")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
             bad("top_k", "must be an integer >= 0 that fits in int64 (0 disables it)")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1] (0 disables it)")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
             bad("max_tokens", "must be an integer >= 1 that fits in int64")
         if isinstance(self.stop, str):

@@ -1,8 +1,9 @@
 """Token radix tree over cached KV: discovers shared prefixes, stores each once, evicts LRU leaves.
 
-Each node holds a run of tokens and (once prefilled) the contiguous run of KV slots that stores them.
-Splitting a node at token k splits its slot run at k, so no KV moves. Running sequences pin the nodes
-on their path with reference counts; only unpinned leaves are evicted, least recently used first.
+Each node holds a run of tokens and, once prefill starts, the slot runs that store their KV (pages of
+the pool, ideally consecutive). Splitting a node at token k splits its slot runs at k, so no KV moves;
+a page cut in two is then held by both halves. Running sequences pin the nodes on their path with
+reference counts; only unpinned leaves are evicted, least recently used first.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+
+from hydragen.kv.pool import PagePool, Runs, split_runs
 
 _clock = itertools.count()
 
@@ -19,7 +22,7 @@ class Node:
     tokens: list[int]
     parent: Node | None
     start_pos: int  # absolute position of tokens[0] in every sequence through this node
-    slot: int = -1  # first KV slot, -1 until prefill starts
+    runs: Runs = field(default_factory=list)  # slot runs covering len(tokens) slots; [] until allocated
     filled: int = 0  # tokens whose KV is computed (prefill may take several chunks)
     children: dict[int, Node] = field(default_factory=dict)
     refs: int = 0
@@ -30,8 +33,12 @@ class Node:
         return self.start_pos + len(self.tokens)
 
     @property
+    def allocated(self) -> bool:
+        return bool(self.runs)
+
+    @property
     def has_kv(self) -> bool:
-        return self.slot >= 0 and self.filled == len(self.tokens)
+        return self.allocated and self.filled == len(self.tokens)
 
     def path(self) -> list[Node]:
         """Ancestors from the root's first child down to self (the root itself excluded)."""
@@ -43,15 +50,15 @@ class Node:
 
 
 class RadixTree:
-    def __init__(self, pool=None):
+    def __init__(self, pool: PagePool | None = None):
         self.root = Node(tokens=[], parent=None, start_pos=0)
         self.pool = pool
-        self.cached_tokens = 0  # tokens whose KV the tree holds
+        self.cached_tokens = 0  # tokens whose KV slots the tree holds
 
     def insert(self, tokens: list[int]) -> Node:
         """Make ``tokens`` a path of the tree (splitting where needed) and return its last node.
 
-        New nodes have no KV yet (slot -1); the caller prefills them parent-first.
+        New nodes have no KV yet; the caller allocates and prefills them parent-first.
         """
         node, n = self.root, 0
         while n < len(tokens):
@@ -68,21 +75,24 @@ class RadixTree:
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after k tokens; returns the new upper half, which takes node's place."""
+        upper_runs, lower_runs = split_runs(node.runs, k) if node.runs else ([], [])
         upper = Node(
             tokens=node.tokens[:k],
             parent=node.parent,
             start_pos=node.start_pos,
-            slot=node.slot,
+            runs=upper_runs,
             filled=min(node.filled, k),
             refs=node.refs,
             last_used=node.last_used,
         )
+        if self.pool is not None and node.runs:
+            # A page cut in two is held by both halves.
+            self.pool.retain(self.pool.pages(upper_runs) & self.pool.pages(lower_runs))
         node.parent.children[upper.tokens[0]] = upper
         node.tokens = node.tokens[k:]
         node.start_pos += k
         node.filled = max(0, node.filled - k)
-        if node.slot >= 0:
-            node.slot += k
+        node.runs = lower_runs
         node.parent = upper
         upper.children[node.tokens[0]] = node
         return upper
@@ -92,9 +102,9 @@ class RadixTree:
         if node.start_pos < position < node.end_pos:
             self._split(node, position - node.start_pos)
 
-    def assign_kv(self, node: Node, slot: int, filled: int | None = None) -> None:
-        """Give ``node`` the slot run starting at ``slot``; ``filled`` tokens of it already hold KV."""
-        node.slot = slot
+    def assign_kv(self, node: Node, runs: Runs, filled: int | None = None) -> None:
+        """Give ``node`` the slot runs (already held for it); ``filled`` tokens already hold KV."""
+        node.runs = runs
         node.filled = len(node.tokens) if filled is None else filled
         self.cached_tokens += len(node.tokens)
 
@@ -106,7 +116,7 @@ class RadixTree:
             if child is None:
                 break
             k = _common(child.tokens, tokens, n)
-            n += min(k, child.filled if child.slot >= 0 else 0)
+            n += min(k, child.filled if child.allocated else 0)
             if k < len(child.tokens) or not child.has_kv:
                 break
             node = child
@@ -121,38 +131,45 @@ class RadixTree:
             node = node.parent
 
     def remove(self, node: Node) -> None:
-        """Detach a leaf and free its KV."""
+        """Detach a leaf and release its pages."""
         assert not node.children, "only leaves can be removed"
         del node.parent.children[node.tokens[0]]
-        if node.slot >= 0:
+        if node.runs:
             self.cached_tokens -= len(node.tokens)
             if self.pool is not None:
-                self.pool.release(node.slot, len(node.tokens))
-        node.slot, node.filled = -1, 0
+                self.pool.release(self.pool.pages(node.runs))
+        node.runs, node.filled = [], 0
 
-    def evict(self, n_tokens: int) -> int:
-        """Free at least ``n_tokens`` of cached KV from unpinned leaves, LRU first. Returns tokens freed."""
+    def evict(self, free_pages_wanted: int) -> int:
+        """Remove unpinned leaves, LRU first, until the pool has ``free_pages_wanted`` free pages (or
+        nothing is left to evict). Returns the tokens removed."""
         heap = [(n.last_used, id(n), n) for n in self.leaves() if n.refs == 0]
         heapq.heapify(heap)
-        freed = 0
-        while heap and freed < n_tokens:
+        removed = 0
+        while heap and (self.pool is None or self.pool.allocator.free < free_pages_wanted):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            freed += len(leaf.tokens) if leaf.slot >= 0 else 0
+            removed += len(leaf.tokens) if leaf.runs else 0
             self.remove(leaf)
             if parent.parent is not None and not parent.children and parent.refs == 0:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
-        return freed
+        return removed
 
-    def evictable_tokens(self) -> int:
-        """Cached tokens no running sequence pins (pins cover whole paths, so these are all reachable)."""
-        total, stack = 0, [self.root]
+    def evict_all(self) -> int:
+        """Remove every unpinned prefix (reset_prefix_cache). Returns the tokens removed."""
+        return self.evict(self.pool.num_pages + 1 if self.pool is not None else 0)
+
+    def evictable_pages(self) -> int:
+        """Pages that evicting every unpinned node would free (pins cover whole paths)."""
+        if self.pool is None:
+            return 0
+        free, kept, stack = set(), set(), [self.root]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            if n.parent is not None and n.refs == 0 and n.slot >= 0:
-                total += len(n.tokens)
-        return total
+            if n.parent is not None and n.runs:
+                (free if n.refs == 0 else kept).update(self.pool.pages(n.runs))
+        return len(free - kept)
 
     def leaves(self) -> list[Node]:
         out, stack = [], [self.root]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydragen.model.config import ModelConfig
-from hydragen.model.rope import Rotary
+from hydragen.model.rope import Rotary, apply_rotary
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,11 +63,12 @@ class LlamaModel(nn.Module):
         c = self.cfg
         t = input_ids.shape[0]
         h = self.embed(input_ids)
+        cos, sin = self.rotary.tables(positions, h.dtype)  # once per forward, shared by every layer
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             q, k, v = layer.qkv(x).split(layer.split, dim=-1)
-            q = self.rotary(q.view(t, c.num_heads, c.head_dim), positions)
-            k = self.rotary(k.view(t, c.num_kv_heads, c.head_dim), positions)
+            q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             o = attention(i, q, k, v.view(t, c.num_kv_heads, c.head_dim))
             h = h + layer.o(o.reshape(t, -1))
             x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)

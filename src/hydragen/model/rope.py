@@ -26,7 +26,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
 
 
 class Rotary:
-    """Precomputed cos/sin tables indexed by absolute position, so each step is one gather."""
+    """Precomputed cos/sin tables indexed by absolute position.
+
+    A forward looks its positions up once (:meth:`tables`) and hands the result to every layer
+    (:func:`apply_rotary`): the lookup depends only on the positions, so repeating it per layer is waste.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
@@ -34,12 +38,21 @@ class Rotary:
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        # Rotate-half negates the first half of the rotated vector; folding that sign into the table is
+        # exact (IEEE negation commutes with rounding) and saves one op per rotation.
+        sin = emb.sin()
+        half = head_dim // 2
+        self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D], positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for ``positions`` [T], each [T, 1, D] in ``dtype`` to broadcast over heads."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.signed_sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (rotate-half layout) by tables from :meth:`Rotary.tables`."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + swapped * signed_sin

@@ -76,7 +76,12 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
                 "sequences waiting or prefilling",
                 len(e.waiting) + len(e.prefilling),
             ),
-            ("hydragen_kv_pages_used", "gauge", "KV pages in use (a page is one token slot)", kv["used"]),
+            (
+                "hydragen_kv_pages_used",
+                "gauge",
+                f"KV pages in use ({e.pool.page_size} tokens a page)",
+                kv["used"],
+            ),
             ("hydragen_kv_pages_free", "gauge", "free KV pages", kv["total"] - kv["used"]),
             ("hydragen_prefix_cache_tokens", "gauge", "tokens held by the prefix tree", kv["cached"]),
             ("hydragen_prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens", st.hit_rate),

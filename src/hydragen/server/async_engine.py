@@ -292,16 +292,9 @@ class AsyncEngine:
         return Update(deltas, finished, None, len(req.prompt_ids), req.cached_tokens)
 
     def _stable_text(self, s) -> str:
-        """Text safe to send now: final text when finished; otherwise hold back an unfinished UTF-8
-        character and anything that could still turn out to be the start of a stop string."""
-        if s.finished:
-            return s.text
-        text = self.engine.text_of(s)
-        stops = s.request.params.stop or []
-        hold = max((len(x) - 1 for x in stops), default=0)
-        if hold:
-            text = text[: max(0, len(text) - hold)]
-        return text.rstrip("\ufffd")
+        """Text safe to send now: the engine keeps only final text (no unfinished UTF-8 character, nothing
+        that could still start a stop string), so it can be sent as it grows."""
+        return s.text if s.finished else self.engine.text_of(s)
 
     @staticmethod
     def _send(tr: _Tracked, upd: Update) -> None:

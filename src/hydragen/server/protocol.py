@@ -84,6 +84,7 @@ class _Common(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -99,6 +100,7 @@ class _Common(_Strict):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
             max_tokens=max_tokens,
             stop=self.stop or None,
             stop_token_ids=self.stop_token_ids,

@@ -1,0 +1,127 @@
+"""Compile hydragen's C++ CPU attention op on first use and cache the build on disk.
+
+The op is built with ``-march=native`` for the machine it runs on, so it ships as source
+(``attention/csrc/``) and is compiled by ``torch.utils.cpp_extension`` the first time it is needed. The
+build lives under ``$HYDRAGEN_CACHE_DIR`` (else ``$HYDRAGEN_CACHE``, else ``~/.cache/hydragen``) in a
+folder keyed by a hash of the source, the torch version, the flags and the CPU, so an edit, an upgrade or a
+different machine sharing the home directory never loads a stale or foreign binary. When no compiler works
+the op is reported unavailable with the reason, and callers fall back to the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "step_attention.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fvisibility=hidden")
+LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
+
+_lock = threading.Lock()
+_op: Callable | None = None
+_error: str | None = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HYDRAGEN_CACHE_DIR") or os.environ.get("HYDRAGEN_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "hydragen"
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags: a -march=native binary is only valid where they match."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))  # every core repeats them: keep one copy
+
+
+def build_key() -> str:
+    parts = [SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode()]
+    parts.append(_cpu_identity().encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _build_lock(where: Path):
+    """One build at a time per folder, across processes. torch's own lock is a file that a killed build
+    leaves behind, after which every later load would wait forever; ours is an OS lock, released when its
+    holder dies, so a torch lock file found while we hold ours is stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(where / "hydragen.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (where / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build() -> Callable:
+    from torch.utils import cpp_extension
+
+    key = build_key()
+    name = f"hydragen_step_attention_{key}"
+    where = cache_dir() / "ext" / name
+    where.mkdir(parents=True, exist_ok=True)
+    with _build_lock(where):
+        fresh = not (where / f"{name}.so").exists()
+        start = time.perf_counter()
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(where),
+            is_python_module=False,
+            verbose=False,
+        )
+    if fresh:
+        print(
+            f"hydragen: compiled the C++ step-attention op in {time.perf_counter() - start:.1f} s "
+            f"(cached in {where})",
+            file=sys.stderr,
+        )
+    return torch.ops.hydragen.step_attention
+
+
+def disabled_reason() -> str | None:
+    """Why the C++ op must not be used in this process (None: it may be built)."""
+    if os.environ.get("HYDRAGEN_NO_CPP", "") not in ("", "0"):
+        return "disabled by HYDRAGEN_NO_CPP"
+    return None
+
+
+def step_attention_op() -> Callable | None:
+    """The compiled op, building it on first call; None when disabled or unbuildable (see ``build_error``)."""
+    global _op, _error
+    if disabled_reason() is not None:
+        return None
+    if _op is None and _error is None:
+        with _lock:
+            if _op is None and _error is None:
+                try:
+                    _op = _build()
+                except Exception as exc:  # no compiler, no ninja, a compile error: all mean "use torch"
+                    lines = str(exc).strip().splitlines()
+                    _error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+    return _op
+
+
+def build_error() -> str | None:
+    """Why the op is unavailable: disabled, or the build's error; None when it built (or was never tried)."""
+    return disabled_reason() or _error

@@ -1,0 +1,477 @@
+// Step attention on CPU: every query token of a packed step (decode tokens, prefill chunks, extends)
+// against its keys, in one call per layer. The Python side (attention/step_attention.py) documents the
+// metadata and cuts the step into work items once per step; here is the arithmetic.
+//
+// Two phases, each one parallel region whose threads take (item, KV head) pairs from a shared counter
+// (items come sorted most expensive first, so uneven items balance and a busy core delays nobody):
+//  1. Pieces of units (shared tree nodes, prefill ancestors, causal diagonals) and of very long segments:
+//     a piece with enough query rows and keys goes through ATen's CPU flash kernel as a matrix product
+//     (non-causal pieces fold the g query heads of a KV head into the rows, so the keys are read once per
+//     KV head; causal squares use the kernel's is_causal). A piece over several runs (a node on scattered
+//     pages) first copies its keys together: the copy costs a small fraction of the product it enables.
+//     Small pieces go through attend(). Each writes a normalised fp32 partial and its log-sum-exp, one
+//     row per (piece, token).
+//  2. Segment blocks (private tails, pages read in place): attend() runs an online softmax in fp32 over the
+//     block's visible keys, reading each K/V row straight from the pool by slot once for all its query
+//     rows, then folds in the partials covering each token (a CSR built once per step) and writes.
+//
+// The build defines CPU_CAPABILITY_* from the compiler's own target macros (-march=native), so ATen's
+// Vectorized<float> maps to AVX2 or AVX-512 registers; the inline namespace gets a name of its own so these
+// instantiations can never be confused with libtorch's copies of the same headers.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#define CPU_CAPABILITY hydragen_step_attention
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVL = Vec::size();
+constexpr int64_t kBlockKeys = 32;  // keys per online-softmax step: scores stay in L1
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec s0(0.f), s1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kVL <= n; d += 2 * kVL) {
+    s0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), s0);
+    s1 = at::vec::fmadd(Vec::loadu(a + d + kVL), Vec::loadu(b + d + kVL), s1);
+  }
+  for (; d + kVL <= n; d += kVL) s0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), s0);
+  if (d < n) s1 = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), s1);
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s0 + s1);
+}
+
+// out[j] = the sum of the lanes of a_j, for four vectors at once (one shuffle tree instead of four).
+inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const auto half = [](const Vec& a) {
+    const __m512 x = a;
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  };
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  const auto sum = [](const Vec& x) {
+    return at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, x);
+  };
+  out[0] = sum(a0);
+  out[1] = sum(a1);
+  out[2] = sum(a2);
+  out[3] = sum(a3);
+#endif
+}
+
+// s[i] = <q, rows[i]> for i < nk: four keys at a time share each load of q and one reduction.
+inline void dots(const float* q, const float* const* rows, int64_t nk, int64_t d, float* s) {
+  int64_t i = 0;
+  for (; i + 4 <= nk; i += 4) {
+    const float *k0 = rows[i], *k1 = rows[i + 1], *k2 = rows[i + 2], *k3 = rows[i + 3];
+    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+    int64_t j = 0;
+    for (; j + kVL <= d; j += kVL) {
+      const Vec x = Vec::loadu(q + j);
+      a0 = at::vec::fmadd(x, Vec::loadu(k0 + j), a0);
+      a1 = at::vec::fmadd(x, Vec::loadu(k1 + j), a1);
+      a2 = at::vec::fmadd(x, Vec::loadu(k2 + j), a2);
+      a3 = at::vec::fmadd(x, Vec::loadu(k3 + j), a3);
+    }
+    if (j < d) {
+      const int64_t c = d - j;
+      const Vec x = Vec::loadu(q + j, c);
+      a0 = at::vec::fmadd(x, Vec::loadu(k0 + j, c), a0);
+      a1 = at::vec::fmadd(x, Vec::loadu(k1 + j, c), a1);
+      a2 = at::vec::fmadd(x, Vec::loadu(k2 + j, c), a2);
+      a3 = at::vec::fmadd(x, Vec::loadu(k3 + j, c), a3);
+    }
+    hsum4(a0, a1, a2, a3, s + i);
+  }
+  for (; i < nk; ++i) s[i] = dot(q, rows[i], d);
+}
+
+// acc[d0 : d0 + NV * kVL] = acc * alpha + sum_i p[i] * rows[i][...]: NV accumulators stay in registers.
+template <int NV>
+inline void scale_add_tile(float* acc, const Vec& alpha, const float* p, const float* const* rows, int64_t nk,
+                           int64_t d0) {
+  Vec a[NV];
+  for (int j = 0; j < NV; ++j) a[j] = Vec::loadu(acc + d0 + j * kVL) * alpha;
+  for (int64_t i = 0; i < nk; ++i) {
+    const Vec w(p[i]);
+    const float* r = rows[i] + d0;
+    for (int j = 0; j < NV; ++j) a[j] = at::vec::fmadd(w, Vec::loadu(r + j * kVL), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) a[j].store(acc + d0 + j * kVL);
+}
+
+// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n].
+inline void scale_add_rows(float* acc, float alpha, const float* p, const float* const* rows, int64_t nk,
+                           int64_t n) {
+  const Vec va(alpha);
+  int64_t d = 0;
+  for (; d + 8 * kVL <= n; d += 8 * kVL) scale_add_tile<8>(acc, va, p, rows, nk, d);
+  if (d + 4 * kVL <= n) {
+    scale_add_tile<4>(acc, va, p, rows, nk, d);
+    d += 4 * kVL;
+  }
+  for (; d + kVL <= n; d += kVL) scale_add_tile<1>(acc, va, p, rows, nk, d);
+  if (d < n) {
+    const int64_t c = n - d;
+    Vec a = Vec::loadu(acc + d, c) * va;
+    for (int64_t i = 0; i < nk; ++i) a = at::vec::fmadd(Vec(p[i]), Vec::loadu(rows[i] + d, c), a);
+    a.store(acc + d, c);
+  }
+}
+
+// p[0:n] = exp(s[0:n] - m); returns their sum.
+inline float exp_shifted(const float* s, float* p, float m, int64_t n) {
+  const Vec vm(m);
+  Vec total(0.f);
+  int64_t i = 0;
+  for (; i + kVL <= n; i += kVL) {
+    Vec e = (Vec::loadu(s + i) - vm).exp();
+    e.store(p + i);
+    total = total + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total);
+  for (; i < n; ++i) {
+    p[i] = std::exp(s[i] - m);
+    sum += p[i];
+  }
+  return sum;
+}
+
+template <typename scalar_t>
+inline void row_to_float(const scalar_t* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t d = 0;
+    for (; d + kVL <= n; d += kVL) {
+      Vec x;
+      at::vec::load_to_float<scalar_t>(src + d, x);
+      x.store(dst + d);
+    }
+    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+struct Strides {
+  int64_t q_t, q_h, k_s, k_h, v_s, v_h;
+};
+
+// A work item: query tokens [tok_lo, tok_hi) x the g query heads of one KV head, against the keys of the
+// slot runs [run_lo, run_hi) (a concatenation); token tok_lo + j sees the first min(first + j, total) of
+// them (first may be <= 0: such tokens see none of this item's keys).
+struct Item {
+  int64_t tok_lo, tok_hi, run_lo, run_hi, first, total;
+};
+
+inline Item item_at(const int64_t* row) { return {row[0], row[1], row[2], row[3], row[4], row[5]}; }
+
+// Per-thread scratch, sized once for the largest item.
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, kbuf, vbuf;
+  std::vector<const float*> krow, vrow;
+  std::vector<const void*> next_k, next_v;  // the following block's rows, being prefetched
+  std::vector<int64_t> lim;
+  Scratch(int64_t rows, int64_t d)
+      : q(rows * d), acc(rows * d), s(rows * kBlockKeys), m(rows), l(rows), kbuf(kBlockKeys * d),
+        vbuf(kBlockKeys * d), krow(kBlockKeys), vrow(kBlockKeys), next_k(kBlockKeys), next_v(kBlockKeys),
+        lim(rows) {}
+};
+
+// Walks the slots of a concatenation of runs.
+struct SlotCursor {
+  const int64_t* runs;
+  int64_t run, slot;
+  int64_t next() {
+    while (slot >= runs[2 * run + 1]) slot = runs[2 * ++run];  // callers never read past the last key
+    return slot++;
+  }
+};
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+}
+
+// Online softmax of the item's rows (row r = token tok_lo + r / g, head h * g + r % g) over its visible
+// keys, reading each K/V row from the pool once for all rows. Leaves the unnormalised state in w: running
+// max m, sum l, and acc = sum_i exp(s_i - m) v_i. Keys go by blocks of kBlockKeys; the rows of the next
+// block are prefetched while this one is computed (paged runs defeat the hardware prefetcher at every
+// page boundary).
+template <typename scalar_t>
+void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
+            const Item& it, int64_t h, int64_t g, int64_t d, float scale, Scratch& w) {
+  const int64_t nt = it.tok_hi - it.tok_lo, rows = nt * g;
+  float* qf = w.q.data();
+  float* acc = w.acc.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    row_to_float(q + (it.tok_lo + r / g) * st.q_t + (h * g + r % g) * st.q_h, qf + r * d, d);
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= scale;
+    w.m[r] = kNegInf;
+    w.l[r] = 0.f;
+  }
+  std::fill(acc, acc + rows * d, 0.f);
+
+  const int64_t kmax = std::min(it.first + nt - 1, it.total);  // keys seen by the last token
+  if (kmax <= 0) return;
+  SlotCursor cursor{runs, it.run_lo, runs[2 * it.run_lo]};
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+  const auto gather = [&](int64_t count) {  // the next block's rows, prefetched
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t slot = cursor.next();
+      w.next_k[i] = k + slot * st.k_s + h * st.k_h;
+      w.next_v[i] = v + slot * st.v_s + h * st.v_h;
+      prefetch_row(w.next_k[i], row_bytes);
+      prefetch_row(w.next_v[i], row_bytes);
+    }
+  };
+  gather(std::min(kBlockKeys, kmax));
+  for (int64_t pos = 0; pos < kmax;) {
+    const int64_t nk = std::min(kBlockKeys, kmax - pos);
+    for (int64_t i = 0; i < nk; ++i) {
+      const auto* kr = static_cast<const scalar_t*>(w.next_k[i]);
+      const auto* vr = static_cast<const scalar_t*>(w.next_v[i]);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        w.krow[i] = kr;
+        w.vrow[i] = vr;
+      } else {
+        row_to_float(kr, w.kbuf.data() + i * d, d);
+        row_to_float(vr, w.vbuf.data() + i * d, d);
+        w.krow[i] = w.kbuf.data() + i * d;
+        w.vrow[i] = w.vbuf.data() + i * d;
+      }
+    }
+    gather(std::min(kBlockKeys, kmax - pos - nk));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::min(it.first + r / g, it.total);
+      w.lim[r] = std::max<int64_t>(0, std::min(nk, seen - pos));
+    }
+    for (int64_t r = 0; r < rows; ++r) dots(qf + r * d, w.krow.data(), w.lim[r], d, w.s.data() + r * kBlockKeys);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = w.lim[r];
+      if (n == 0) continue;
+      float* s = w.s.data() + r * kBlockKeys;
+      const float m_new = std::max(w.m[r], *std::max_element(s, s + n));
+      const float alpha = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
+      w.l[r] = w.l[r] * alpha + exp_shifted(s, s, m_new, n);
+      w.m[r] = m_new;
+      scale_add_rows(acc + r * d, alpha, s, w.vrow.data(), n, d);
+    }
+    pos += nk;
+  }
+}
+
+struct Partials {
+  float* o;    // [R, Hq, D]
+  float* lse;  // [R, Hq]
+};
+
+// One KV head's rows of the item's runs, copied into one [keys, D] tensor (row by row: a paged node's runs
+// are short, and a tensor op per run would cost more than the copy).
+at::Tensor gather_head(const at::Tensor& x, const int64_t* runs, const Item& it, int64_t h) {
+  int64_t keys = 0;
+  for (int64_t r = it.run_lo; r < it.run_hi; ++r) keys += runs[2 * r + 1] - runs[2 * r];
+  at::Tensor out = at::empty({keys, x.size(2)}, x.options());
+  const int64_t elem = x.element_size(), row = x.size(2) * elem;
+  const char* src = static_cast<const char*>(x.const_data_ptr()) + h * x.stride(1) * elem;
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t r = it.run_lo; r < it.run_hi; ++r) {
+    for (int64_t slot = runs[2 * r]; slot < runs[2 * r + 1]; ++slot, dst += row) {
+      std::memcpy(dst, src + slot * x.stride(0) * elem, row);
+    }
+  }
+  return out;
+}
+
+// Phase 1 item through ATen's flash kernel (single-threaded here: we are inside our own parallel region).
+// Only for keys every row sees whole (first >= total) or a causal square (first == 1, total == tokens).
+// Non-causal items fold the g heads into the query rows, so the keys are read by one GEMM.
+void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* runs,
+                 const Item& it, int64_t part_row, int64_t h, double scale, const Partials& part) {
+  const at::NoGradGuard no_grad;  // worker threads do not inherit the caller's grad mode
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), g = hq / hkv, nt = it.tok_hi - it.tok_lo;
+  at::Tensor kt, vt;  // [1, 1, L, D]: a view of one run; the runs of a split node copied together
+  if (it.run_hi - it.run_lo == 1) {
+    const int64_t lo = runs[2 * it.run_lo], hi = runs[2 * it.run_lo + 1];
+    kt = k.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
+    vt = v.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
+  } else {
+    kt = gather_head(k, runs, it, h).unsqueeze(0).unsqueeze(0);
+    vt = gather_head(v, runs, it, h).unsqueeze(0).unsqueeze(0);
+  }
+  at::Tensor qs = q.slice(0, it.tok_lo, it.tok_hi).slice(1, h * g, (h + 1) * g);  // [nt, g, D]
+  const bool causal = it.first < it.total;
+  at::Tensor o, lse;
+  if (causal) {
+    std::tie(o, lse) = at::_scaled_dot_product_flash_attention_for_cpu(
+        qs.transpose(0, 1).unsqueeze(0), kt, vt, 0.0, true, std::nullopt, scale);
+    o = o[0].transpose(0, 1);      // [nt, g, D]
+    lse = lse[0].transpose(0, 1);  // [nt, g]
+  } else {
+    std::tie(o, lse) = at::_scaled_dot_product_flash_attention_for_cpu(
+        qs.reshape({1, 1, nt * g, d}), kt, vt, 0.0, false, std::nullopt, scale);
+    o = o.view({nt, g, d});
+    lse = lse.view({nt, g});
+  }
+  at::Tensor o_dst = at::from_blob(part.o + (part_row * hq + h * g) * d, {nt, g, d}, {hq * d, d, 1},
+                                   q.options().dtype(at::kFloat));
+  at::Tensor l_dst = at::from_blob(part.lse + part_row * hq + h * g, {nt, g}, {hq, 1}, q.options().dtype(at::kFloat));
+  o_dst.copy_(o);
+  l_dst.copy_(lse);
+}
+
+// Phase 1 item through attend(): writes the normalised partial and its log-sum-exp.
+template <typename scalar_t>
+void own_piece(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
+               const Item& it, int64_t part_row, int64_t h, int64_t hq, int64_t g, int64_t d, float scale,
+               const Partials& part, Scratch& w) {
+  attend(q, k, v, st, runs, it, h, g, d, scale, w);
+  const int64_t rows = (it.tok_hi - it.tok_lo) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t idx = (part_row + r / g) * hq + h * g + r % g;
+    const float l = w.l[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float* dst = part.o + idx * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = w.acc[r * d + i] * inv;
+    part.lse[idx] = l > 0.f ? w.m[r] + std::log(l) : kNegInf;
+  }
+}
+
+// Phase 2 item: a block of segment tokens; folds in every partial covering each token, writes the output.
+template <typename scalar_t>
+void segment_block(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const Strides& st,
+                   const int64_t* runs, const Item& it, const int64_t* tok_ptr, const int64_t* tok_parts,
+                   int64_t h, int64_t hq, int64_t g, int64_t d, float scale, const Partials& part, Scratch& w) {
+  attend(q, k, v, st, runs, it, h, g, d, scale, w);
+  const int64_t rows = (it.tok_hi - it.tok_lo) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = it.tok_lo + r / g, head = h * g + r % g;
+    float* a = w.acc.data() + r * d;
+    float m = w.m[r], l = w.l[r];
+    for (int64_t e = tok_ptr[t]; e < tok_ptr[t + 1]; ++e) {
+      const int64_t idx = tok_parts[e] * hq + head;
+      const float lse = part.lse[idx];
+      if (lse == kNegInf) continue;
+      const float m_new = std::max(m, lse);
+      const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+      const float beta = std::exp(lse - m_new);
+      const float* o = part.o + idx * d;
+      scale_add_rows(a, alpha, &beta, &o, 1, d);
+      l = l * alpha + beta;
+      m = m_new;
+    }
+    scalar_t* dst = out + (t * hq + head) * d;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(a[i] * inv);
+  }
+}
+
+// Runs fn(item index, thread scratch) over [0, n) on all threads; items are handed out one at a time in
+// order (the build sorts them most expensive first), so uneven items still balance.
+template <typename F>
+void for_each_item(int64_t n, int64_t rows, int64_t d, const F& fn) {
+  if (n == 0) return;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    Scratch w(rows, d);
+    for (int64_t i = next++; i < n; i = next++) fn(i, w);
+  });
+}
+
+at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
+                          const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
+                          const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
+                          int64_t flash_min_rows, int64_t flash_min_keys, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "step_attention: CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "step_attention: q [T, Hq, D], k/v [S, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "step_attention: head dim must be dense");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2), "step_attention: k/v shapes differ from q's");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "step_attention: q, k and v must share one dtype");
+  const int64_t t = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "step_attention: Hq must be a multiple of Hkv");
+  for (const at::Tensor* x : {&runs, &pieces, &blocks, &tok_ptr, &tok_parts}) {
+    TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous() && x->device().is_cpu(),
+                "step_attention: metadata must be contiguous int64 CPU tensors");
+  }
+  TORCH_CHECK(pieces.size(1) == 7 && blocks.size(1) == 6 && tok_ptr.numel() == t + 1,
+              "step_attention: metadata shapes do not match");
+  const int64_t g = hq / hkv;
+  at::Tensor out = at::empty({t, hq, d}, q.options());
+  at::Tensor part_o = at::empty({num_parts, hq, d}, q.options().dtype(at::kFloat));
+  at::Tensor part_lse = at::empty({num_parts, hq}, q.options().dtype(at::kFloat));
+  const Partials part{part_o.data_ptr<float>(), part_lse.data_ptr<float>()};
+  const Strides st{q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
+  const int64_t* rp = runs.data_ptr<int64_t>();
+  const int64_t* pp = pieces.data_ptr<int64_t>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* tp = tok_ptr.data_ptr<int64_t>();
+  const int64_t* tq = tok_parts.data_ptr<int64_t>();
+  const int64_t rows = std::max<int64_t>(1, max_item_tokens) * g;
+  const float fscale = static_cast<float>(scale);
+  const auto kernel = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    const scalar_t* kp = k.const_data_ptr<scalar_t>();
+    const scalar_t* vp = v.const_data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_each_item(pieces.size(0) * hkv, rows, d, [&](int64_t i, Scratch& w) {
+      const int64_t* row = pp + 7 * (i / hkv);
+      const Item it = item_at(row);
+      const int64_t nt = it.tok_hi - it.tok_lo;
+      const bool whole = it.first >= it.total, square = it.first == 1 && it.total == nt;
+      const int64_t keys = std::min(it.first + nt - 1, it.total);
+      if (flash_min_rows >= 0 && nt * g >= flash_min_rows && keys >= flash_min_keys && (whole || square)) {
+        flash_piece(q, k, v, rp, it, row[6], i % hkv, scale, part);
+      } else {
+        own_piece<scalar_t>(qp, kp, vp, st, rp, it, row[6], i % hkv, hq, g, d, fscale, part, w);
+      }
+    });
+    for_each_item(blocks.size(0) * hkv, rows, d, [&](int64_t i, Scratch& w) {
+      segment_block<scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * (i / hkv)), tp, tq, i % hkv, hq, g, d,
+                              fscale, part, w);
+    });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: kernel(float{}); break;
+    case at::kBFloat16: kernel(at::BFloat16{}); break;
+    case at::kHalf: kernel(at::Half{}); break;
+    default: TORCH_CHECK(false, "step_attention: q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hydragen, m) {
+  m.def(
+      "step_attention(Tensor q, Tensor k, Tensor v, Tensor runs, Tensor pieces, Tensor blocks, Tensor tok_ptr, "
+      "Tensor tok_parts, int num_parts, int max_item_tokens, int flash_min_rows, int flash_min_keys, "
+      "float scale) -> Tensor");
+  m.impl("step_attention", c10::DispatchKey::CPU, &step_attention);
+}

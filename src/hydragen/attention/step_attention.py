@@ -1,0 +1,257 @@
+"""Attention for a whole packed step (decode tokens, prefill chunks, extends) in one call per layer.
+
+The model runner packs every query token of a step into one varlen batch ``q [T, Hq, D]``; the KV pool
+layer is ``k/v [S, Hkv, D]`` (slot axis first, slot = page * page_size + offset). What each token sees is
+described once per step by a :class:`StepAttentionMeta`:
+
+* **Segments** tile the tokens in order. Segment s holds tokens ``[seg_tok[s], seg_tok[s+1])`` and a list
+  of slot runs; token j of the segment sees the first ``seg_visible[s] + j`` keys of the concatenation of
+  those runs (capped at their total). A decode token is a one-token segment that sees all its runs; a
+  prefill chunk whose own keys are its last run gets ``visible = ancestor keys + 1`` (the causal diagonal).
+  Segments are read in place through their pages, key by key.
+* **Units** say that tokens ``[tok_lo, tok_hi)`` also attend to the contiguous slots ``[kv_lo, kv_hi)``:
+  all of them (``causal = 0``), or, for a square unit, token i sees keys ``0..i`` (``causal = 1``). A shared
+  tree node is one unit over the DFS range of its sequences, so its keys are read once by a matrix-matrix
+  product for all of them. Units may nest (a token under several shared nodes).
+
+A token's output is exact softmax attention over the union of its segment's visible keys and the keys of
+every unit that covers it (an LSE merge of the parts); a token that sees nothing gets zeros.
+
+Two implementations share this metadata. ``cpp`` (``csrc/step_attention.cpp``, compiled on first use by
+``cpp_build``) is one call per layer: big unit pieces through ATen's CPU flash kernel as matrix products,
+the rest by a threaded online-softmax kernel reading K/V rows in place, partials merged per token in fp32.
+``torch`` (``step_attention_torch``) gathers segment keys and runs the existing partial kernels: any
+device, and a second oracle. ``auto`` takes cpp on CPU when it builds, else torch.
+
+Units over the same tokens are read together, so the runner may pass a node on scattered pages as one unit
+per run. A prefill chunk's own keys may come as the end of its segment or as a causal unit: both cost about
+the same (a 1,024-token chunk: 34 vs 31 ms CPU, one thread, embedded-model shapes).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from hydragen.attention import cpp_build, step_work
+from hydragen.attention.step_work import cut_step
+
+UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
+_CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class StepAttentionMeta:
+    """Everything the step's attention needs that does not change from layer to layer.
+
+    The first six fields are the step as the runner describes it; the rest is derived by ``build``: the
+    C++ op's work items (see ``step_work``) and, for the torch twin, the validated lists.
+    """
+
+    units: Tensor  # int64 [U, 5]: kv_lo, kv_hi, tok_lo, tok_hi, causal (empty units dropped)
+    seg_tok: Tensor  # int64 [NS + 1]
+    seg_run: Tensor  # int64 [NS + 1]
+    runs: Tensor  # int64 [NR, 2]: slot_lo, slot_hi (empty runs dropped)
+    seg_visible: Tensor  # int64 [NS]
+    num_tokens: int
+    work_runs: Tensor  # int64 [NW, 2]: the slot runs the items read
+    pieces: Tensor  # int64 [NP, 7]: item + first partial row; most expensive first
+    blocks: Tensor  # int64 [NB, 6]: item; most expensive first
+    tok_ptr: Tensor  # int64 [T + 1]: token t's partial rows are tok_parts[tok_ptr[t]:tok_ptr[t+1]]
+    tok_parts: Tensor  # int64 [R]
+    num_parts: int  # R
+    max_item_tokens: int
+    slots_needed: int  # one past the highest slot read: the pool layer must be at least this long
+    unit_list: list[tuple[int, int, int, int, int]] = field(repr=False)
+    segment_list: list[tuple[int, int, list[tuple[int, int]], int]] = field(repr=False)
+    torch_plan: object | None = field(default=None, repr=False)  # step_attention_torch's gathers, lazily
+
+    @property
+    def device(self) -> torch.device:
+        return self.units.device
+
+    @classmethod
+    def build(
+        cls,
+        units: list[tuple[int, int, int, int, int]],
+        segments: list[tuple[int, int, list[tuple[int, int]], int]],
+        num_tokens: int,
+        device,
+    ) -> StepAttentionMeta:
+        """Validate the step's description and precompute the per-step index tensors (once per step)."""
+        num_tokens = int(num_tokens)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        segment_list, slots_needed = _check_segments(segments, num_tokens)
+        unit_list = _check_units(units, num_tokens)
+        slots_needed = max([slots_needed] + [u[1] for u in unit_list])
+        work = cut_step(unit_list, segment_list, num_tokens)
+        long = dict(dtype=torch.int64)
+        seg_run = [0]
+        for seg in segment_list:
+            seg_run.append(seg_run[-1] + len(seg[2]))
+        put = lambda x: torch.as_tensor(x, **long).to(device)
+        return cls(
+            units=put(unit_list).view(-1, UNIT_FIELDS),
+            seg_tok=put([0] + [seg[1] for seg in segment_list]),
+            seg_run=put(seg_run),
+            runs=work.work_runs[: seg_run[-1]].to(device),  # the segments' runs lead work_runs
+            seg_visible=put([seg[3] for seg in segment_list]),
+            num_tokens=num_tokens,
+            work_runs=work.work_runs.to(device),
+            pieces=work.pieces.to(device),
+            blocks=work.blocks.to(device),
+            tok_ptr=work.tok_ptr.to(device),
+            tok_parts=work.tok_parts.to(device),
+            num_parts=work.num_parts,
+            max_item_tokens=work.max_item_tokens,
+            slots_needed=slots_needed,
+            unit_list=unit_list,
+            segment_list=segment_list,
+        )
+
+
+def _ints(values, n: int, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of n ints, or a ValueError naming ``what``."""
+    try:
+        out = tuple(map(int, values))
+    except (TypeError, ValueError):
+        out = ()
+    if len(out) != n:
+        raise ValueError(f"{what}, got {values!r}")
+    return out
+
+
+def _check_segments(segments, num_tokens: int):
+    """Normalised segments (empty runs dropped) and one past the last slot they read."""
+    out = []
+    slots_needed = 0
+    pos = 0
+    for s, seg in enumerate(segments):
+        try:
+            lo, hi, runs, visible = seg
+        except (TypeError, ValueError):
+            raise ValueError(f"segment {s} must be (tok_lo, tok_hi, runs, visible), got {seg!r}") from None
+        lo, hi, visible = _ints((lo, hi, visible), 3, f"segment {s}: tok_lo, tok_hi, visible must be ints")
+        if lo != pos:
+            raise ValueError(f"segment {s} starts at token {lo}, expected {pos}: segments tile the tokens")
+        if hi < lo:
+            raise ValueError(f"segment {s} ends (token {hi}) before it starts (token {lo})")
+        if visible < 0:
+            raise ValueError(f"segment {s}: visible must be >= 0, got {visible}")
+        try:
+            pairs = [(int(a), int(b)) for a, b in runs]
+        except (TypeError, ValueError):
+            raise ValueError(f"segment {s}: runs must be integer pairs (lo, hi): {runs!r}") from None
+        bad = [(a, b) for a, b in pairs if a < 0 or b < a]
+        if bad:
+            raise ValueError(f"segment {s}: bad slot run {bad[0]}")
+        kept = [(a, b) for a, b in pairs if b > a]
+        if kept:
+            slots_needed = max(slots_needed, max(b for _, b in kept))
+        out.append((lo, hi, kept, visible))
+        pos = hi
+    if pos != num_tokens:
+        raise ValueError(f"segments cover tokens [0, {pos}) but the step has {num_tokens} tokens")
+    return out, slots_needed
+
+
+def _check_units(units, num_tokens: int) -> list[tuple[int, int, int, int, int]]:
+    kept = []
+    for i, unit in enumerate(units):
+        kv_lo, kv_hi, tok_lo, tok_hi, causal = _ints(
+            unit, UNIT_FIELDS, f"unit {i} must be (kv_lo, kv_hi, tok_lo, tok_hi, causal) integers"
+        )
+        if not 0 <= tok_lo <= tok_hi <= num_tokens:
+            raise ValueError(f"unit {i}: tokens [{tok_lo}, {tok_hi}) outside the step's [0, {num_tokens})")
+        if not 0 <= kv_lo <= kv_hi:
+            raise ValueError(f"unit {i}: bad slot range [{kv_lo}, {kv_hi})")
+        if causal not in (0, 1):
+            raise ValueError(f"unit {i}: causal must be 0 or 1, got {causal}")
+        if causal and kv_hi - kv_lo != tok_hi - tok_lo:
+            raise ValueError(
+                f"unit {i}: a causal unit must be square, got {tok_hi - tok_lo} tokens, {kv_hi - kv_lo} keys"
+            )
+        if kv_hi > kv_lo and tok_hi > tok_lo:
+            kept.append((kv_lo, kv_hi, tok_lo, tok_hi, causal))
+    return kept
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, meta: StepAttentionMeta) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D] and k/v [S, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens but the step metadata has {meta.num_tokens}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim of q ({q.shape[2]}) != head dim of k/v ({k.shape[2]})")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device or meta.device != q.device:
+        raise ValueError(
+            f"q, k, v and the metadata must be on one device, got {q.device}, {k.device}, "
+            f"{v.device}, {meta.device}"
+        )
+    if meta.slots_needed > k.shape[0]:
+        raise ValueError(f"the step reads slot {meta.slots_needed - 1} but k/v hold {k.shape[0]} slots")
+
+
+_warned = False
+
+
+def _warn_fallback(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"hydragen: C++ step attention unavailable ({reason}); using torch", stacklevel=3)
+
+
+def step_attention(
+    q: Tensor, k: Tensor, v: Tensor, meta: StepAttentionMeta, scale: float, impl: str = "auto"
+) -> Tensor:
+    """Attention of every token of the step; q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D] in q's dtype."""
+    if impl not in ("auto", "cpp", "torch"):
+        raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    _check_inputs(q, k, v, meta)
+    cpp_ready = q.device.type == "cpu" and q.dtype in _CPP_DTYPES and k.stride(2) == 1 and v.stride(2) == 1
+    if impl == "cpp" and not cpp_ready:
+        raise ValueError(
+            f"impl='cpp' needs CPU fp32/bf16/fp16 tensors with a dense head dim, got {q.dtype} on {q.device}"
+        )
+    op = None
+    if impl != "torch" and cpp_ready:
+        op = cpp_build.step_attention_op()
+        if op is None:
+            reason = cpp_build.build_error() or "unknown reason"
+            if impl == "cpp":
+                raise RuntimeError(f"the C++ step-attention op is unavailable: {reason}")
+            if cpp_build.disabled_reason() is None:
+                _warn_fallback(reason)
+    if op is None:
+        from hydragen.attention.step_attention_torch import torch_step_attention
+
+        return torch_step_attention(q, k, v, meta, float(scale))
+    return op(
+        q if q.stride(2) == 1 else q.contiguous(),
+        k,
+        v,
+        meta.work_runs,
+        meta.pieces,
+        meta.blocks,
+        meta.tok_ptr,
+        meta.tok_parts,
+        meta.num_parts,
+        meta.max_item_tokens,
+        step_work.FLASH_MIN_ROWS,
+        step_work.FLASH_MIN_KEYS,
+        float(scale),
+    )
+
+
+__all__ = ["StepAttentionMeta", "step_attention"]

@@ -1,0 +1,164 @@
+"""How a step is cut into the C++ step-attention op's work items (once per step, in Python).
+
+An item is ``(tok_lo, tok_hi, run_lo, run_hi, first, total)``: query tokens [tok_lo, tok_hi) against the
+concatenation of ``work_runs[run_lo:run_hi]``, token tok_lo + j seeing its first min(first + j, total)
+keys (``first`` may be <= 0: such tokens see none of the item's keys). Two kinds:
+
+* **pieces** write an fp32 partial (output and log-sum-exp) per token, at partial row ``part_row`` on:
+  non-causal units, grouped by token range (a node on scattered pages, or a chain of nodes read by the same
+  sequences, is one piece per token tile, hence one partial per token); causal units as diagonal squares
+  plus the rectangle left of each; and, when a step is too small to keep every thread busy, all but the
+  last key chunk of long segments. Wide pieces are tiled by tokens, long ones cut by keys, so one big node
+  still spreads over every thread.
+* **blocks** cover every token exactly once, read what is left of its segment in place, fold in the partials
+  of every piece covering the token (the CSR ``tok_ptr``/``tok_parts``) and write the output.
+
+Items of each kind are sorted most expensive first, so threads taking them in order finish together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+TOKENS_PER_BLOCK = 8  # segment tokens per block: they share each K/V row the block reads
+PIECE_TOKENS = 32  # query tokens per piece: rows of one matrix product, and several pieces per wide node
+MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
+SPLIT_BLOCKS_PER_THREAD = 4  # segments are cut into key chunks only in steps with fewer blocks per thread
+# Pieces go through ATen's flash kernel only from this many query rows (tokens x g) and keys on: below, its
+# fixed cost per call (~25 us here) outweighs its faster matrix products, and the op's own loop wins.
+FLASH_MIN_ROWS = 24
+FLASH_MIN_KEYS = 512
+
+
+@dataclass
+class StepWork:
+    work_runs: Tensor  # int64 [NW, 2]; the segments' own runs come first, in order
+    pieces: Tensor  # int64 [NP, 7]: item + first partial row
+    blocks: Tensor  # int64 [NB, 6]: item
+    tok_ptr: Tensor  # int64 [T + 1]: token t's partial rows are tok_parts[tok_ptr[t]:tok_ptr[t+1]]
+    tok_parts: Tensor  # int64 [R]
+    num_parts: int  # R
+    max_item_tokens: int
+
+
+def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_tokens: int) -> StepWork:
+    """Work items for validated, normalised units and segments (CPU tensors)."""
+    work = _WorkItems([run for seg in segments for run in seg[2]])
+    shared: dict[tuple[int, int], list[tuple[int, int]]] = {}  # token range -> runs it sees whole
+    for kv_lo, kv_hi, tok_lo, tok_hi, causal in units:
+        if causal:
+            work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi)
+        else:
+            shared.setdefault((tok_lo, tok_hi), []).append((kv_lo, kv_hi))
+    for (tok_lo, tok_hi), runs in shared.items():
+        work.add_shared(tok_lo, tok_hi, runs)
+    blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segments)
+    split = blocks < SPLIT_BLOCKS_PER_THREAD * torch.get_num_threads()
+    first_run = 0
+    for segment in segments:
+        work.add_segment(*segment, first_run=first_run, split=split)
+        first_run += len(segment[2])
+
+    pieces = torch.tensor(work.pieces, dtype=torch.int64).view(-1, 7)
+    lens = pieces[:, 1] - pieces[:, 0]
+    num_parts = int(lens.sum())
+    # Partial row p belongs to token owner[p]; a stable sort by owner lists each token's rows in order.
+    piece_of_row = torch.repeat_interleave(torch.arange(len(work.pieces)), lens)
+    owner = pieces[piece_of_row, 0] + torch.arange(num_parts) - pieces[piece_of_row, 6]
+    tok_ptr = torch.zeros(num_tokens + 1, dtype=torch.int64)
+    tok_ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=num_tokens), 0)
+    return StepWork(
+        work_runs=_pairs_tensor(work.runs),
+        pieces=torch.tensor(_by_cost(work.pieces), dtype=torch.int64).view(-1, 7),
+        blocks=torch.tensor(_by_cost(work.blocks), dtype=torch.int64).view(-1, 6),
+        tok_ptr=tok_ptr,
+        tok_parts=torch.sort(owner, stable=True).indices,
+        num_parts=num_parts,
+        max_item_tokens=max((x[1] - x[0] for x in work.pieces + work.blocks), default=0),
+    )
+
+
+def _by_cost(items: list[tuple]) -> list[tuple]:
+    """Most expensive first (tokens x keys seen by the last token), so the threads finish together."""
+    return sorted(items, key=lambda x: -(x[1] - x[0]) * (max(0, min(x[4] + x[1] - x[0] - 1, x[5])) + 1))
+
+
+def _pairs_tensor(pairs: list[tuple[int, int]]) -> Tensor:
+    """[N, 2] int64 from a list of pairs (a flat list converts several times faster than nested ones)."""
+    return torch.tensor([x for pair in pairs for x in pair], dtype=torch.int64).view(-1, 2)
+
+
+def _cut(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The slot runs holding keys [lo, hi) of the concatenation of ``runs``."""
+    out, pos = [], 0
+    for a, b in runs:
+        s, e = max(a, a + lo - pos), min(b, a + hi - pos)
+        if s < e:
+            out.append((s, e))
+        pos += b - a
+    return out
+
+
+def _key_chunks(n: int) -> list[int]:
+    """Boundaries cutting n keys into near-equal chunks of at most MAX_PIECE_KEYS."""
+    count = max(1, -(-n // MAX_PIECE_KEYS))
+    return [n * i // count for i in range(count + 1)]
+
+
+class _WorkItems:
+    """Collects the items; see the module docstring."""
+
+    def __init__(self, segment_runs: list[tuple[int, int]]):
+        self.runs = list(segment_runs)  # the segments' own runs first: uncut segments read them in place
+        self.pieces: list[tuple[int, ...]] = []
+        self.blocks: list[tuple[int, ...]] = []
+        self.rows = 0  # partial rows handed out so far
+
+    def _runs(self, runs: list[tuple[int, int]]) -> tuple[int, int]:
+        self.runs += runs
+        return len(self.runs) - len(runs), len(self.runs)
+
+    def _pieces(self, tok_lo: int, tok_hi: int, runs, first: int, total: int) -> None:
+        r0, r1 = self._runs(runs)
+        for t0 in range(tok_lo, tok_hi, PIECE_TOKENS):
+            t1 = min(t0 + PIECE_TOKENS, tok_hi)
+            self.pieces.append((t0, t1, r0, r1, first + t0 - tok_lo, total, self.rows))
+            self.rows += t1 - t0
+
+    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]]) -> None:
+        """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
+        several runs, a chain of nodes) are read as one piece, so they cost one partial per token, not one
+        per run; runs long enough for the flash kernel get pieces of their own."""
+        long = [r for r in runs if r[1] - r[0] >= max(FLASH_MIN_KEYS, 1)]
+        short = [r for r in runs if r[1] - r[0] < max(FLASH_MIN_KEYS, 1)]
+        for group in [[r] for r in long] + ([short] if short else []):
+            bounds = _key_chunks(sum(b - a for a, b in group))
+            for c0, c1 in zip(bounds, bounds[1:], strict=False):
+                self._pieces(tok_lo, tok_hi, _cut(group, c0, c1), c1 - c0, c1 - c0)
+
+    def add_causal(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int) -> None:
+        """Token i sees keys 0..i. Per tile [a, b): a causal square on the diagonal, and keys [0, a) to its
+        left, which the whole tile sees."""
+        for a in range(0, kv_hi - kv_lo, PIECE_TOKENS):
+            b = min(a + PIECE_TOKENS, kv_hi - kv_lo)
+            self._pieces(tok_lo + a, tok_lo + b, [(kv_lo + a, kv_lo + b)], 1, b - a)
+            if a:
+                self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)])
+
+    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, split: bool) -> None:
+        """Blocks covering every token of the segment; with ``split``, all but the last key chunk of a long
+        segment become pieces, so one long context is read by several threads."""
+        total = sum(b - a for a, b in runs)
+        seen_last = min(visible + tok_hi - tok_lo - 1, total)
+        bounds = _key_chunks(max(seen_last, 0)) if split else [0, total]
+        for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
+            j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
+            self._pieces(tok_lo + j0, tok_hi, _cut(runs, c0, c1), visible + j0 - c0, c1 - c0)
+        c0 = bounds[-2]
+        r0, r1 = self._runs(_cut(runs, c0, total)) if c0 else (first_run, first_run + len(runs))
+        for t0 in range(tok_lo, tok_hi, TOKENS_PER_BLOCK):
+            t1 = min(t0 + TOKENS_PER_BLOCK, tok_hi)
+            self.blocks.append((t0, t1, r0, r1, visible + t0 - tok_lo - c0, total - c0))

@@ -1,0 +1,155 @@
+"""Incremental detokenization: the text of a growing token sequence at O(1) amortized cost per token.
+
+Decoding the whole generation after every token costs O(T) per token, O(T^2) per sequence. Here each
+call decodes only a short window of recent ids: the tokens read since the window last slid, plus one
+interval of *context* tokens before them whose text was already emitted. The context keeps the window's
+first-token effects (a SentencePiece decoder drops the leading space of the first token) and any
+multibyte character that spans a token boundary out of the emitted part.
+
+Text is emitted only once it is *stable*: no later token can change it. Two kinds of suffix are not:
+
+- U+FFFD at the end may be an unfinished UTF-8 character that the next bytes complete. It decodes to at
+  most three U+FFFD (byte-fallback decoders emit one per byte, byte-level BPE one in all), so at most
+  three are held back and any earlier ones are final.
+- With ``clean_up_tokenization_spaces`` a decoder rewrites " ." to "." and the like; a suffix that may
+  still grow into such a pattern (" ", " '", " n", ...) is held back.
+
+The window slides when its text ends stable. If it stays unstable (a long run of invalid bytes), it
+slides to a boundary a few tokens back, once a decode up to that boundary shows that no character
+straddles it. So the final text always equals ``tokenizer.decode(all_ids)``, and the window stays short
+unless skipped special tokens keep splitting one character's bytes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+# Most U+FFFD that an unfinished UTF-8 character (at most 3 of its 4 bytes present) decodes to.
+_MAX_UNFINISHED = 3
+# Patterns rewritten by transformers' clean_up_tokenization_spaces.
+_CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+_CLEANUP_PREFIXES = frozenset(p[:k] for p in _CLEANUP_PATTERNS for k in range(1, len(p)))
+_LONGEST_CLEANUP_PREFIX = max(map(len, _CLEANUP_PREFIXES))
+# Prompt tokens decoded before the first generated one (enough to start at a character boundary).
+_PROMPT_CONTEXT = 5
+# An unstable window this many tokens past its read point tries the checked slide, keeping the
+# last _KEEP_UNREAD tokens unread (they hold any unfinished character unless specials interleave).
+_LONG_HOLD = 8
+_KEEP_UNREAD = 4
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def unstable_suffix_length(text: str) -> int:
+    """How many trailing characters of ``text`` later tokens could still change."""
+    run = len(text) - len(text.rstrip(REPLACEMENT))
+    if run:
+        return min(run, _MAX_UNFINISHED)
+    for k in range(min(len(text), _LONGEST_CLEANUP_PREFIX), 0, -1):
+        if text[-k:] in _CLEANUP_PREFIXES:
+            return k
+    return 0
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text piece by piece; see the module docstring.
+
+    ``prompt_ids``: the prompt's last tokens are decoded as context, so the first generated token reads
+    as it does after the prompt (e.g. keeps its leading space). Without them the text equals
+    ``tokenizer.decode(generated_ids)``; with them, the generated part of decoding prompt + generated.
+    """
+
+    def __init__(
+        self, tokenizer: Decoder, prompt_ids: Iterable[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = _checked_ids(list(prompt_ids)[-_PROMPT_CONTEXT:] if prompt_ids is not None else [])
+        self._start = 0  # first token id of the window
+        self._read = len(self._ids)  # ids before this one have all their text emitted
+        self._emitted = len(self._decode(0, self._read))  # characters of the window text emitted
+        self._pieces: list[str] = []
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (joined on demand, then kept joined)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append generated ids; returns the text that became stable (possibly empty)."""
+        if self._finished:
+            raise ValueError("IncrementalDetokenizer.add() called after flush()")
+        new_ids = _checked_ids(token_ids)
+        if not new_ids:
+            return ""
+        self._ids.extend(new_ids)
+        window = self._decode(self._start, len(self._ids))
+        hold = unstable_suffix_length(window)
+        piece = self._emit(window, len(window) - hold)
+        if hold == 0:
+            self._slide(len(self._ids))
+        elif len(self._ids) - self._read > _LONG_HOLD:
+            self._checked_slide(window, hold)
+        return piece
+
+    def flush(self) -> str:
+        """End of the sequence: emit the held-back tail (nothing can change it any more)."""
+        if self._finished:
+            return ""
+        self._finished = True
+        window = self._decode(self._start, len(self._ids))
+        return self._emit(window, len(window))
+
+    def _emit(self, window: str, stable_end: int) -> str:
+        if stable_end <= self._emitted:
+            return ""
+        piece = window[self._emitted : stable_end]
+        self._emitted = stable_end
+        self._pieces.append(piece)
+        return piece
+
+    def _slide(self, read: int) -> None:
+        """Window text is stable up to token ``read``: keep ids[old read:read] as the context."""
+        context = self._decode(self._read, read)
+        if not context:  # only skipped special tokens: they would leave the next token first in line
+            return
+        self._start, self._read, self._emitted = self._read, read, len(context)
+
+    def _checked_slide(self, window: str, hold: int) -> None:
+        """Slide while the text stays unstable, to a boundary a few tokens back that is checked to be clean.
+
+        The boundary becomes the next window's start, so no character may straddle it: the window's text
+        up to it must be its own decode and lie before the part later bytes could still change.
+        """
+        boundary = len(self._ids) - _KEEP_UNREAD
+        old_context = self._decode(self._start, boundary)
+        if not window.startswith(old_context) or len(old_context) > len(window) - hold:
+            return
+        new_context = self._decode(self._read, boundary)
+        if new_context:
+            # The old read point is clean, so old_context = decode(ids[start:read]) + new_context.
+            self._emitted -= len(old_context) - len(new_context)
+            self._start, self._read = self._read, boundary
+
+    def _decode(self, begin: int, end: int) -> str:
+        if end <= begin:
+            return ""
+        return self._tokenizer.decode(self._ids[begin:end], skip_special_tokens=self._skip_special)
+
+
+def _checked_ids(token_ids: Iterable[int]) -> list[int]:
+    try:
+        ids = [operator.index(t) for t in token_ids]
+    except TypeError:
+        raise ValueError("token ids must be integers") from None
+    if any(t < 0 for t in ids):
+        raise ValueError(f"token ids must be >= 0, got {min(ids)}")
+    return ids

@@ -1,0 +1,370 @@
+"""Step attention (one call per layer for a packed step) against float64 attention over explicit key sets.
+
+The reference reads the step's description directly (not the built metadata): for every token it lists the
+pool slots it sees (its segment's visible keys, then every covering unit's keys) and runs
+``reference_attention`` over exactly those keys. Both implementations must match it and each other.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from hydragen.attention import cpp_build, step_work
+from hydragen.attention import step_attention as sa_module
+from hydragen.attention.reference import reference_attention
+from hydragen.attention.step_attention import StepAttentionMeta, step_attention
+
+IMPLS = ["cpp", "torch"]
+HEADS_DIMS = [(9, 3, 64), (8, 1, 128), (4, 4, 20), (6, 2, 20)]  # GQA 9:3, MQA 8:1, MHA, GQA with odd D
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # exercises the work sharing without oversubscribing a shared box
+    yield
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------------------------------
+# Oracle
+# --------------------------------------------------------------------------------------------------
+
+
+def visible_slots(units, segments, num_tokens) -> list[list[int]]:
+    """For each token, the pool slots it attends to, straight from the semantics of the contract."""
+    slots: list[list[int]] = [[] for _ in range(num_tokens)]
+    for lo, hi, runs, visible in segments:
+        keys = [s for a, b in runs for s in range(a, b)]
+        for j in range(hi - lo):
+            slots[lo + j] += keys[: min(visible + j, len(keys))]
+    for kv_lo, kv_hi, tok_lo, tok_hi, causal in units:
+        for i in range(tok_hi - tok_lo):
+            slots[tok_lo + i] += list(range(kv_lo, kv_lo + i + 1 if causal else kv_hi))
+    return slots
+
+
+def oracle(q, k, v, units, segments, scale):
+    """float64 attention of each token over its explicit key list (padded, masked by suffix_lens)."""
+    t = q.shape[0]
+    slots = visible_slots(units, segments, t)
+    width = max((len(s) for s in slots), default=0)
+    idx = torch.zeros(t, max(width, 1), dtype=torch.long)
+    for i, s in enumerate(slots):
+        idx[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    lens = torch.tensor([len(s) for s in slots])
+    out, _ = reference_attention(q.unsqueeze(1), [], [], k[idx], v[idx], suffix_lens=lens, scale=scale)
+    return out[:, 0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Step builders: a paged pool whose pages are handed out shuffled (runs are rarely contiguous)
+# --------------------------------------------------------------------------------------------------
+
+
+class Pages:
+    def __init__(self, num_pages: int, page: int, gen: torch.Generator):
+        self.page = page
+        self.free = torch.randperm(num_pages, generator=gen).tolist()
+
+    def runs(self, n: int) -> list[tuple[int, int]]:
+        """n slots on fresh pages, as slot runs (consecutive pages coalesce)."""
+        out: list[tuple[int, int]] = []
+        while n > 0:
+            p = self.free.pop()
+            take = min(n, self.page)
+            lo = p * self.page
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], lo + take)
+            else:
+                out.append((lo, lo + take))
+            n -= take
+        return out
+
+    def contiguous(self, n: int) -> tuple[int, int]:
+        """A run of n slots on consecutive pages (taken from the free list's lowest pages)."""
+        pages = -(-n // self.page)
+        for start in sorted(self.free):
+            if all(start + i in self.free for i in range(pages)):
+                for i in range(pages):
+                    self.free.remove(start + i)
+                return start * self.page, start * self.page + n
+        raise AssertionError("test pool too small")
+
+
+def mixed_step(seed: int = 0):
+    """Decode tokens under nested shared nodes, prefill chunks (causal segment, causal unit), an extend,
+    tokens that see nothing, segments with zero runs."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = Pages(96, 4, gen)
+    node_a, node_b = pages.contiguous(13), pages.contiguous(7)  # shared nodes, B nested under A
+    node_c = pages.runs(9)  # a node held by one sequence: read in place through its pages
+    units, segments = [], []
+    # tokens 0..4: decode; A over 0..3, B over 1..2; token 3 has no private tail at all. Node D, also over
+    # 0..3, lies on scattered pages: one unit per run, all with A's token range.
+    units += [(*node_a, 0, 4, 0), (*node_b, 1, 3, 0)]
+    units += [(*run, 0, 4, 0) for run in pages.runs(10)]
+    for t, tail in enumerate([5, 11, 1, 0]):
+        runs = pages.runs(tail)
+        segments.append((t, t + 1, runs, tail))
+    segments.append((4, 5, node_c + pages.runs(6), 15))
+    segments.append((5, 6, [], 0))  # token 5 sees nothing at all
+    # tokens 6..24: a 19-token prefill chunk under node A, with a private earlier part of 5 keys.
+    earlier, own = pages.runs(5), pages.runs(19)
+    units.append((*node_a, 6, 25, 0))
+    segments.append((6, 25, earlier + own, 5 + 1))
+    # tokens 25..32: an 8-token chunk whose own keys are a causal unit, under node B; its segment is empty.
+    own = pages.contiguous(8)
+    units += [(*own, 25, 33, 1), (*node_b, 25, 33, 0)]
+    segments.append((25, 33, [], 1))
+    # tokens 33..35: a 3-token extend of a running sequence with 10 keys before it.
+    segments.append((33, 36, pages.runs(13), 10 + 1))
+    # tokens 36..38: a segment whose first token sees nothing (visible 0) and no unit covers.
+    segments.append((36, 39, pages.runs(2), 0))
+    return units, segments, 39, 96 * 4
+
+
+def make_qkv(num_tokens, slots, hq, hkv, d, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, hq, d, generator=gen).to(dtype)
+    k = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+# --------------------------------------------------------------------------------------------------
+# Correctness
+# --------------------------------------------------------------------------------------------------
+
+# How the build cuts the step into work items. "fine" cuts units into 4-token tiles, causal units into
+# diagonal squares + rectangles, segments and units into 8-key chunks, so every kind of item occurs in a
+# small step; "flash" / "own" force every eligible piece through ATen's flash kernel / the op's own loop.
+FINE = dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3, SPLIT_BLOCKS_PER_THREAD=10**6)
+CUTS = {
+    "default": {},
+    "fine-flash": dict(FINE, FLASH_MIN_ROWS=0, FLASH_MIN_KEYS=0),
+    "fine-own": dict(FINE, FLASH_MIN_ROWS=-1),
+}
+
+
+@pytest.fixture(params=list(CUTS))
+def cuts(request, monkeypatch):
+    for name, value in CUTS[request.param].items():
+        monkeypatch.setattr(step_work, name, value)
+    return request.param
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d", HEADS_DIMS)
+def test_mixed_step_fp32_matches_reference(impl, hq, hkv, d, cuts):
+    units, segments, t, slots = mixed_step()
+    q, k, v = make_qkv(t, slots, hq, hkv, d, torch.float32)
+    meta = StepAttentionMeta.build(units, segments, t, "cpu")
+    scale = d**-0.5
+    out = step_attention(q, k, v, meta, scale, impl=impl)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    want = oracle(q, k, v, units, segments, scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+    assert torch.all(out[5] == 0) and torch.all(out[36] == 0)  # tokens that see nothing
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 20)])
+def test_mixed_step_half_precision(impl, dtype, hq, hkv, d, cuts):
+    units, segments, t, slots = mixed_step(seed=3)
+    q, k, v = make_qkv(t, slots, hq, hkv, d, dtype)
+    meta = StepAttentionMeta.build(units, segments, t, "cpu")
+    out = step_attention(q, k, v, meta, d**-0.5, impl=impl)
+    assert out.dtype == dtype
+    want = oracle(q, k, v, units, segments, d**-0.5)  # exact attention of the rounded inputs
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_cpp_equals_torch_on_a_random_tree(cuts):
+    """A wide random tree (nested units over DFS ranges, paged tails) and a prefill chunk: impls agree."""
+    gen = torch.Generator().manual_seed(7)
+    pages = Pages(400, 16, gen)
+    rows = 24
+    units, segments = [], []
+
+    def split(lo, hi, depth):
+        if depth == 3 or hi - lo < 2:
+            return
+        node = pages.contiguous(int(torch.randint(1, 40, (1,), generator=gen)))
+        units.append((*node, lo, hi, 0))
+        mid = int(torch.randint(lo + 1, hi, (1,), generator=gen))
+        split(lo, mid, depth + 1)
+        split(mid, hi, depth + 1)
+
+    split(0, rows, 0)
+    for r in range(rows):
+        tail = int(torch.randint(0, 70, (1,), generator=gen))
+        segments.append((r, r + 1, pages.runs(tail), tail))
+    segments.append((rows, rows + 30, pages.runs(20) + pages.runs(30), 21))
+    units.append((*units[0][:2], rows, rows + 30, 0))
+    t = rows + 30
+    q, k, v = make_qkv(t, 400 * 16, 9, 3, 64, torch.float32)
+    meta = StepAttentionMeta.build(units, segments, t, "cpu")
+    a = step_attention(q, k, v, meta, 0.125, impl="cpp")
+    b = step_attention(q, k, v, meta, 0.125, impl="torch")
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.double(), oracle(q, k, v, units, segments, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_units_plain_paged_decode(impl, cuts):
+    """Sharing off: every sequence's whole KV through its pages; the metadata is reused by every layer."""
+    gen = torch.Generator().manual_seed(2)
+    pages = Pages(200, 16, gen)
+    lens = [1, 37, 64, 100, 250, 16]
+    segments = [(i, i + 1, pages.runs(n), n) for i, n in enumerate(lens)]
+    meta = StepAttentionMeta.build([], segments, len(lens), "cpu")
+    assert meta.units.shape == (0, 5)
+    assert (meta.num_parts == 0) == (cuts == "default")  # fine cuts turn long contexts into key chunks
+    for layer in range(2):
+        q, k, v = make_qkv(len(lens), 200 * 16, 8, 1, 64, torch.float32, seed=layer)
+        out = step_attention(q, k, v, meta, 0.125, impl=impl)
+        torch.testing.assert_close(out.double(), oracle(q, k, v, [], segments, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nothing_visible_anywhere_gives_zeros(impl):
+    segments = [(0, 2, [], 0), (2, 3, [(4, 4)], 5)]  # no runs; an empty run
+    meta = StepAttentionMeta.build([(3, 3, 0, 3, 0)], segments, 3, "cpu")  # an empty unit is dropped
+    q, k, v = make_qkv(3, 8, 4, 2, 16, torch.float32)
+    out = step_attention(q, k, v, meta, 0.25, impl=impl)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_query_and_empty_step(impl):
+    units, segments, t, slots = mixed_step(seed=5)
+    q, k, v = make_qkv(t, slots, 9, 3, 64, torch.float32)
+    q_wide = torch.cat([q, q], dim=2)[:, :, :64]  # a view with a row stride of 2 * Hq * D
+    meta = StepAttentionMeta.build(units, segments, t, "cpu")
+    torch.testing.assert_close(
+        step_attention(q_wide, k, v, meta, 0.125, impl=impl), step_attention(q, k, v, meta, 0.125, impl=impl)
+    )
+    empty = StepAttentionMeta.build([], [], 0, "cpu")
+    assert step_attention(q[:0], k, v, empty, 0.125, impl=impl).shape == (0, 9, 64)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inference_mode_and_grad_inputs(impl, monkeypatch):
+    """The runner calls under inference_mode; a query that requires grad must not trip the flash kernel's
+    autograd in the op's worker threads (they do not inherit the caller's grad mode)."""
+    monkeypatch.setattr(step_work, "FLASH_MIN_ROWS", 0)
+    monkeypatch.setattr(step_work, "FLASH_MIN_KEYS", 0)
+    monkeypatch.setattr(step_work, "PIECE_TOKENS", 2)  # many flash pieces, so every thread runs some
+    units = [(0, 300, 0, 64, 0), (300, 364, 0, 64, 1)]
+    segments = [(i, i + 1, [(400 + 4 * i, 404 + 4 * i)], 4) for i in range(64)]
+    q, k, v = make_qkv(64, 700, 9, 3, 64, torch.float32)
+    meta = StepAttentionMeta.build(units, segments, 64, "cpu")
+    want = oracle(q, k, v, units, segments, 0.125)
+    with torch.inference_mode():
+        k_pool, v_pool = k.clone(), v.clone()  # a pool allocated under inference_mode
+        got = step_attention(q.clone(), k_pool, v_pool, meta, 0.125, impl=impl)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    with torch.no_grad():
+        got = step_attention(q.requires_grad_(), k_pool, v_pool, meta, 0.125, impl=impl)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input and fallbacks
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "units,segments,num_tokens,match",
+    [
+        ([], [(0, 1, [], 1), (2, 3, [], 1)], 3, "starts at token 2, expected 1"),
+        ([], [(0, 1, [], 1)], 2, "cover tokens \\[0, 1\\) but the step has 2"),
+        ([], [(0, 1, [(5, 3)], 1)], 1, "bad slot run"),
+        ([], [(0, 1, [], -1)], 1, "visible must be >= 0"),
+        ([(0, 4, 0, 2, 0)], [(0, 1, [], 1)], 1, "outside the step"),
+        ([(0, 4, 0, 1, 1)], [(0, 1, [], 1)], 1, "must be square"),
+        ([(0, 4, 0, 1, 2)], [(0, 1, [], 1)], 1, "causal must be 0 or 1"),
+        ([(0, 4, 0)], [(0, 1, [], 1)], 1, "must be \\(kv_lo"),
+        ([("a", 4, 0, 1, 0)], [(0, 1, [], 1)], 1, "integers"),
+        ([], [(0, 1, [(0, 1, 2)], 1)], 1, "integer pairs"),
+        ([], [(0, 1, [])], 1, "must be \\(tok_lo"),
+    ],
+)
+def test_bad_metadata_is_named(units, segments, num_tokens, match):
+    with pytest.raises(ValueError, match=match):
+        StepAttentionMeta.build(units, segments, num_tokens, "cpu")
+
+
+def test_bad_tensors_are_named():
+    meta = StepAttentionMeta.build([(0, 10, 0, 2, 0)], [(0, 2, [(10, 12)], 2)], 2, "cpu")
+    q, k, v = make_qkv(2, 12, 4, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="holds? 11 slots|k/v hold 11 slots"):
+        step_attention(q, k[:11], v[:11], meta, 1.0)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        step_attention(q[:, :3], k, v, meta, 1.0)
+    with pytest.raises(ValueError, match="3 tokens"):
+        step_attention(torch.cat([q, q[:1]]), k, v, meta, 1.0)
+    with pytest.raises(ValueError, match="share one dtype"):
+        step_attention(q, k.half(), v, meta, 1.0)
+    with pytest.raises(ValueError, match="impl must be"):
+        step_attention(q, k, v, meta, 1.0, impl="fast")
+
+
+def test_no_cpp_env_falls_back_to_torch(monkeypatch):
+    meta = StepAttentionMeta.build([(0, 10, 0, 2, 0)], [(0, 2, [(10, 12)], 2)], 2, "cpu")
+    q, k, v = make_qkv(2, 12, 4, 2, 8, torch.float32)
+    want = step_attention(q, k, v, meta, 1.0, impl="torch")
+    monkeypatch.setenv("HYDRAGEN_NO_CPP", "1")
+    assert cpp_build.step_attention_op() is None
+    torch.testing.assert_close(step_attention(q, k, v, meta, 1.0), want)
+    with pytest.raises(RuntimeError, match="HYDRAGEN_NO_CPP"):
+        step_attention(q, k, v, meta, 1.0, impl="cpp")
+
+
+def test_stale_build_lock_does_not_hang():
+    """A build killed mid-way leaves torch's lock file behind; the next load must not wait for it forever."""
+    assert cpp_build.step_attention_op() is not None
+    where = cpp_build.cache_dir() / "ext" / f"hydragen_step_attention_{cpp_build.build_key()}"
+    (where / "lock").touch()
+    done = threading.Event()
+    threading.Thread(target=lambda: (cpp_build._build(), done.set()), daemon=True).start()
+    assert done.wait(timeout=60), "loading waited on a stale lock file"
+    assert not (where / "lock").exists()
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    """No compiler or any build error: auto warns once and runs the torch twin; impl='cpp' names it."""
+
+    def no_compiler():
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(cpp_build, "_op", None)
+    monkeypatch.setattr(cpp_build, "_error", None)
+    monkeypatch.setattr(cpp_build, "_build", no_compiler)
+    monkeypatch.setattr(sa_module, "_warned", False)
+    monkeypatch.delenv("HYDRAGEN_NO_CPP", raising=False)
+    meta = StepAttentionMeta.build([(0, 10, 0, 2, 0)], [(0, 2, [(10, 12)], 2)], 2, "cpu")
+    q, k, v = make_qkv(2, 12, 4, 2, 8, torch.float32)
+    want = step_attention(q, k, v, meta, 1.0, impl="torch")
+    with pytest.warns(UserWarning, match="No such file"):
+        torch.testing.assert_close(step_attention(q, k, v, meta, 1.0), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call stays quiet
+        step_attention(q, k, v, meta, 1.0)
+    with pytest.raises(RuntimeError, match="unavailable: RuntimeError: error: command 'c\\+\\+' failed"):
+        step_attention(q, k, v, meta, 1.0, impl="cpp")
+
+
+def test_build_key_tracks_source_and_flags(monkeypatch):
+    key = cpp_build.build_key()
+    assert cpp_build.step_attention_op() is not None  # loading must not change the key (torch edits its args)
+    assert key == cpp_build.build_key()
+    monkeypatch.setattr(cpp_build, "CFLAGS", (*cpp_build.CFLAGS, "-DHYDRAGEN_TEST"))
+    assert cpp_build.build_key() != key
