@@ -174,19 +174,30 @@ def test_rows_are_batch_invariant():
 
 
 def test_retry_passes_give_the_same_tokens(monkeypatch):
-    """Forcing rows through the later candidate passes (the exact fallback) changes no token."""
+    """Forcing rows past the first pass (the best 64 blocks) through the threshold passes, down to the
+    last one that reads every token (the exact fallback), changes no token."""
     sampler = Sampler()
     logits = realistic_logits(48, seed=7)
     settings = [SETTINGS[i % len(SETTINGS)] for i in range(48)]
     expected = run(sampler, logits, settings).tokens
-    calls = []
-    draw = truncation._draw
-    monkeypatch.setattr(truncation, "_draw", lambda *a, **kw: calls.append(a[0].shape[0]) or draw(*a, **kw))
-    for floors in ((0.9, 0.0), (0.5, 1e-2, 1e-3, 0.0)):
-        calls.clear()
-        monkeypatch.setattr(truncation, "FLOORS", floors)
+    passes = []
+    candidates = truncation.candidates
+    monkeypatch.setattr(
+        truncation, "candidates", lambda probs, *a: passes.append(probs.shape[0]) or candidates(probs, *a)
+    )
+    for first_k, floors in ((1, (0.9, 0.0)), (2, (0.5, 1e-2, 1e-3, 0.0)), (64, (0.0,))):
+        passes.clear()
+        monkeypatch.setattr(truncation, "FIRST_K", first_k)
+        monkeypatch.setattr(
+            truncation,
+            "retry_floors",
+            lambda top_p, f=floors: torch.tensor(f).unsqueeze(1).expand(-1, len(top_p)),
+        )
         assert torch.equal(run(sampler, logits, settings).tokens, expected), floors
-        assert len(calls) >= 2 and calls[-1] > 0, "rows must have gone through a retry pass"
+        if first_k == 1:
+            assert len(passes) == 1 + len(floors), "rows must have reached the last pass"
+        if first_k == 2:
+            assert len(passes) >= 3, "rows must have gone through several passes"
 
 
 def test_ties_stay_together_at_every_cut(monkeypatch):
@@ -207,6 +218,13 @@ def test_ties_stay_together_at_every_cut(monkeypatch):
     assert support((1.0, 0, float(p[7]) * 0.99, 0.0)) == {7}
     # min_p exactly at the tied value keeps the group.
     assert support((1.0, 0, 1.0, float(p[3] / p[7]) * (1 - 1e-6))) == {7, 3, 900, 41}
+
+    # A tie group of 100 straddles the first pass's 64 tokens and the top_p cut falls inside it.
+    logits = torch.full((V,), -20.0)
+    logits[:3] = torch.tensor([5.0, 4.5, 4.0])
+    logits[100:200] = 1.0
+    p = torch.softmax(logits.double(), -1)
+    assert support((1.0, 0, float(p[:3].sum() + p[100:200].sum() / 2), 0.0)) == {0, 1, 2, *range(100, 200)}
 
 
 def test_greedy_rows_mixed_with_random_rows():

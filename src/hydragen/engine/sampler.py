@@ -118,12 +118,11 @@ class Sampler:
             tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
         else:
             tokens = logits.argmax(-1)
-        probs = maxima = None
+        probs = None
         if any_random or num_logprobs is not None:
             # Greedy rows get temperature 1 here, which is what their logprobs need.
             scale = torch.where(random_rows, temperature, torch.ones_like(temperature))
             probs = pad_to_blocks(torch.softmax(logits / scale.unsqueeze(1), dim=-1))
-            maxima = block_maxima(probs)
         if any_random:
             greedy = _rows_where(~random_rows)
             if greedy.numel():
@@ -136,15 +135,17 @@ class Sampler:
             if any_min_p and min_p is not None:
                 truncated |= min_p > 0
             bits = self.uniform_bits(seeds, steps)
-            plain = _rows_where(random_rows & ~truncated)
-            if plain.numel():
-                tokens[plain] = self._draw_plain(probs[plain, :vocab], bits[plain])
+            plain = random_rows & ~truncated
+            if bool(plain.any()):
+                rows = None if bool(plain.all()) else _rows_where(plain)  # None: all rows, no copies
+                tokens[plain] = self._draw_plain(_take(probs, rows)[:, :vocab], _take(bits, rows))
             cut = random_rows & truncated
             if bool(cut.any()):
-                rows = None if bool(cut.all()) else _rows_where(cut)  # None: all rows, no copies
+                rows = None if bool(cut.all()) else _rows_where(cut)
+                cut_probs = _take(probs, rows)
                 tokens[cut] = sample_truncated(
-                    _take(probs, rows),
-                    _take(maxima, rows),
+                    cut_probs,
+                    block_maxima(cut_probs),
                     vocab,
                     _take(top_k, rows) if any_top_k else None,
                     _take(top_p, rows) if any_top_p else torch.ones_like(_take(top_p, rows)),
@@ -153,7 +154,7 @@ class Sampler:
                 )
         if num_logprobs is None:
             return SampleOutput(tokens)
-        return self._with_logprobs(logits, maxima, temperature, tokens, num_logprobs)
+        return self._with_logprobs(logits, probs, temperature, tokens, num_logprobs)
 
     @staticmethod
     def _draw_plain(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ class Sampler:
     @staticmethod
     def _with_logprobs(
         logits: torch.Tensor,
-        prob_maxima: torch.Tensor,
+        probs: torch.Tensor,
         temperature: torch.Tensor,
         tokens: torch.Tensor,
         n: int,
@@ -181,10 +182,11 @@ class Sampler:
         """
         padded = pad_to_blocks(logits, float("-inf"))
         maxima = block_maxima(padded)
-        prob_max = prob_maxima.amax(-1)
-        other = _rows_where((temperature != 0) & (temperature != 1))
-        if other.numel():
-            prob_max[other] = torch.softmax(logits[other], dim=-1).amax(-1)
+        prob_max = probs.amax(-1)
+        other = (temperature != 0) & (temperature != 1)
+        if bool(other.any()):
+            rows = None if bool(other.all()) else _rows_where(other)
+            prob_max[other] = torch.softmax(_take(logits, rows), dim=-1).amax(-1)
         lse = maxima.amax(-1) - prob_max.log()
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         if n == 0:

@@ -15,11 +15,13 @@ value is found from the k blocks of 64 tokens with the largest maxima. The metho
 candidate set C = {p >= tau}, located by block maxima (no full-size mask or sort):
 
 - a row restricted by min_p or top_k takes tau = t, so C = S and everything it needs is in C;
-- a row with only top_p takes tau = 1e-4 * max(p). It is exact when C already holds top_p of the
-  mass: every token outside C has at least that much mass above it. A row where it does not is redone
-  with 1e-6 * max(p), then with every token.
+- a row with only top_p first takes tau just above its 64th largest block maximum (C then lies in 64
+  blocks). C settles the row when it holds top_p of the mass: every token outside C has at least that
+  much mass above it. A row it does not settle is redone with tau = f * max(p), f = 1e-3 * (1 - top_p)
+  within [1e-7, 1e-4], then f / 100, then with every token.
 
-Only C is sorted, by (p descending, id ascending). Masses are fixed-point integers (p * 2**36, floored),
+Only C is read; its masses are summed per level of p (8 levels per octave) to find the level the top_p
+cut falls in, and only that level's tokens are sorted. Masses are fixed-point integers (p * 2**36, floored),
 so every sum is exact in any order and a row's token never depends on the other rows of the batch. A
 token below 2**-36 of the total mass is never drawn; the uniform's 24 bits could not resolve it anyway.
 """
@@ -30,10 +32,19 @@ import torch
 
 BLOCK = 64
 MASS_SCALE = 2**36
-# Candidate floors (relative to the top probability) for rows with only top_p: the first pass, then the
-# passes that redo rows whose candidates fell short. 1e-4 covers the nucleus of over 99 % of the embedded
-# model's rows at temperature 1 and top_p 0.95.
-FLOORS = (1e-4, 1e-6, 0.0)
+# A top_p-only row's first pass reads the tokens above its FIRST_K-th best block maximum. Rows it does not
+# settle are redone with every token above a floor (relative to the top probability), floors in turn.
+FIRST_K = 64
+
+
+def retry_floors(top_p: torch.Tensor) -> torch.Tensor:
+    """[passes, R] floors of the retry passes; the last is 0 (every token).
+
+    The smaller the tail top_p leaves out, the deeper the nucleus reaches: 1e-3 * (1 - top_p), within
+    [1e-7, 1e-4], covers the nucleus of over 99 % of the embedded model's rows at temperature 1.
+    """
+    first = (1e-3 * (1 - top_p)).clamp(1e-7, 1e-4)
+    return torch.stack([first, first * 1e-2, torch.zeros_like(first)])
 
 
 def pad_to_blocks(x: torch.Tensor, fill: float = -1.0) -> torch.Tensor:
@@ -60,8 +71,8 @@ def top_values(
         return x.topk(k, dim=-1)
     maxima = block_maxima(x) if maxima is None else maxima
     best = maxima.topk(k, dim=-1).indices  # [R, k]
-    blocks = x.view(rows, width // BLOCK, BLOCK)
-    gathered = blocks.gather(1, best.unsqueeze(-1).expand(-1, -1, BLOCK)).flatten(1)
+    flat = (best + torch.arange(rows, device=x.device).unsqueeze(1) * maxima.shape[1]).view(-1)
+    gathered = x.view(-1, BLOCK).index_select(0, flat).view(rows, k * BLOCK)
     values, where = gathered.topk(k, dim=-1)
     ids = best.gather(1, where // BLOCK) * BLOCK + where % BLOCK
     return values, ids
@@ -75,10 +86,13 @@ def candidates(
     A block is read only when its maximum reaches the threshold, so the cost follows the candidates,
     not the vocabulary.
     """
-    hot_rows, hot_blocks = (maxima >= tau.unsqueeze(1)).nonzero().unbind(1)
-    values = probs.view(probs.shape[0], -1, BLOCK)[hot_rows, hot_blocks]  # [H, BLOCK]
-    hit, offset = (values >= tau[hot_rows].unsqueeze(1)).nonzero().unbind(1)
-    return hot_rows[hit], hot_blocks[hit] * BLOCK + offset, values[hit, offset]
+    nblocks = maxima.shape[1]
+    hot = (maxima >= tau.unsqueeze(1)).view(-1).nonzero().squeeze(1)  # flat block numbers, row-major
+    hot_rows = hot // nblocks
+    values = probs.view(-1, BLOCK).index_select(0, hot)  # [H, BLOCK]
+    hit = (values >= tau.index_select(0, hot_rows).unsqueeze(1)).view(-1).nonzero().squeeze(1)
+    block = hot.index_select(0, hit // BLOCK)
+    return block // nblocks, (block % nblocks) * BLOCK + hit % BLOCK, values.view(-1).index_select(0, hit)
 
 
 def sample_truncated(
@@ -98,21 +112,30 @@ def sample_truncated(
     if top_k is not None:
         on = (top_k > 0) & (top_k < vocab)
         if bool(on.any()):
-            k = top_k[on]
-            every = bool(on.all())
-            kth = top_values(probs if every else probs[on], int(k.max()), maxima if every else maxima[on])[0]
-            survive[on] = torch.maximum(survive[on], kth.gather(1, (k - 1).unsqueeze(1)).squeeze(1))
+            k = top_k.masked_fill(~on, 1)
+            kth = top_values(probs, int(k.max()), maxima)[0].gather(1, k.unsqueeze(1) - 1).squeeze(1)
+            survive = torch.where(on, torch.maximum(survive, kth), survive)
     free = survive <= 0  # only top_p: the survivors are the whole vocabulary
-    rows = probs.shape[0]
-    tokens = torch.empty(rows, dtype=torch.long, device=probs.device)
-    todo = torch.arange(rows, device=probs.device)
-    for floor in FLOORS:
-        args = (probs, maxima, pmax, survive, free, top_p, bits)
-        if todo.numel() < rows:  # a retry: only the rows whose candidates fell short
-            args = tuple(a[todo] for a in args)
-        row_probs, row_maxima, row_pmax, row_survive, row_free, row_top_p, row_bits = args
-        tau = torch.where(row_free, row_pmax * floor, row_survive)
-        drawn, done = _draw(row_probs, row_maxima, tau, row_free, row_top_p, row_bits, last=floor == 0.0)
+    # First pass for a free row: every token above the FIRST_K-th largest block maximum. They all lie in
+    # the FIRST_K best blocks (a token above it in another block would raise that block's maximum).
+    first = maxima.topk(min(FIRST_K, maxima.shape[1]), dim=-1).values[:, -1]
+    first = torch.nextafter(first, torch.full_like(first, 2.0))
+    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    todo = torch.arange(probs.shape[0], device=probs.device)
+    floors = retry_floors(top_p)
+    for attempt in range(floors.shape[0] + 1):
+        args = (probs, maxima, pmax, survive, free, top_p, bits, first)
+        if todo.numel() < probs.shape[0]:  # a retry: only the rows whose candidates fell short
+            args = tuple(a.index_select(0, todo) for a in args)
+        row_probs, row_maxima, row_pmax, row_survive, row_free, row_top_p, row_bits, row_first = args
+        if attempt > 0:
+            row_first = row_pmax * floors[attempt - 1].index_select(0, todo)
+        tau = torch.where(row_free, row_first, row_survive)
+        drawn, done = _draw(
+            *candidates(row_probs, row_maxima, tau), todo.numel(), row_pmax, row_free, row_top_p, row_bits
+        )
+        if attempt == floors.shape[0]:  # the last pass read every token
+            done = torch.ones_like(done)
         tokens[todo[done]] = drawn[done]
         todo = todo[~done]
         if todo.numel() == 0:
@@ -121,47 +144,83 @@ def sample_truncated(
 
 
 def _draw(
-    probs: torch.Tensor,
-    maxima: torch.Tensor,
-    tau: torch.Tensor,
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    p: torch.Tensor,
+    n_rows: int,
+    pmax: torch.Tensor,
     free: torch.Tensor,
     top_p: torch.Tensor,
     bits: torch.Tensor,
-    last: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One candidate pass: (token per row, whether that row's candidates covered its kept set).
+    """Draw from candidates (row, id, p), ordered by row then id, that hold each restricted row's
+    survivors; returns (token per row, whether the candidates held the row's kept set). A free row's
+    survivors are every token, so its candidates hold the kept set when they hold top_p of the mass.
 
-    A restricted row's candidates are exactly its survivors; a free row's survivors are every token.
+    The top_p cut is found without sorting the candidates: their masses are summed into levels (the
+    fp32 exponent and top mantissa bits, ordered like p), levels wholly above or below the cut are
+    kept or dropped whole, and only the level the cut falls in is sorted.
     """
-    rows, ids, p = candidates(probs, maxima, tau)
-    counts = torch.bincount(rows, minlength=probs.shape[0])
-    ends = counts.cumsum(0)
-    starts = ends - counts
+    if rows.numel() == 0:  # no candidate in any row: nothing settled
+        return torch.zeros_like(bits), torch.zeros_like(free)
     mass = (p.double() * MASS_SCALE).floor_().long()
+    levels = _level(pmax).index_select(0, rows) - _level(p)  # 0 for the top level, growing as p falls
+    per_level = torch.bincount(rows * _LEVELS + levels, weights=mass.double(), minlength=n_rows * _LEVELS)
+    inclusive = per_level.view(n_rows, _LEVELS).cumsum(1)
+    in_c = inclusive[:, -1]  # mass inside C
+    limit = top_p.double() * torch.where(free, float(MASS_SCALE), in_c)
+    covered = ~free | (in_c >= limit)
+    # The cut level: the first whose inclusive mass passes the limit (none: every level is kept).
+    passes = inclusive > limit.unsqueeze(1)
+    cut_level = torch.where(passes.any(1), passes.int().argmax(1), _LEVELS)
+    cut_of = cut_level.index_select(0, rows)
+    kept = (levels < cut_of) & (mass > 0)
+    at_cut = (levels == cut_of).nonzero().squeeze(1)
+    if at_cut.numel():
+        kept[at_cut] = _kept_at_cut(rows[at_cut], p[at_cut], mass[at_cut], inclusive, cut_level, limit)
 
-    # Sorted by row, then p descending, then id ascending (stable): each row's run is [starts, ends).
-    key = (rows << 31) | (0x7FFFFFFF - p.view(torch.int32).long())
-    order = key.sort(stable=True).indices
-    key, sorted_mass, row_of = key[order], mass[order], rows[order]
-    inclusive = sorted_mass.cumsum(0)
-    exclusive = inclusive - sorted_mass
+    # Inverse CDF over the kept tokens in ascending token id.
+    counts = torch.bincount(rows, minlength=n_rows)
+    ends = counts.cumsum(0)
+    cdf = (mass * kept).cumsum(0)
+    base = torch.where(ends > counts, cdf.index_select(0, (ends - counts - 1).clamp_min(0)), 0)
+    target = ((2 * bits + 1) * (cdf.index_select(0, (ends - 1).clamp_min(0)) - base)) >> 25
+    pick = torch.searchsorted(cdf, base + target, right=True).clamp_max(cdf.numel() - 1)
+    return ids.index_select(0, pick), covered
+
+
+def _kept_at_cut(
+    rows: torch.Tensor,
+    p: torch.Tensor,
+    mass: torch.Tensor,
+    inclusive: torch.Tensor,
+    cut_level: torch.Tensor,
+    limit: torch.Tensor,
+) -> torch.Tensor:
+    """Which tokens of the cut level stay: sorted by row then p descending, a token's mass above is the
+    levels above plus the larger tokens of its level; tied tokens share the mass above them."""
+    key, order = ((rows << 31) | (0x7FFFFFFF - p.view(torch.int32).long())).sort(stable=True)
+    sorted_mass = mass.index_select(0, order)
+    before = sorted_mass.cumsum(0) - sorted_mass
     position = torch.arange(key.numel(), device=key.device)
     tie_start = torch.ones_like(key, dtype=torch.bool)
     tie_start[1:] = key[1:] != key[:-1]
     tie_start = torch.cummax(torch.where(tie_start, position, 0), 0).values
-    row_base = exclusive[starts]
-    above = exclusive[tie_start] - row_base[row_of]  # survivor mass strictly above this token's p
-    in_c = inclusive[ends - 1] - row_base  # mass inside C
-    total = torch.where(free, torch.full_like(in_c, MASS_SCALE), in_c)
-    limit = top_p.double() * total.double()
-    kept = (sorted_mass > 0) & (above.double() < limit[row_of])
-    done = torch.ones_like(free) if last else ~free | (in_c.double() >= limit)
+    sorted_rows = key >> 31
+    row_start = torch.ones_like(key, dtype=torch.bool)
+    row_start[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    row_start = torch.cummax(torch.where(row_start, position, 0), 0).values
+    level = cut_level.index_select(0, sorted_rows)
+    levels_above = inclusive.view(-1).index_select(0, sorted_rows * _LEVELS + (level - 1).clamp_min(0))
+    levels_above = torch.where(level > 0, levels_above, 0.0)
+    above = levels_above + (before.index_select(0, tie_start) - before.index_select(0, row_start)).double()
+    kept = (sorted_mass > 0) & (above < limit.index_select(0, sorted_rows))
+    return torch.empty_like(kept).index_put_((order,), kept)
 
-    # Inverse CDF over the kept tokens in ascending token id.
-    kept_by_id = torch.empty_like(kept)
-    kept_by_id[order] = kept
-    cdf = (mass * kept_by_id).cumsum(0)
-    base = torch.where(starts > 0, cdf[(starts - 1).clamp_min(0)], 0)
-    target = ((2 * bits + 1) * (cdf[ends - 1] - base)) >> 25
-    pick = torch.searchsorted(cdf, base + target, right=True).clamp_max(cdf.numel() - 1)
-    return ids[pick], done
+
+_LEVEL_SHIFT = 20  # fp32 bits >> 20: exponent and 3 mantissa bits, 8 levels per octave
+_LEVELS = 1 << (31 - _LEVEL_SHIFT)  # enough for every non-negative fp32
+
+
+def _level(p: torch.Tensor) -> torch.Tensor:
+    return (p.view(torch.int32) >> _LEVEL_SHIFT).long()
