@@ -48,6 +48,13 @@ def post(srv, path, body, headers=None, timeout=30):
     return httpx.post(srv.url + path, content=content, headers=hdrs, timeout=timeout)
 
 
+def metric_value(srv, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"metric {name} missing")
+
+
 def assert_openai_error(r, status, param=None, code=None):
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -523,17 +530,16 @@ def test_engine_failure_fails_everything_in_flight_and_health_turns_503(model_di
     /health and new requests answer 503, and the server still shuts down promptly."""
     srv = LiveServer(LLM(model_dir, kv_cache_tokens=4096), "tiny")
     engine = srv.engine
-    real_step, calls = engine.step, [0]
+    real_step, fail_now = engine.step, threading.Event()
 
     def failing_step():
-        calls[0] += 1
-        if calls[0] > 5 and len(engine.requests) == 2:  # both requests in flight
+        if fail_now.is_set():
             raise RuntimeError("injected engine failure")
         return real_step()
 
     engine.step = failing_step
     results = {}
-    body = {**OK, "max_tokens": 200, "ignore_eos": True}
+    body = {**OK, "max_tokens": 400, "n": 2, "ignore_eos": True}
 
     def run(name, b):
         results[name] = post(srv, C, b)
@@ -544,6 +550,11 @@ def test_engine_failure_fails_everything_in_flight_and_health_turns_503(model_di
     ]
     for t in threads:
         t.start()
+    deadline = time.time() + 60
+    while metric_value(srv, "hydragen_requests_running") < 4:  # both requests are decoding
+        assert time.time() < deadline and all(t.is_alive() for t in threads), "requests did not start"
+        time.sleep(0.02)
+    fail_now.set()
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a client hangs"
