@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import sys
+import threading
 from typing import TextIO
 
 from hydragen.streaming import StreamResult, interrupt_flag, stream_request
@@ -67,7 +69,8 @@ class Chat:
         if self.interactive:
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (line editing and history for input())
-        self._warm_up()
+        with _signals_to_main_thread():
+            self._warm_up()  # the first step starts the kernels' worker threads
         self._note(
             f"{self.llm.model_path.name} loaded in {load_s:.1f} s. Type a message; /help lists the commands, "
             "Ctrl-C stops a reply, Ctrl-D leaves."
@@ -152,3 +155,20 @@ def turn_summary(result: StreamResult, prompt_tokens: int, reused: int) -> str:
         parts.append(f"{result.decode_rate:.1f} tokens/s")
     head = ", ".join(parts) + (" (stopped)" if result.stopped else "")
     return f"[{head} | prompt {prompt_tokens} tokens, {max(reused, 0)} from the prefix cache]"
+
+
+@contextlib.contextmanager
+def _signals_to_main_thread():
+    """Threads started inside inherit a blocked SIGINT, so Ctrl-C always reaches the main thread.
+
+    The compiled attention op's OpenMP workers otherwise accept SIGINT too; a Ctrl-C that lands on one of
+    them never wakes the main thread's ``input()``, and the prompt ignores it.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
