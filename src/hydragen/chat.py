@@ -138,8 +138,12 @@ class Chat:
         params = dataclasses.replace(self.params, max_tokens=min(self.max_tokens or room, room))
         stats = self.llm.engine.stats
         prompt0, computed0 = stats.prompt_tokens, stats.prefill_tokens
-        with interrupt_flag() as stop:
-            result = stream_request(self.llm.engine, ids, params, on_text=self._write, should_stop=stop)
+        with interrupt_flag() as stop, _signals_to_main_thread() as poll:
+            # SIGINT stays blocked while the engine works (any worker thread it starts inherits that) and
+            # is let through between steps, where the flag is read.
+            result = stream_request(
+                self.llm.engine, ids, params, on_text=self._write, should_stop=lambda: poll() or stop()
+            )
         print(file=self.stdout, flush=True)
         reused = (stats.prompt_tokens - prompt0) - (stats.prefill_tokens - computed0)
         self.history = conversation + [{"role": "assistant", "content": result.texts[0]}]
@@ -165,10 +169,17 @@ def _signals_to_main_thread():
     them never wakes the main thread's ``input()``, and the prompt ignores it.
     """
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
+        yield lambda: False
         return
+
+    def poll() -> bool:
+        """Let a pending SIGINT reach this (main) thread's handler now; always False."""
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return False
+
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        yield poll
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
