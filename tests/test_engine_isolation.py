@@ -288,7 +288,6 @@ def test_a_lone_request_at_the_admission_limit_finishes(path, sharing):
     probe = LLM(path, kv_cache_tokens=4096, prefix_sharing=sharing).engine
     slots = probe.sequence_kv_need(len(prompt), max_tokens)  # whole pages: the engine's own admission limit
     llm = LLM(path, kv_cache_tokens=slots, prefix_sharing=sharing)
-    llm.engine.tail_growth = 16  # grow often
     params = SamplingParams(temperature=0.9, seed=4, max_tokens=max_tokens, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.error is None
@@ -308,7 +307,6 @@ def test_n_larger_than_the_pool_runs_in_waves(path, sharing):
     prompt = list(range(20, 30))
     params = SamplingParams(n=8, temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)
     llm = LLM(path, kv_cache_tokens=90 if sharing else 160, max_num_seqs=6, prefix_sharing=sharing)
-    llm.engine.tail_growth = 8
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == refs(path, [prompt], params)[0]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 8  # the samples differ
@@ -348,7 +346,6 @@ def test_every_admitted_request_finishes_on_a_small_pool(path, seed, sharing):
         prefix_sharing=sharing,
         page_size=1,
     ).engine
-    engine.tail_growth = 8
     pending, live, outs, step = list(arrivals), [], {}, 0
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= step:

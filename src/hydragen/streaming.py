@@ -87,9 +87,7 @@ def stream_request(
                 first_token, first_step_tokens = time.perf_counter(), tokens
             if on_text is not None:
                 for i, s in enumerate(req.seqs):
-                    text = (
-                        output.outputs[i].text if output is not None else engine.text_of(s)
-                    )
+                    text = output.outputs[i].text if output is not None else engine.text_of(s)
                     if len(text) > len(shown[i]) and text.startswith(shown[i]):
                         on_text(i, text[len(shown[i]) :])
                         shown[i] = text

@@ -265,11 +265,4 @@ def _sample_output(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> Samp
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[dict[int, float]]:
     """Per row {token: logprob} for the chosen token plus the ``top`` most likely ones."""
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-    rows = [{t: c} for t, c in zip(tokens.tolist(), chosen, strict=True)]
-    if top:
-        best = logp.topk(top, dim=-1)
-        for row, ids, vals in zip(rows, best.indices.tolist(), best.values.tolist(), strict=True):
-            row.update(zip(ids, vals, strict=True))
-    return rows
+    return _logprob_dicts(_sample_output(logits, tokens, top))

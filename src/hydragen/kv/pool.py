@@ -25,10 +25,6 @@ class OutOfPages(RuntimeError):
     """Not enough free pages; the caller may evict cached prefixes or preempt, then retry."""
 
 
-# Kept for callers written against the contiguous-slot pool.
-OutOfSlots = OutOfPages
-
-
 class PageAllocator:
     """Free pages as sorted, coalesced extents; allocation returns page runs (best fit first)."""
 
