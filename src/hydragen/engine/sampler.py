@@ -112,7 +112,7 @@ class Sampler:
             tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
         else:
             tokens = logits.argmax(-1)
-        probs = None
+        probs = maxima = None
         if any_random or num_logprobs is not None:
             # Greedy rows get temperature 1 here, which is what their logprobs need.
             scale = torch.where(random_rows, temperature, torch.ones_like(temperature))
@@ -137,9 +137,12 @@ class Sampler:
             if bool(cut.any()):
                 rows = None if bool(cut.all()) else _rows_where(cut)
                 cut_probs = _take(probs, rows)
+                cut_maxima = block_maxima(cut_probs)
+                if rows is None:
+                    maxima = cut_maxima
                 tokens[cut] = sample_truncated(
                     cut_probs,
-                    block_maxima(cut_probs),
+                    cut_maxima,
                     vocab,
                     _take(top_k, rows) if any_top_k else None,
                     _take(top_p, rows) if any_top_p else torch.ones_like(_take(top_p, rows)),
@@ -148,7 +151,8 @@ class Sampler:
                 )
         if num_logprobs is None:
             return SampleOutput(tokens)
-        return self._with_logprobs(logits, probs, temperature, tokens, num_logprobs)
+        prob_max = maxima.amax(-1) if maxima is not None else probs.amax(-1)
+        return self._with_logprobs(logits, prob_max, temperature, tokens, num_logprobs)
 
     @staticmethod
     def _draw_plain(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -163,7 +167,7 @@ class Sampler:
     @staticmethod
     def _with_logprobs(
         logits: torch.Tensor,
-        probs: torch.Tensor,
+        prob_max: torch.Tensor,
         temperature: torch.Tensor,
         tokens: torch.Tensor,
         n: int,
@@ -176,7 +180,7 @@ class Sampler:
         """
         padded = pad_to_blocks(logits, float("-inf"))
         maxima = block_maxima(padded)
-        prob_max = probs.amax(-1)
+        prob_max = prob_max.clone()
         other = (temperature != 0) & (temperature != 1)
         if bool(other.any()):
             rows = None if bool(other.all()) else _rows_where(other)

@@ -164,7 +164,8 @@ def _draw(
     if rows.numel() == 0:  # no candidate in any row: nothing settled
         return torch.zeros_like(bits), torch.zeros_like(free)
     mass = (p.double() * MASS_SCALE).floor_().long()
-    levels = _level(pmax).index_select(0, rows) - _level(p)  # 0 for the top level, growing as p falls
+    # Level 0 holds the top probability; levels grow as p falls (the deepest gathers everything below).
+    levels = (_level(pmax).index_select(0, rows) - _level(p)).clamp_max(_LEVELS - 1)
     per_level = torch.bincount(rows * _LEVELS + levels, weights=mass.double(), minlength=n_rows * _LEVELS)
     inclusive = per_level.view(n_rows, _LEVELS).cumsum(1)
     in_c = inclusive[:, -1]  # mass inside C
@@ -219,7 +220,7 @@ def _kept_at_cut(
 
 
 _LEVEL_SHIFT = 20  # fp32 bits >> 20: exponent and 3 mantissa bits, 8 levels per octave
-_LEVELS = 1 << (31 - _LEVEL_SHIFT)  # enough for every non-negative fp32
+_LEVELS = 256  # 32 octaves below the top probability; anything deeper shares the last level
 
 
 def _level(p: torch.Tensor) -> torch.Tensor:
