@@ -66,8 +66,9 @@ class Sampler:
 
     def _softmax(self, logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """softmax(logits / scale) in the "probs" buffer (valid until the next call)."""
-        scaled = torch.div(logits, scale.unsqueeze(1), out=self._buffer("scratch", logits))
-        return torch.ops.aten._softmax.out(scaled, -1, False, out=self._buffer("probs", logits))
+        if not bool((scale == 1).all()):
+            logits = torch.div(logits, scale.unsqueeze(1), out=self._buffer("scratch", logits))
+        return torch.ops.aten._softmax.out(logits, -1, False, out=self._buffer("probs", logits))
 
     def uniform_bits(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """[B] int64 in [0, 2**24): the 24 random bits of each row's uniform for this step."""
