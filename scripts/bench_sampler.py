@@ -1,11 +1,13 @@
 """Sampler cost, old (full-vocabulary sort) vs new (candidate sets), on the embedded model's logits.
 
-    PYTHONPATH=src python scripts/bench_sampler.py [--batches 1 8 64 256] [--rounds 3] [--repeats 20]
+    PYTHONPATH=src python scripts/bench_sampler.py [--batches 1 8 64 256] [--rounds 3] [--repeats 5]
+                                                   [--threads N]
 
 Logits are the embedded model's next-token logits along its own temperature-1 samples from a few
 prompts, so the distributions (and the candidate sets they give) are the ones generation meets. Each
 (batch, setting, logprobs) cell is timed `repeats` times per round; the table shows the median over
-rounds of the per-round medians, in milliseconds.
+rounds of the per-round medians, in milliseconds. With ``--threads 1`` the times are the thread's CPU
+time, which other processes on a shared machine disturb far less than wall-clock time.
 """
 
 from __future__ import annotations
@@ -96,13 +98,13 @@ def _old(logits, temperature, top_k, top_p, min_p, bits, n):
     return old_logprobs(logits, tokens, n) if n is not None else tokens
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, clock) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e3
 
 
@@ -110,10 +112,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1: report CPU time)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     pool = model_logits()
-    print(f"logits: {pool.shape[0]} rows x {pool.shape[1]} tokens, torch threads {torch.get_num_threads()}")
+    kind = "thread CPU time" if clock is time.thread_time else "wall-clock time"
+    print(f"logits: {pool.shape[0]} rows x {pool.shape[1]} tokens; {torch.get_num_threads()} threads, {kind}")
     sampler = Sampler()
     cells: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
@@ -129,7 +136,7 @@ def main() -> None:
                     old = functools.partial(_old, logits, *rows, bits, n)
                     new = functools.partial(sampler.sample, *new_args, num_logprobs=n)
                     for impl, fn in (("old", old), ("new", new)):
-                        cells.setdefault((batch, name, n, impl), []).append(timed(fn, args.repeats))
+                        cells.setdefault((batch, name, n, impl), []).append(timed(fn, args.repeats, clock))
     print(f"{'B':>4} {'setting':<22} {'logprobs':>8} {'old ms':>9} {'new ms':>9} {'speedup':>8}")
     for batch in args.batches:
         for name, *_ in SETTINGS:

@@ -53,6 +53,27 @@ class SampleOutput:
 
 
 class Sampler:
+    """Samples one token per row; keeps two vocabulary-wide work buffers between calls, because fresh
+    buffers of that size are fresh pages from the OS on every step (costlier than the softmax itself)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, V] buffer shaped like ``like``; grown, never shrunk, so batch sizes can vary."""
+        buf = self._buffers.get(name)
+        fits = buf is not None and buf.shape[0] >= like.shape[0] and buf.shape[1:] == like.shape[1:]
+        if not fits or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        self._buffers[name] = buf
+        return buf[: like.shape[0]]
+
+    def _softmax(self, logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """softmax(logits / scale) in the "probs" buffer (valid until the next call)."""
+        if not bool((scale == 1).all()):
+            logits = torch.div(logits, scale.unsqueeze(1), out=self._buffer("scratch", logits))
+        return torch.ops.aten._softmax.out(logits, -1, False, out=self._buffer("probs", logits))
+
     def uniform_bits(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """[B] int64 in [0, 2**24): the 24 random bits of each row's uniform for this step."""
         # Offsets before each mix: mix32(0) == 0, so without them seed 0 at step 0 would draw u ~ 0
@@ -118,11 +139,11 @@ class Sampler:
             tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
         else:
             tokens = logits.argmax(-1)
-        probs = None
+        probs = maxima = None
         if any_random or num_logprobs is not None:
             # Greedy rows get temperature 1 here, which is what their logprobs need.
             scale = torch.where(random_rows, temperature, torch.ones_like(temperature))
-            probs = pad_to_blocks(torch.softmax(logits / scale.unsqueeze(1), dim=-1))
+            probs = pad_to_blocks(self._softmax(logits, scale))
         if any_random:
             greedy = _rows_where(~random_rows)
             if greedy.numel():
@@ -138,14 +159,19 @@ class Sampler:
             plain = random_rows & ~truncated
             if bool(plain.any()):
                 rows = None if bool(plain.all()) else _rows_where(plain)  # None: all rows, no copies
-                tokens[plain] = self._draw_plain(_take(probs, rows)[:, :vocab], _take(bits, rows))
+                plain_probs = _take(probs, rows)[:, :vocab]
+                cdf = torch.cumsum(plain_probs, -1, out=self._buffer("scratch", plain_probs))
+                tokens[plain] = self._draw_plain(cdf, _take(bits, rows))
             cut = random_rows & truncated
             if bool(cut.any()):
                 rows = None if bool(cut.all()) else _rows_where(cut)
                 cut_probs = _take(probs, rows)
+                cut_maxima = block_maxima(cut_probs)
+                if rows is None:
+                    maxima = cut_maxima
                 tokens[cut] = sample_truncated(
                     cut_probs,
-                    block_maxima(cut_probs),
+                    cut_maxima,
                     vocab,
                     _take(top_k, rows) if any_top_k else None,
                     _take(top_p, rows) if any_top_p else torch.ones_like(_take(top_p, rows)),
@@ -154,22 +180,22 @@ class Sampler:
                 )
         if num_logprobs is None:
             return SampleOutput(tokens)
-        return self._with_logprobs(logits, probs, temperature, tokens, num_logprobs)
+        prob_max = maxima.amax(-1) if maxima is not None else probs.amax(-1)
+        return self._with_logprobs(logits, prob_max, temperature, tokens, num_logprobs)
 
     @staticmethod
-    def _draw_plain(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        """Inverse CDF over the whole vocabulary in token order (fp32 CDF, accumulated in double)."""
-        cdf = probs.cumsum(-1)
+    def _draw_plain(cdf: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """Inverse CDF over the whole vocabulary in token order (the fp32 CDF, accumulated in double)."""
         total = cdf[:, -1]
         u = (bits.float() + 0.5) * (1.0 / 16777216.0)
         # Strictly below the total, so the search lands on a token with nonzero probability.
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
-    @staticmethod
     def _with_logprobs(
+        self,
         logits: torch.Tensor,
-        probs: torch.Tensor,
+        prob_max: torch.Tensor,
         temperature: torch.Tensor,
         tokens: torch.Tensor,
         n: int,
@@ -182,11 +208,12 @@ class Sampler:
         """
         padded = pad_to_blocks(logits, float("-inf"))
         maxima = block_maxima(padded)
-        prob_max = probs.amax(-1)
+        prob_max = prob_max.clone()
         other = (temperature != 0) & (temperature != 1)
         if bool(other.any()):
             rows = None if bool(other.all()) else _rows_where(other)
-            prob_max[other] = torch.softmax(_take(logits, rows), dim=-1).amax(-1)
+            untempered = self._softmax(_take(logits, rows), torch.ones_like(_take(temperature, rows)))
+            prob_max[other] = untempered.amax(-1)
         lse = maxima.amax(-1) - prob_max.log()
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         if n == 0:

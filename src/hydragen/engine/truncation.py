@@ -41,7 +41,8 @@ def retry_floors(top_p: torch.Tensor) -> torch.Tensor:
     """[passes, R] floors of the retry passes; the last is 0 (every token).
 
     The smaller the tail top_p leaves out, the deeper the nucleus reaches: 1e-3 * (1 - top_p), within
-    [1e-7, 1e-4], covers the nucleus of over 99 % of the embedded model's rows at temperature 1.
+    [1e-7, 1e-4], held the nucleus of 97 % (top_p 0.95) to 99 % (top_p 0.9) of the rows the embedded
+    model produced at temperature 1 (scripts/bench_sampler.py's logits).
     """
     first = (1e-3 * (1 - top_p)).clamp(1e-7, 1e-4)
     return torch.stack([first, first * 1e-2, torch.zeros_like(first)])
@@ -118,8 +119,11 @@ def sample_truncated(
     free = survive <= 0  # only top_p: the survivors are the whole vocabulary
     # First pass for a free row: every token above the FIRST_K-th largest block maximum. They all lie in
     # the FIRST_K best blocks (a token above it in another block would raise that block's maximum).
-    first = maxima.topk(min(FIRST_K, maxima.shape[1]), dim=-1).values[:, -1]
-    first = torch.nextafter(first, torch.full_like(first, 2.0))
+    if maxima.shape[1] > FIRST_K:
+        first = maxima.topk(FIRST_K, dim=-1).values[:, -1]
+        first = torch.nextafter(first, torch.full_like(first, 2.0))
+    else:  # a small vocabulary: every token is in the best blocks
+        first = torch.zeros_like(pmax)
     tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     todo = torch.arange(probs.shape[0], device=probs.device)
     floors = retry_floors(top_p)
@@ -127,10 +131,10 @@ def sample_truncated(
         args = (probs, maxima, pmax, survive, free, top_p, bits, first)
         if todo.numel() < probs.shape[0]:  # a retry: only the rows whose candidates fell short
             args = tuple(a.index_select(0, todo) for a in args)
-        row_probs, row_maxima, row_pmax, row_survive, row_free, row_top_p, row_bits, row_first = args
+        row_probs, row_maxima, row_pmax, row_survive, row_free, row_top_p, row_bits, free_tau = args
         if attempt > 0:
-            row_first = row_pmax * floors[attempt - 1].index_select(0, todo)
-        tau = torch.where(row_free, row_first, row_survive)
+            free_tau = row_pmax * floors[attempt - 1].index_select(0, todo)
+        tau = torch.where(row_free, free_tau, row_survive)
         drawn, done = _draw(
             *candidates(row_probs, row_maxima, tau), todo.numel(), row_pmax, row_free, row_top_p, row_bits
         )
@@ -164,7 +168,8 @@ def _draw(
     if rows.numel() == 0:  # no candidate in any row: nothing settled
         return torch.zeros_like(bits), torch.zeros_like(free)
     mass = (p.double() * MASS_SCALE).floor_().long()
-    levels = _level(pmax).index_select(0, rows) - _level(p)  # 0 for the top level, growing as p falls
+    # Level 0 holds the top probability; levels grow as p falls (the deepest gathers everything below).
+    levels = (_level(pmax).index_select(0, rows) - _level(p)).clamp_max(_LEVELS - 1)
     per_level = torch.bincount(rows * _LEVELS + levels, weights=mass.double(), minlength=n_rows * _LEVELS)
     inclusive = per_level.view(n_rows, _LEVELS).cumsum(1)
     in_c = inclusive[:, -1]  # mass inside C
@@ -219,7 +224,7 @@ def _kept_at_cut(
 
 
 _LEVEL_SHIFT = 20  # fp32 bits >> 20: exponent and 3 mantissa bits, 8 levels per octave
-_LEVELS = 1 << (31 - _LEVEL_SHIFT)  # enough for every non-negative fp32
+_LEVELS = 256  # 32 octaves below the top probability; anything deeper shares the last level
 
 
 def _level(p: torch.Tensor) -> torch.Tensor:
