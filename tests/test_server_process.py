@@ -103,6 +103,11 @@ def start_server(model_dir: str, grace: float, api_key: str = "") -> tuple[subpr
     return proc, lines, m.group(1)
 
 
+def _requests_running(url: str) -> int:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return int(float(re.search(r"^hydragen_requests_running (\S+)$", text, re.M).group(1)))
+
+
 def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(model_dir):
     proc, lines, url = start_server(model_dir, grace=3)
     results: dict = {}
@@ -135,7 +140,12 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(mo
             target=plain, args=("short", {"model": "tiny", "prompt": "hi", "max_tokens": 5})
         )
         short.start()
-        time.sleep(0.3)
+        # SIGTERM only once the short request is in the batch (16 long sequences + it), or done: a loaded
+        # machine may take longer than any fixed sleep to parse it, and then it would meet the shutdown
+        deadline = time.time() + 60
+        while "short" not in results and _requests_running(url) < 17:
+            assert time.time() < deadline, "the short request never reached the batch"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         t0 = time.time()
         lines.wait_for("shutting down: no new requests")

@@ -368,3 +368,19 @@ def test_build_key_tracks_source_and_flags(monkeypatch):
     assert key == cpp_build.build_key()
     monkeypatch.setattr(cpp_build, "CFLAGS", (*cpp_build.CFLAGS, "-DHYDRAGEN_TEST"))
     assert cpp_build.build_key() != key
+
+
+def test_another_checkout_of_the_same_source_loads_the_cached_build(monkeypatch, tmp_path, capsys):
+    """The build folder is keyed by the source's content, not its path: a second checkout (a worktree, a
+    clone, a venv) of the same version loads the existing library instead of recompiling it."""
+    assert cpp_build.step_attention_op() is not None  # the build exists
+    where = cpp_build.cache_dir() / "ext" / f"hydragen_step_attention_{cpp_build.build_key()}"
+    built = (where / f"hydragen_step_attention_{cpp_build.build_key()}.so").stat().st_mtime_ns
+    other = tmp_path / "checkout" / "step_attention.cpp"
+    other.parent.mkdir()
+    other.write_bytes(cpp_build.SOURCE.read_bytes())
+    monkeypatch.setattr(cpp_build, "SOURCE", other)
+    capsys.readouterr()
+    assert cpp_build._build() is not None
+    assert "compiled" not in capsys.readouterr().err
+    assert (where / f"hydragen_step_attention_{cpp_build.build_key()}.so").stat().st_mtime_ns == built

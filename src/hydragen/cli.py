@@ -355,7 +355,11 @@ BENCHMARKS = {
     "serve": "hydragen.bench.serve",
 }
 # Calibrations, run on their own (not part of `bench all`).
-EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule", "exactness": "hydragen.bench.exactness"}
+EXTRA_BENCHMARKS = {
+    "cost-rule": "hydragen.bench.cost_rule",
+    "exactness": "hydragen.bench.exactness",
+    "versus": "hydragen.bench.versus",
+}
 
 
 def _replot(module_name: str, folder: str) -> None:

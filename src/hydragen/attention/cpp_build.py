@@ -79,23 +79,29 @@ def _build() -> Callable:
     where = cache_dir() / "ext" / name
     where.mkdir(parents=True, exist_ok=True)
     with _build_lock(where):
-        fresh = not (where / f"{name}.so").exists()
+        library = where / f"{name}.so"
+        if library.exists():  # built before, by any checkout: the key names its source exactly
+            torch.ops.load_library(str(library))
+            return torch.ops.hydragen.step_attention
+        # Built from a copy inside the folder: build.ninja then never names a checkout, so two checkouts of
+        # one version share one build instead of rebuilding it for each other.
+        source = where / SOURCE.name
+        source.write_bytes(SOURCE.read_bytes())
         start = time.perf_counter()
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(where),
             is_python_module=False,
             verbose=False,
         )
-    if fresh:
-        print(
-            f"hydragen: compiled the C++ step-attention op in {time.perf_counter() - start:.1f} s "
-            f"(cached in {where})",
-            file=sys.stderr,
-        )
+    print(
+        f"hydragen: compiled the C++ step-attention op in {time.perf_counter() - start:.1f} s "
+        f"(cached in {where})",
+        file=sys.stderr,
+    )
     return torch.ops.hydragen.step_attention
 
 

@@ -1,0 +1,236 @@
+"""This checkout against another hydragen source tree, side by side in one run.
+
+Each tree runs the same measurements in its own process (``PYTHONPATH=<tree>/src``), alternating old and
+new for ``--rounds`` rounds; each number is the best of its rounds, so a noisy neighbour hurts both trees
+alike. The measuring code below the ``worker`` line is executed as a script inside the other tree's
+process, so it uses only the public API both trees have (``LLM``, ``SamplingParams``, ``Engine.step``).
+
+Measured:
+* e2e: one P-token prompt, n samples of T tokens, default sampling (temperature 1) and temperature 0.8 /
+  top_p 0.95; wall time of one ``generate``, prefix cache reset before it.
+* prefill: 64 requests, each a cached S-token system prompt plus a distinct 16-token question, against one
+  uncached S-token prompt (``max_tokens=1``: the time to first token).
+* tree step: the tree benchmark's batch (a 1,024-token few-shot block, 4 problems of 512 tokens, 16 samples
+  each): mean decode step time, aten ops per step and the dispatch share (the step's time outside GEMMs and
+  attention kernels, from ``torch.profiler``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT_NAME = "versus"  # versus.json, versus.md
+SAMPLINGS = {"default": {}, "top_p": {"temperature": 0.8, "top_p": 0.95}}
+# aten/custom ops doing the arithmetic; the rest of a step's time is dispatch and bookkeeping.
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def _worker(args: dict) -> dict:
+    """Runs inside the measured tree's process: only the public API of both trees."""
+    import random
+
+    import torch
+
+    from hydragen import LLM, SamplingParams
+
+    torch.set_num_threads(args["threads"])
+    llm = LLM(kv_cache_tokens=args["kv_tokens"])
+    vocab = llm.config.vocab_size
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    def timed(prompts, params) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    out: dict = {}
+    prompt = ids(args["prompt_len"])
+    timed([prompt[:64]], SamplingParams(max_tokens=2))  # warm-up: lazy init, compiled ops
+    for name, sampling in SAMPLINGS.items():
+        for n in args["ns"]:
+            llm.reset_prefix_cache()
+            p = SamplingParams(n=n, max_tokens=args["new_tokens"], ignore_eos=True, seed=0, **sampling)
+            out[f"e2e/{name}/{n}"] = timed([prompt], p)
+
+    system, one = ids(args["system_len"]), ids(args["system_len"])
+    first = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    llm.reset_prefix_cache()
+    out["prefill/uncached_one"] = timed([one], first)
+    timed([system], first)  # caches the system prompt
+    out["prefill/cached_64"] = timed([system + ids(16) for _ in range(64)], first)
+
+    llm.reset_prefix_cache()
+    shots = ids(1024)
+    problems = [shots + ids(512) for _ in range(4)]
+    engine = llm.engine
+    p = SamplingParams(n=16, max_tokens=args["tree_steps"] + 8, ignore_eos=True, seed=0)
+    for prob in problems:
+        engine.add_request(prob, p)
+    first_tokens = engine.stats.generated_tokens + 16 * len(problems)
+    while engine.stats.generated_tokens < first_tokens:  # prefill, first token of every sample
+        engine.step()
+    steps = args["tree_steps"]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    out["tree/step_s"] = (time.perf_counter() - t0) / steps
+    prof_steps = 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(prof_steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "hydragen::"))]
+    compute_us = sum(e.self_cpu_time_total for e in events if _is_compute(e.key))
+    top_level = [
+        e for e in prof.events() if e.cpu_parent is None and e.name.startswith(("aten::", "hydragen::"))
+    ]
+    out["tree/ops_per_step"] = len(top_level) / prof_steps
+    out["tree/dispatch_share"] = max(0.0, 1.0 - compute_us / 1e6 / wall)
+    return out
+
+
+def _is_compute(op: str) -> bool:
+    return op in GEMM_OPS or op.startswith("hydragen::") or "scaled_dot_product" in op or "flash" in op
+
+
+def run_tree(tree: Path, args: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree}: worker failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(old: Path, new: Path, args: dict, rounds: int) -> dict:
+    results: dict[str, list[dict]] = {"old": [], "new": []}
+    for r in range(rounds):
+        for label, tree in (("old", old), ("new", new)):
+            t0 = time.perf_counter()
+            results[label].append(run_tree(tree, args))
+            print(
+                f"round {r + 1}/{rounds} {label}: {time.perf_counter() - t0:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    best = {}
+    for label, runs in results.items():
+        best[label] = {k: min(run[k] for run in runs) for k in runs[0]}
+        best[label]["tree/dispatch_share"] = min(run["tree/dispatch_share"] for run in runs)
+    return {"rounds": results, "best": best}
+
+
+def tables(data: dict, args: dict) -> str:
+    old, new = data["best"]["old"], data["best"]["new"]
+    lines = ["| sampling | n | old e2e s | new e2e s | old / new |", "|---|---|---|---|---|"]
+    for name in SAMPLINGS:
+        for n in args["ns"]:
+            k = f"e2e/{name}/{n}"
+            lines.append(f"| {name} | {n} | {old[k]:.2f} | {new[k]:.2f} | {old[k] / new[k]:.2f}x |")
+    lines += ["", "| top_p / default, new | n | ratio |", "|---|---|---|"]
+    for n in args["ns"]:
+        lines.append(f"| | {n} | {new[f'e2e/top_p/{n}'] / new[f'e2e/default/{n}']:.3f} |")
+    lines += ["", "| measure | old | new |", "|---|---|---|"]
+    for k, fmt in (
+        ("prefill/uncached_one", "{:.2f} s"),
+        ("prefill/cached_64", "{:.2f} s"),
+        ("tree/step_s", "{:.3f} s"),
+        ("tree/ops_per_step", "{:.0f}"),
+        ("tree/dispatch_share", "{:.0%}"),
+    ):
+        lines.append(f"| {k} | {fmt.format(old[k])} | {fmt.format(new[k])} |")
+    for label, d in (("old", old), ("new", new)):
+        ratio = d["prefill/cached_64"] / d["prefill/uncached_one"]
+        lines.append(f"| prefill cached_64 / uncached_one, {label} | {ratio:.2f} | |")
+    return "\n".join(lines)
+
+
+def plot(data: dict, args: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    old, new = data["best"]["old"], data["best"]["new"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, name in zip(axes, SAMPLINGS, strict=True):
+        xs = range(len(args["ns"]))
+        w = 0.38
+        ax.bar([x - w / 2 for x in xs], [old[f"e2e/{name}/{n}"] for n in args["ns"]], w, label="before v2")
+        ax.bar([x + w / 2 for x in xs], [new[f"e2e/{name}/{n}"] for n in args["ns"]], w, label="engine v2")
+        ax.set_xticks(list(xs), [str(n) for n in args["ns"]])
+        ax.set_xlabel("n (samples of one prompt)")
+        title = "temperature 1" if name == "default" else "temperature 0.8, top_p 0.95"
+        ax.set_title(f"P={args['prompt_len']}, T={args['new_tokens']}, {title}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("end-to-end seconds (lower is better)")
+    axes[0].legend()
+    fig.tight_layout()
+    path = out / "versus_e2e.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    return [plot(data, data["params"], out)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="hydragen bench versus", description=__doc__.split("\n\n")[0])
+    p.add_argument("--against", type=Path, required=True, help="the other source tree (a git worktree)")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--n", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--system-len", type=int, default=1024)
+    p.add_argument("--tree-steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    a = p.parse_args(argv)
+    args = {
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "ns": a.n,
+        "system_len": a.system_len,
+        "tree_steps": a.tree_steps,
+        "threads": a.threads,
+        # what any part needs at its worst-case admission (every sequence holding a private copy)
+        "kv_tokens": max(
+            max(a.n) * (a.prompt_len + a.new_tokens),
+            64 * (a.system_len + 32),
+            64 * (1024 + 512 + a.tree_steps + 8),
+        ),
+    }
+    new_tree = Path(__file__).resolve().parents[3]
+    data = compare(a.against.resolve(), new_tree, args, a.rounds)
+    data["params"] = args | {"against": str(a.against.resolve()), "rounds": a.rounds}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "versus.json").write_text(json.dumps(data, indent=2))
+    md = tables(data, args)
+    (a.out / "versus.md").write_text(md + "\n")
+    print(md)
+    print(f"plot: {plot(data, args, a.out)}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.path.pop(0)  # this file's folder: its modules must not shadow the measured tree's
+        print(json.dumps(_worker(json.loads(sys.argv[2]))))
+    else:
+        main()
