@@ -147,6 +147,7 @@ def test_tree_quick(tiny_models, tmp_path):
     assert matched[0]["kv_tokens_model"] <= kv_tokens_needed("onelevel", 40, 2, 16, 3, 4)
     assert all(r["same_seqs"] == 1.0 for r in rows if r["mode"] != "tree")
     assert all(r["decode_tok_s"] > 0 and r["preemptions"] == 0 for r in rows)
+    assert all(0.0 <= r["run_splits"] <= 1.0 for r in rows)
     peak = {(r["mode"], r["problems"]): r["peak_kv_mib"] for r in rows}
     assert peak[("tree", 2)] < peak[("onelevel", 2)] < peak[("nosharing", 2)]
     assert (tmp_path / "tree_throughput_vs_batch.png").read_bytes()[:8] == PNG

@@ -1,13 +1,14 @@
-"""Calibration of the engine's cost rule: when is a shared node worth its own batched call?
+"""Calibration of the engine's cost rule: when is a shared node worth a unit of its own?
 
-A decode step reads a node held by h sequences either *shared* (one matrix-matrix call over the node's
-KV for all h queries, then an LSE merge into each sequence's tail result) or *private* (the node copied
-once into each holder's tail, read by the batched tail call with the rest of the tail). Sharing saves
-(h - 1) x tokens KV reads per step but costs one more call and a merge per query row, so short nodes and
-few holders lose. This benchmark times both sides with the engine's own ops (``suffix_attention``,
-``level_attention``, ``merge_into``) over a grid of holders x node tokens x tail lengths and checks the
-rule ``(h - 1) x (tokens - MERGE_ROW_TOKENS) >= min_shared_reads`` against the measurement: how often it
-picks the faster side and what its wrong picks cost.
+A decode step reads a node held by h sequences either *shared* (one unit of the step's attention: the
+node's keys read once, as a matrix product, for all h query rows, then merged by log-sum-exp into each
+row's own part) or *in place* (each holder's segment runs through the node's pages, so the node's keys are
+read h times, one matrix-vector pass per holder, and nothing is merged). Sharing saves (h - 1) x tokens
+KV reads per step but costs a merge per query row, so short nodes and few holders lose. This benchmark
+times both sides with the engine's own op (``step_attention``, one call per layer, metadata built once
+per step as the runner does) over a grid of holders x node tokens x tail lengths, and checks the rule
+``(h - 1) x (tokens - MERGE_ROW_TOKENS) >= min_shared_reads`` against the measurement: how often it picks
+the faster side and what its wrong picks cost.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hydragen.attention.merge import merge_into
-from hydragen.attention.shared_prefix import level_attention, suffix_attention
+from hydragen.attention.step_attention import StepAttentionMeta, step_attention
 from hydragen.bench.common import machine_description, say_quick, write_table
 from hydragen.bench.plots import Panel, plot
 from hydragen.engine.engine import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS, sharing_pays
@@ -55,32 +55,31 @@ def _median_time(fn, device: torch.device, trials: int) -> float:
 
 
 def measure(holders, tokens, tail, shape, device, dtype, trials) -> tuple[float, float]:
-    """(shared, private) seconds for one decode step's attention of ``holders`` sequences."""
+    """(shared, in place) seconds of one layer's decode attention for ``holders`` sequences."""
     hq, hkv, d = shape
     g = torch.Generator(device="cpu").manual_seed(0)
+    slots = tokens + holders * tail  # the node's pages first, then each holder's own tail
 
     def rand(*s):
         return torch.randn(*s, generator=g).to(device=device, dtype=dtype)
 
-    q = rand(holders, 1, hq, d)
-    tail_k, tail_v = rand(holders, tail, hkv, d), rand(holders, tail, hkv, d)
-    node_k, node_v = rand(1, tokens, hkv, d), rand(1, tokens, hkv, d)
-    copy_k, copy_v = rand(holders, tail + tokens, hkv, d), rand(holders, tail + tokens, hkv, d)
+    q, k, v = rand(holders, hq, d), rand(slots, hkv, d), rand(slots, hkv, d)
+    tails = [(tokens + i * tail, tokens + (i + 1) * tail) for i in range(holders)]
+    shared_meta = StepAttentionMeta.build(
+        [(0, tokens, 0, holders, 0)], [(i, i + 1, [t], tail) for i, t in enumerate(tails)], holders, device
+    )
+    in_place_meta = StepAttentionMeta.build(
+        [], [(i, i + 1, [(0, tokens), t], tokens + tail) for i, t in enumerate(tails)], holders, device
+    )
     scale = d**-0.5
-
-    def shared():
-        out, lse = suffix_attention(q, tail_k, tail_v, None, scale)
-        acc, acc_lse = out.view(holders, hq, d).float(), lse.view(holders, hq).contiguous()
-        o, lo = level_attention(q, node_k, node_v, scale)
-        merge_into(acc, acc_lse, o.squeeze(1), lo.squeeze(1))
-
-    def private():
-        suffix_attention(q, copy_k, copy_v, None, scale)
-
     best_s, best_p = float("inf"), float("inf")
     for _ in range(3):  # interleaved rounds: background load hits both sides alike
-        best_s = min(best_s, _median_time(shared, device, trials))
-        best_p = min(best_p, _median_time(private, device, trials))
+        best_s = min(
+            best_s, _median_time(lambda: step_attention(q, k, v, shared_meta, scale), device, trials)
+        )
+        best_p = min(
+            best_p, _median_time(lambda: step_attention(q, k, v, in_place_meta, scale), device, trials)
+        )
     return best_s, best_p
 
 
@@ -135,7 +134,8 @@ def run(
     notes = (
         f"Rule: share when (holders - 1) x (tokens - {MERGE_ROW_TOKENS}) >= {threshold}. It picks the faster "
         f"side at {len(rows) - len(wrong)} of {len(rows)} points; its wrong picks are at most {worst:.2f}x "
-        "slower than the other side. speedup = private / shared (above 1: sharing is faster)."
+        "slower than the other side. speedup = in-place / shared time (above 1: sharing is faster); "
+        "private_ms is the in-place time."
     )
     params = dict(shape=shape, threshold=threshold, holders=holders, tokens=tokens, tails=tails)
     md = write_table(
@@ -143,7 +143,7 @@ def run(
         COLUMNS,
         out,
         "cost_rule",
-        "Cost rule: shared call vs private copies",
+        "Cost rule: a shared unit vs reading in place per sequence",
         notes,
         quick=quick,
         params=params,
@@ -155,7 +155,7 @@ def run(
 
 
 def plots(data: dict, out: Path) -> list[Path]:
-    """Per tail length: the speedup of sharing over private copies vs node length, a line per holder count;
+    """Per tail length: the speedup of sharing over reading in place vs node length, a line per holder count;
     the points where the rule picks the slower side are circled."""
     rows, prm, quick = data["rows"], data["params"], data.get("quick", False)
     shape, threshold = prm.get("shape", "gqa"), prm.get("threshold", DEFAULT_MIN_SHARED_READS)
@@ -178,11 +178,11 @@ def plots(data: dict, out: Path) -> list[Path]:
             plot(
                 [panel],
                 out / f"cost_rule_tail{tail}.png",
-                f"Reading a shared node once vs a private copy per holder (private tail {tail} tokens; "
+                f"Reading a shared node once vs in place per holder (private tail {tail} tokens; "
                 f"{hq} query heads, {hkv} KV heads, dim {d}); rule: share when "
                 f"(holders - 1) x (tokens - {MERGE_ROW_TOKENS}) >= {threshold}",
                 "node length (tokens)",
-                "speedup of sharing (private time / shared time)",
+                "speedup of sharing (in-place time / shared time)",
                 logx=True,
                 logy=True,
                 quick=quick,

@@ -60,18 +60,24 @@ def time_mode(llm, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
 
     llm.reset_prefix_cache()
     llm.engine.stats = EngineStats()
+    pool = llm.engine.pool
+    growth0 = (pool.stats_contiguous_growth, pool.stats_split_growth)
     params = SamplingParams(n=k, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     st = llm.engine.stats
     assert all(len(c.token_ids) == new_tokens for o in outs for c in o.outputs)
+    contiguous = pool.stats_contiguous_growth - growth0[0]
+    split = pool.stats_split_growth - growth0[1]
     return dict(
         wall_s=wall,
         decode_tok_s=st.generated_tokens / max(st.decode_seconds, 1e-9),
         step_ms=1e3 * st.decode_seconds / max(st.decode_steps, 1),
         peak_kv_mib=st.peak_kv_tokens * llm.engine.pool.bytes_per_token / 2**20,
         preemptions=st.preemptions,
+        # growths of a holder's pages that could not continue its last run (the read then has one more run)
+        run_splits=split / max(split + contiguous, 1),
         tokens=[c.token_ids for o in outs for c in o.outputs],
     )
 
@@ -162,6 +168,7 @@ def run(
         "kv_tokens_model",
         "same_seqs",
         "preemptions",
+        "run_splits",
     ]
     params = dict(
         fewshot=F, problem_len=L, samples=k, new_tokens=T, problem_counts=counts, memory_matched=k_mem
@@ -175,7 +182,8 @@ def run(
         f"model {model or 'embedded SmolLM2-135M'}; one-level with {counts[-1]} problems needs {budget} KV "
         f"tokens; tree sharing fits {k_mem} problems in that memory. vs_onelevel_max and time_saved compare "
         f"with one-level at {counts[-1]} problems; same_seqs: fraction of samples whose tokens equal "
-        "tree sharing's.",
+        "tree sharing's; run_splits: fraction of page growths that could not take the page after the "
+        "holder's last one (each adds a run to its reads).",
         quick=quick,
         params=params,
     )
