@@ -256,3 +256,24 @@ def test_cost_rule_quick(tmp_path):
     assert sharing_pays(2, 2064, 2048) and not sharing_pays(2, 2063, 2048)
     assert sharing_pays(129, 32, 2048) and not sharing_pays(128, 32, 2048)
     assert sharing_pays(2, 1, 0)
+
+
+def test_cost_rule_fit_recovers_a_known_rule():
+    """fit_rule finds constants whose picks are all right when the grid follows a rule it can express."""
+    from hydragen.bench.cost_rule import fit_rule
+
+    def faster_shared(h, t):
+        return (h - 1) * (t - 32) >= 512
+
+    rows = [
+        dict(holders=h, node_tokens=t, shared_ms=1.0 if faster_shared(h, t) else 3.0,
+             private_ms=2.0)
+        for h in (2, 4, 8, 16, 64) for t in (16, 32, 64, 128, 256, 1024)
+    ]  # fmt: skip
+    merge, reads, lost = fit_rule(rows)
+    assert lost == 0.0
+    assert all(
+        ((r["holders"] - 1) * (r["node_tokens"] - merge) >= reads)
+        == faster_shared(r["holders"], r["node_tokens"])
+        for r in rows
+    )
