@@ -277,3 +277,25 @@ def test_cost_rule_fit_recovers_a_known_rule():
         == faster_shared(r["holders"], r["node_tokens"])
         for r in rows
     )
+
+
+def test_versus_tables_and_plot_from_saved_results(tmp_path):
+    """bench versus: the tables and the plot come from the best of each tree's rounds."""
+    from hydragen.bench import versus
+
+    args = {"ns": [1, 4], "prompt_len": 64, "new_tokens": 4}
+
+    def run(scale):
+        r = {f"e2e/{s}/{n}": scale * n for s in versus.SAMPLINGS for n in args["ns"]}
+        r |= {"prefill/uncached_one": 1.0, "prefill/cached_64": 1.5 * scale, "tree/step_s": scale}
+        return r | {"tree/ops_per_step": 100 * scale, "tree/dispatch_share": 0.1 * scale}
+
+    rounds = {"old": [run(2.0), run(3.0)], "new": [run(1.0), run(1.5)]}
+    best = {k: {m: min(r[m] for r in v) for m in v[0]} for k, v in rounds.items()}
+    md = versus.tables({"rounds": rounds, "best": best}, args)
+    assert "| default | 4 | 8.00 | 4.00 | 2.00x |" in md
+    assert "| prefill cached_64 / uncached_one, new | 1.50 | |" in md
+    path = versus.plots({"rounds": rounds, "best": best, "params": args}, tmp_path)[0]
+    assert path.read_bytes()[:8] == PNG
+    assert versus._is_compute("aten::addmm") and versus._is_compute("hydragen::step_attention")
+    assert not versus._is_compute("aten::copy_")

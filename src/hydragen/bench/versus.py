@@ -103,8 +103,10 @@ def _is_compute(op: str) -> bool:
     return op in GEMM_OPS or op.startswith("hydragen::") or "scaled_dot_product" in op or "flash" in op
 
 
-def run_tree(tree: Path, args: dict) -> dict:
+def run_tree(tree: Path, args: dict, keep: Path | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    if keep is not None:  # each worker's result also lands there, so a stopped run keeps what it measured
+        env["HYDRAGEN_VERSUS_KEEP"] = str(keep)
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)],
         env=env,
@@ -117,12 +119,12 @@ def run_tree(tree: Path, args: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compare(old: Path, new: Path, args: dict, rounds: int) -> dict:
+def compare(old: Path, new: Path, args: dict, rounds: int, keep: Path | None = None) -> dict:
     results: dict[str, list[dict]] = {"old": [], "new": []}
     for r in range(rounds):
         for label, tree in (("old", old), ("new", new)):
             t0 = time.perf_counter()
-            results[label].append(run_tree(tree, args))
+            results[label].append(run_tree(tree, args, keep))
             print(
                 f"round {r + 1}/{rounds} {label}: {time.perf_counter() - t0:.0f} s",
                 file=sys.stderr,
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
     }
     new_tree = Path(__file__).resolve().parents[3]
-    data = compare(a.against.resolve(), new_tree, args, a.rounds)
+    data = compare(a.against.resolve(), new_tree, args, a.rounds, a.out / "workers")
     data["params"] = args | {"against": str(a.against.resolve()), "rounds": a.rounds}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "versus.json").write_text(json.dumps(data, indent=2))
@@ -231,6 +233,12 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         sys.path.pop(0)  # this file's folder: its modules must not shadow the measured tree's
-        print(json.dumps(_worker(json.loads(sys.argv[2]))))
+        result = json.dumps(_worker(json.loads(sys.argv[2])))
+        keep = os.environ.get("HYDRAGEN_VERSUS_KEEP")  # a folder: each worker's result also lands there
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            tag = os.environ.get("PYTHONPATH", "tree").strip("/").replace("/", "_")
+            (Path(keep) / f"{tag}-{os.getpid()}.json").write_text(result)
+        print(result)
     else:
         main()
