@@ -395,7 +395,11 @@ BENCHMARKS = {
     "serve": "hydragen.bench.serve",
 }
 # Calibrations, run on their own (not part of `bench all`).
-EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule", "exactness": "hydragen.bench.exactness"}
+EXTRA_BENCHMARKS = {
+    "cost-rule": "hydragen.bench.cost_rule",
+    "exactness": "hydragen.bench.exactness",
+    "tp": "hydragen.bench.tp",
+}
 
 
 def _replot(module_name: str, folder: str) -> None:
@@ -613,8 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule): `hydragen bench NAME -h`; "
-        "`hydragen bench NAME --replot DIR` redraws a run's plots from its saved JSON",
+        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule, tp): "
+        "`hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` redraws a run's plots from its JSON",
     )
     b.add_argument(
         "which",
