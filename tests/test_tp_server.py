@@ -1,6 +1,6 @@
 """The server under tensor parallelism, as processes: `hydragen serve --tensor-parallel-size 2` answers as
 TP = 1 does, a killed worker turns into OpenAI-shaped errors (never a hang), and nothing outlives it; and
-`torchrun --nproc-per-node 2 -m hydragen serve` on localhost with TCP (c10d) rendezvous."""
+`torchrun --nproc-per-node 2 -m hydragen serve` on localhost with TCP rendezvous (the README's command)."""
 
 from __future__ import annotations
 
@@ -142,10 +142,12 @@ def test_torchrun_two_ranks_on_localhost_with_tcp_rendezvous(chat_model, expecte
         "1",
         "--nproc-per-node",
         "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
         "-m",
         "hydragen",
         *_serve_args(chat_model),
