@@ -142,3 +142,14 @@ def test_llm_refuses_a_bad_split_before_starting_any_process(tiny_models) -> Non
         LLM(tiny_models["llama"], tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(tiny_models["llama"], tensor_parallel_size=0)
+
+
+def test_cli_refuses_a_bad_split_with_one_line(tiny_models, capsys) -> None:
+    from hydragen import cli
+
+    code = cli.main(["generate", "hi", "--model", tiny_models["llama"], "--tensor-parallel-size", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        "error: cannot split 4 attention heads over 3 ranks: tensor_parallel_size must divide the number of "
+        "attention heads"
+    ]

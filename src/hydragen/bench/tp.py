@@ -60,11 +60,17 @@ class _Timer:
             self.calls += 1
 
 
-def measure(model_spec, tp: int, batches: list[int], prompt_len: int, max_tokens: int) -> list[dict]:
+def measure(
+    model_spec, tp: int, batches: list[int], prompt_len: int, max_tokens: int, threads: int | None = None
+) -> list[dict]:
+    """Rows for one tensor-parallel size; ``threads`` pins TP = 1's torch threads (TP = N sets its own)."""
     from hydragen import LLM, SamplingParams
 
     kv = (prompt_len + max_tokens + 32) * (max(batches) + 1) * 2
+    if threads is not None:
+        torch.set_num_threads(threads)
     llm = LLM(model_spec, random_weights=True, tensor_parallel_size=tp, kv_cache_tokens=kv)
+    threads = torch.get_num_threads()  # per rank
     try:
         vocab = llm.config.vocab_size
         reduce = broadcast = None
@@ -85,7 +91,8 @@ def measure(model_spec, tp: int, batches: list[int], prompt_len: int, max_tokens
             llm.generate([prompt], params, use_tqdm=False)
             steps = st.decode_steps - before[1]
             step_s = (st.decode_seconds - before[0]) / max(steps, 1)
-            row = {"tp": tp, "batch": batch, "steps": steps, "step_ms": 1e3 * step_s}
+            row = {"tp": tp, "threads": threads, "batch": batch, "steps": steps, "step_ms": 1e3 * step_s}
+            row["hidden"] = llm.config.hidden_size
             if reduce is not None:
                 runs = max(forwards.calls - before[2], 1)  # forwards in the run (each sends one step)
                 calls, secs = reduce.calls - r0[0], reduce.seconds - r0[1]
@@ -110,26 +117,47 @@ def run(model, tps: list[int], batches: list[int], prompt_len: int, max_tokens: 
     if model is None:
         model = out / "tp_bench_config.json"
         model.write_text(json.dumps(QUICK_SHAPE if quick else DEFAULT_SHAPE, indent=2))
+    from hydragen.distributed.launcher import threads_per_rank
+
     threads_before = torch.get_num_threads()
     rows = []
     for tp in tps:
-        rows += measure(model, tp, batches, prompt_len, max_tokens)
-        torch.set_num_threads(threads_before)  # TP = N set cores // N for rank 0; the next size starts over
+        # TP = 1 at every core, and also at the threads one rank of the largest TP gets: that row separates
+        # what splitting costs (communication) from what it changes in threads per matrix product.
+        counts = (
+            [threads_before] if tp > 1 else sorted({threads_before, threads_per_rank(max(tps))}, reverse=True)
+        )
+        for threads in counts:
+            rows += measure(model, tp, batches, prompt_len, max_tokens, threads if tp == 1 else None)
+            torch.set_num_threads(
+                threads_before
+            )  # TP = N set cores // N for rank 0; the next run starts over
+    from hydragen.bench.allreduce_probe import probe
+
+    for tp in (t for t in tps if t > 1):  # the same all-reduces with nothing else running
+        idle = {r["rows"]: r["idle_allreduce_ms"] for r in probe(tp, rows[0]["hidden"], batches)}
+        for r in rows:
+            if r["tp"] == tp:
+                r["idle_allreduce_ms"] = idle[r["batch"]]
     columns = [
         "tp",
+        "threads",
         "batch",
         "step_ms",
         "allreduce_calls_per_step",
         "allreduce_ms_per_call",
         "allreduce_share",
+        "idle_allreduce_ms",
         "broadcast_ms_per_step",
+        "broadcasts_per_step",
     ]
     notes = (
         f"Decode of {max_tokens} tokens for `batch` sequences from one {prompt_len}-token prompt, random "
-        f"weights of {Path(str(model)).name}. step_ms: decode time per step. allreduce: rank 0's wall time "
-        "per call (waiting for the slowest rank included) and its share of a step. broadcast: the step's "
-        "metadata, rank 0 to the others. gloo over loopback TCP; the installed torch has no shared-memory "
-        "CPU all-reduce."
+        f"weights of {Path(str(model)).name}. threads: torch threads per rank. step_ms: decode time per "
+        "step. allreduce: rank 0's wall time per call (waiting for the slowest rank included) and its share "
+        "of a step. idle_allreduce_ms: the same all-reduce (batch x hidden fp32) between fresh processes "
+        "doing nothing else. broadcast: the step's metadata, rank 0 to the others (1 per step when it fits "
+        "one buffer). gloo over loopback TCP; the installed torch has no shared-memory CPU all-reduce."
     )
     md = write_table(
         rows,
@@ -150,12 +178,17 @@ def run(model, tps: list[int], batches: list[int], prompt_len: int, max_tokens: 
 def plots(data: dict, out: Path) -> list[Path]:
     rows, quick = data["rows"], data.get("quick", False)
     tps = sorted({r["tp"] for r in rows})
+    runs = sorted({(r["tp"], r.get("threads", 0)) for r in rows}, key=lambda k: (k[0], -k[1]))
+
+    def name(tp: int, threads: int) -> str:
+        return f"TP = {tp}, {threads} thread{'s' if threads != 1 else ''}" + (" per rank" if tp > 1 else "")
+
     steps = {
-        f"TP = {tp}": (
-            [r["batch"] for r in rows if r["tp"] == tp],
-            [r["step_ms"] for r in rows if r["tp"] == tp],
+        name(tp, th): (
+            [r["batch"] for r in rows if (r["tp"], r.get("threads", 0)) == (tp, th)],
+            [r["step_ms"] for r in rows if (r["tp"], r.get("threads", 0)) == (tp, th)],
         )
-        for tp in tps
+        for tp, th in runs
     }
     paths = [
         plot_lines(
@@ -171,13 +204,13 @@ def plots(data: dict, out: Path) -> list[Path]:
     ]
     split = [tp for tp in tps if tp > 1]
     if split:
-        reduce = {
-            f"TP = {tp}": (
-                [r["batch"] for r in rows if r["tp"] == tp],
-                [r["allreduce_ms_per_call"] for r in rows if r["tp"] == tp],
-            )
-            for tp in split
-        }
+        reduce = {}
+        for tp in split:
+            mine = [r for r in rows if r["tp"] == tp]
+            batch = [r["batch"] for r in mine]
+            reduce[f"TP = {tp}, inside decode steps"] = (batch, [r["allreduce_ms_per_call"] for r in mine])
+            if all("idle_allreduce_ms" in r for r in mine):
+                reduce[f"TP = {tp}, alone (probe)"] = (batch, [r["idle_allreduce_ms"] for r in mine])
         paths.append(
             plot_lines(
                 reduce,

@@ -134,8 +134,14 @@ def start(
             )
         if env.rank != 0:
             raise RuntimeError("only rank 0 builds the LLM; other ranks run run_torchrun_worker()")
+        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", env.world))))
         return _start_rank0(
             model, world, rank_device(device, env.local_rank), dtype, random_weights, "env://"
+        )
+    if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {world} needs {world} GPUs from {device}, but torch sees "
+            f"{torch.cuda.device_count()}"
         )
     _prepare_attention(device, attention)
     torch.set_num_threads(threads_per_rank(world))
