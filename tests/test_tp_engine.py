@@ -99,7 +99,11 @@ def test_workers_are_gone_after_close(tiny_models) -> None:
 
 def test_killed_worker_is_an_error_for_every_request_not_a_hang(tiny_models) -> None:
     llm = LLM(tiny_models["qwen2"], kv_cache_tokens=2048, tensor_parallel_size=2)
-    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    ref = LLM(tiny_models["qwen2"], kv_cache_tokens=2048)
+    # Qwen2: q/k/v biases, tied embeddings, 6 heads and 2 KV heads (3 and 1 per rank).
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
+        ref.generate(PROMPTS, GREEDY, use_tqdm=False)
+    )
     (worker,) = llm.parallel.procs
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(timeout=10)
@@ -109,6 +113,22 @@ def test_killed_worker_is_an_error_for_every_request_not_a_hang(tiny_models) -> 
             llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 10
     llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "world"), [("llama", 4), ("llama3_mqa", 2), ("llama3_mqa", 4), ("mistral", 4)]
+)
+def test_more_ranks_and_replicated_kv_heads_match_tp1(tiny_models, name, world) -> None:
+    """4 ranks over 2 KV heads (each replicated twice), MQA (one KV head on every rank), 4 ranks over 4."""
+    one = LLM(tiny_models[name], kv_cache_tokens=4096)
+    with LLM(tiny_models[name], kv_cache_tokens=4096, tensor_parallel_size=world) as split:
+        logits_one, logits_split = _recording(one), _recording(split)
+        assert _tokens(split.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
+            one.generate(PROMPTS, GREEDY, use_tqdm=False)
+        )
+    for a, b in zip(logits_one, logits_split, strict=True):
+        assert (a - b).abs().max().item() < 1e-5
 
 
 _SCRIPT = """
