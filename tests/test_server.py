@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import threading
 import time
@@ -26,7 +27,9 @@ def server():
 
     from hydragen.server.app import create_app
 
-    llm = LLM(kv_cache_tokens=65536)
+    # HYDRAGEN_TEST_TP=3 runs this whole file against a tensor-parallel engine (the embedded model's 9 heads
+    # and 3 KV heads split over 3 ranks); the default run uses one process.
+    llm = LLM(kv_cache_tokens=65536, tensor_parallel_size=int(os.environ.get("HYDRAGEN_TEST_TP", "1")))
     app = create_app(llm, MODEL)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,6 +45,7 @@ def server():
     srv.should_exit = True
     thread.join(timeout=10)
     app.state.engine.shutdown()
+    llm.close()
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,7 @@ def _load(args: argparse.Namespace, kv_cache_tokens: int | None = None, prefix_s
         dtype=args.dtype,
         prefix_sharing=prefix_sharing,
         kv_cache_tokens=kv_cache_tokens,
+        tensor_parallel_size=_tp_size(args),
     )
     load_s = time.perf_counter() - t0
     context = llm.config.max_position_embeddings
@@ -77,6 +78,39 @@ def _load(args: argparse.Namespace, kv_cache_tokens: int | None = None, prefix_s
             )
         context = args.max_model_len
     return llm, load_s, context
+
+
+def _tp_size(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, defaulting to the number of ranks when torchrun started this process."""
+    from hydragen.distributed.group import torchrun_env
+
+    env = torchrun_env()
+    size = args.tensor_parallel_size
+    if size is None:
+        return env.world if env is not None else 1
+    if size < 1:
+        raise UsageError(f"--tensor-parallel-size must be at least 1, got {size}")
+    if env is not None and size != env.world:
+        raise UsageError(
+            f"--tensor-parallel-size {size} does not match the {env.world} ranks torchrun started"
+        )
+    return size
+
+
+def _torchrun_worker(args: argparse.Namespace) -> int | None:
+    """Under torchrun, ranks 1..N-1 follow rank 0 instead of running the command (None on rank 0, or
+    without torchrun)."""
+    from hydragen.distributed.group import torchrun_env
+
+    env = torchrun_env()
+    if env is None or env.rank == 0 or args.command not in ("generate", "serve", "chat"):
+        return None
+    _tp_size(args)
+    from hydragen.distributed.launcher import run_torchrun_worker
+    from hydragen.model.loader import resolve_device, resolve_dtype
+
+    random = getattr(args, "random_weights", False)
+    return run_torchrun_worker(args.model, resolve_device(args.device), resolve_dtype(args.dtype), random)
 
 
 def _kv_for(context: int | None, n: int) -> int | None:
@@ -302,6 +336,8 @@ def _serve(args: argparse.Namespace) -> int:
         problems.append(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     if args.max_num_seqs < 1:
         problems.append(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        problems.append(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.model is not None and not os.path.exists(args.model):
         problems.append(f"--model {args.model!r} does not exist")
     try:
@@ -331,6 +367,7 @@ def _serve(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens,
             max_num_seqs=args.max_num_seqs,
             prefix_sharing=not args.no_sharing,
+            tensor_parallel_size=_tp_size(args),
         )
     except BaseException:
         sock.close()
@@ -343,7 +380,10 @@ def _serve(args: argparse.Namespace) -> int:
         f"ready: serving {name!r} on http://{host}:{{port}}/v1 | KV cache {kv} tokens ({mib:.0f} MiB)"
         f" | API key {'required' if api_key else 'not required'}"
     )
-    run(create_app(llm, name, options), sock, options, log_level, ready)
+    try:
+        run(create_app(llm, name, options), sock, options, log_level, ready)
+    finally:
+        llm.close()
     return 0
 
 
@@ -359,6 +399,7 @@ EXTRA_BENCHMARKS = {
     "cost-rule": "hydragen.bench.cost_rule",
     "exactness": "hydragen.bench.exactness",
     "versus": "hydragen.bench.versus",
+    "tp": "hydragen.bench.tp",
 }
 
 
@@ -443,6 +484,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="context limit, prompt and output together; also sizes the KV cache (default: the model's)",
     )
     p.add_argument("--version", action=_VersionAction, help="print the version and exit")
+    _add_tp_arg(p)
+
+
+def _add_tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model over N processes (attention heads, MLP columns, vocabulary); hydragen starts "
+        "them itself, or, under torchrun, uses its ranks (default 1, or torchrun's number of ranks)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -560,12 +613,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="on SIGTERM, seconds in-flight requests get before they are aborted (default 10)",
     )
+    _add_tp_arg(v)
     v.set_defaults(func=_serve)
 
     b = sub.add_parser(
         "bench",
-        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule): `hydragen bench NAME -h`; "
-        "`hydragen bench NAME --replot DIR` redraws a run's plots from its saved JSON",
+        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule, tp): "
+        "`hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` redraws a run's plots from its JSON",
     )
     b.add_argument(
         "which",
@@ -580,6 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        worker = _torchrun_worker(args)
+        if worker is not None:
+            return worker
         return args.func(args)
     except (UsageError, ValueError, FileNotFoundError) as e:  # bad flags, bad input, unreadable model files
         print(f"error: {e}", file=sys.stderr)

@@ -94,7 +94,10 @@ class Engine:
         share_limit: int | None = None,
         min_shared_reads: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        parallel=None,
     ):
+        """``parallel``: a tensor-parallel group's rank 0 (``hydragen.distributed.launcher.TensorParallel``),
+        which builds the page pool and model runner that drive the other ranks; None runs in-process."""
         if attention not in ("auto", "fused", "torch", "triton", "none"):
             raise ValueError(
                 f"attention must be 'auto', 'fused', 'torch', 'triton' or 'none', got {attention!r}"
@@ -110,7 +113,8 @@ class Engine:
         self.cfg, self.device = cfg, device
         self.prefix_sharing = prefix_sharing
         num_pages = max(1, kv_cache_tokens // page_size)
-        self.pool = PagePool(
+        make_pool = PagePool if parallel is None else parallel.make_pool
+        self.pool = make_pool(
             cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
         )
         self.kv = KVManager(self.pool, prefix_sharing, min_shared_reads, share_limit)
@@ -121,7 +125,8 @@ class Engine:
             prefill_budget=prefill_budget,
             max_wait_steps=max_wait_steps,
         )
-        self.runner = ModelRunner(model, cfg, self.kv, device, attention)
+        make_runner = ModelRunner if parallel is None else parallel.make_runner
+        self.runner = make_runner(model, cfg, self.kv, device, attention)
         eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
         self.requests: dict[str, Request] = {}

@@ -40,6 +40,9 @@ class LLM:
     held by two sequences). ``page_size`` is the KV allocation unit in tokens (16 by default).
     ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
     config.json or a model directory) with random weights: for throughput benchmarks without downloads.
+    ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.distributed``): this one is
+    rank 0 and starts the others itself, or joins the ranks torchrun started; ``close()`` (or leaving a
+    ``with`` block, or the end of the program) stops them.
     """
 
     def __init__(
@@ -54,11 +57,34 @@ class LLM:
         random_weights: bool = False,
         min_shared_reads: int | None = None,
         page_size: int = 16,
+        tensor_parallel_size: int = 1,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-        self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights)
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        self.parallel = None
+        if tp > 1:
+            from hydragen.distributed.launcher import start
+
+            self.parallel = start(model, tp, dev, dt, attention, random_weights)
+            self.model, self.config = self.parallel.model, self.parallel.config
+            self.model_path = self.parallel.model_path
+        else:
+            self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights)
+        try:
+            self._start_engine(
+                dev, dt, prefix_sharing, attention, kv_cache_tokens, max_num_seqs, min_shared_reads, page_size
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_engine(
+        self, dev, dt, prefix_sharing, attention, kv_cache_tokens, max_num_seqs, min_shared_reads, page_size
+    ) -> None:
         has_tokenizer = self.model_path.suffix == ".gguf" or any(
             (self.model_path / f).exists()
             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -90,7 +116,20 @@ class LLM:
             max_num_seqs=max_num_seqs,
             min_shared_reads=min_shared_reads,
             page_size=page_size,
+            parallel=self.parallel,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1); generating after
+        closing a tensor-parallel LLM raises."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- prompts ------------------------------------------------------------------------------
     def _normalise(self, prompts) -> list[tuple[str | None, list[int]]]:

@@ -231,6 +231,15 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
     Any unreadable file raises ModelFileError naming the file and the problem.
     """
+    config, source = open_gguf_tensors(path)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # numpy kernels release the GIL
+        state = dict(zip(source.names, pool.map(source.read, source.names), strict=True))
+    return config, state
+
+
+def open_gguf_tensors(path: str | Path) -> tuple[dict, GGUFTensors]:
+    """(HF-style config dict, the file's tensors under HF names, read on demand): what ``read_gguf`` reads,
+    without dequantizing anything yet, so a tensor-parallel rank can read only its slices."""
     path = Path(path)
     reader = open_gguf(path)
 
@@ -305,16 +314,59 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
 
-    def convert(name: str) -> tuple[str, torch.Tensor]:
-        try:
-            w = _dequantize(tensors[name])
-        except ValueError as e:  # data whose size does not match its shape
-            raise ModelFileError(path, f"tensor {name!r} is corrupt ({first_line(e)})") from None
-        if permuted and (".attn_q." in name or ".attn_k." in name):
-            w = np.ascontiguousarray(unpermute_qk(w, n_head if ".attn_q." in name else n_kv))
-        return hf_name(name), torch.from_numpy(w)
+    return config, GGUFTensors(path, tensors, permuted, n_head, n_kv, head_dim)
 
-    names = [n for n in tensors if n not in _SKIP]
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # numpy kernels release the GIL
-        state = dict(pool.map(convert, names))
-    return config, state
+
+# Rows dequantized at a time when only some columns are kept: bounds the transient float32 copy.
+_COLUMN_READ_ROWS = 256
+
+
+class GGUFTensors:
+    """A GGUF's tensors under HF names, dequantized on demand, whole or as a slice of rows or columns.
+
+    A quantized row is a whole number of blocks along the columns, so a row slice dequantizes only its own
+    blocks; a column slice dequantizes a few rows at a time and keeps the wanted columns.
+    """
+
+    def __init__(self, path: Path, tensors: dict[str, Any], permuted: bool, n_head: int, n_kv: int, d: int):
+        self.path, self.permuted = path, permuted
+        self._by_hf = {hf_name(n): t for n, t in tensors.items() if n not in _SKIP}
+        self._heads = {"attn_q": n_head, "attn_k": n_kv}
+        self.head_dim = d
+        self.names = list(self._by_hf)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in reversed(self._by_hf[name].shape))
+
+    def read(self, name: str, dim: int | None = None, lo: int = 0, hi: int = 0) -> torch.Tensor:
+        """Tensor ``name`` (float32), or its slice [lo, hi) along ``dim`` (0: rows, 1: columns)."""
+        t = self._by_hf[name]
+        qk = next((k for k in self._heads if f".{k}." in t.name), None) if self.permuted else None
+        try:
+            if dim is None:
+                w = _dequantize(t)
+            elif dim == 0:
+                w = _dequantize_rows(t, lo, hi)
+            else:
+                full = self.shape(name)
+                parts = [
+                    _dequantize_rows(t, r, min(r + _COLUMN_READ_ROWS, full[0]))[:, lo:hi]
+                    for r in range(0, full[0], _COLUMN_READ_ROWS)
+                ]
+                w = np.concatenate(parts) if parts else np.zeros((0, hi - lo), np.float32)
+        except ValueError as e:  # data whose size does not match its shape
+            raise ModelFileError(self.path, f"tensor {t.name!r} is corrupt ({first_line(e)})") from None
+        if qk is not None:
+            if dim not in (None, 0):
+                raise ValueError(f"{name}: llama.cpp's permuted q/k rows can only be sliced by rows")
+            heads = self._heads[qk] if dim is None else (hi - lo) // self.head_dim
+            w = np.ascontiguousarray(unpermute_qk(w, heads))  # per head: a slice of whole heads is exact
+        return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _dequantize_rows(t: Any, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of a tensor's HF-layout matrix (or elements of a vector), as float32."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    data = t.data.reshape(shape[0], -1) if len(shape) > 1 else t.data
+    arr = gguf.quants.dequantize(data[lo:hi], t.tensor_type).reshape((hi - lo, *shape[1:]))
+    return arr.astype(np.float32, copy=not arr.flags.writeable or arr.dtype != np.float32)

@@ -62,7 +62,7 @@ class LlamaModel(nn.Module):
         """input_ids/positions [T] -> final hidden states [T, hidden] (normalised)."""
         c = self.cfg
         t = input_ids.shape[0]
-        h = self.embed(input_ids)
+        h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, h.dtype)  # once per forward, shared by every layer
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
@@ -70,11 +70,19 @@ class LlamaModel(nn.Module):
             q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             o = attention(i, q, k, v.view(t, c.num_kv_heads, c.head_dim))
-            h = h + layer.o(o.reshape(t, -1))
+            h = h + self.reduce(layer.o(o.reshape(t, -1)))
             x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + self.reduce(layer.down(F.silu(gate) * up))
         return rms_norm(h, self.norm, c.rms_norm_eps)
+
+    # Hooks a tensor-parallel shard overrides (hydragen.distributed.sharded_model): a vocabulary shard's
+    # lookup, and the sum over ranks of a row-parallel projection's partial output.
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,15 @@ def _load_weights_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg = read_hf_config(path)
+    sd: dict[str, torch.Tensor] = {}
+    for f in weight_files(path):
+        sd.update(_load_weights_file(f))
+    return cfg, sd
+
+
+def read_hf_config(path: Path) -> dict:
+    """config.json with generation_config.json's end-of-sequence ids merged in."""
     cfg = _read_json(path / "config.json")
     gen = path / "generation_config.json"
     if gen.exists() and "eos_token_id" in (g := _read_json(gen)):
@@ -91,22 +100,26 @@ def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         )
         extra = g["eos_token_id"] if isinstance(g["eos_token_id"], list) else [g["eos_token_id"]]
         cfg["eos_token_id"] = sorted({e for e in eos + extra if e is not None})
+    return cfg
+
+
+def weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise ModelFileError(path, "the model directory has no *.safetensors or pytorch_model*.bin weights")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(_load_weights_file(f))
-    return cfg, sd
+    return files
 
 
-def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device, dtype, where: Path) -> LlamaModel:
-    """The model with the checkpoint's weights; a missing or misshapen tensor names the checkpoint."""
+def build_model(cfg: ModelConfig, sd, device, dtype, where: Path, model_class=LlamaModel) -> LlamaModel:
+    """The model with the checkpoint's weights; a missing or misshapen tensor names the checkpoint.
+
+    ``sd`` is a dict, or any mapping with ``pop`` and iteration (a tensor-parallel rank's lazy shard).
+    """
     with torch.device("meta"):
-        net = LlamaModel(cfg)
+        net = model_class(cfg)
     net = net.to_empty(device=device).to(dtype)
     try:
-        net.load_hf_state_dict({k: v.to(dtype) for k, v in sd.items()})
+        net.load_hf_state_dict(sd)
     except KeyError as e:
         raise ModelFileError(
             where, f"the weights lack the tensor {e.args[0]!r} that the config calls for"
@@ -116,6 +129,16 @@ def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device, dtype, where: 
     except ValueError as e:
         raise ModelFileError(where, first_line(e)) from None
     return net
+
+
+def parse_config(hf_cfg: dict, cfg_file: Path) -> ModelConfig:
+    """The normalised config; a missing or bad field is a ModelFileError naming ``cfg_file``."""
+    try:
+        return ModelConfig.from_hf(hf_cfg)
+    except KeyError as e:
+        raise ModelFileError(cfg_file, f"lacks the field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(cfg_file, first_line(e)) from None
 
 
 def load_model(
@@ -137,13 +160,8 @@ def load_model(
     else:
         hf_cfg, sd = _read_hf_dir(path)
         cfg_file = path / "config.json"
-    try:
-        cfg = ModelConfig.from_hf(hf_cfg)
-    except KeyError as e:
-        raise ModelFileError(cfg_file, f"lacks the field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ModelFileError(cfg_file, first_line(e)) from None
-    net = _build(cfg, sd, device, dtype, path)
+    cfg = parse_config(hf_cfg, cfg_file)
+    net = build_model(cfg, {k: v.to(dtype) for k, v in sd.items()}, device, dtype, path)
     net.setup_rotary(device)
     net.eval()
     return net, cfg, path
@@ -156,8 +174,17 @@ def _random_model(spec, device: torch.device, dtype: torch.dtype, seed: int = 0)
         raise ValueError("random weights need a shape: a preset name, a config.json or a model directory")
     hf_cfg, name = config_for_random_weights(spec)
     cfg = ModelConfig.from_hf(hf_cfg)
+    net = random_model(cfg, device, dtype, seed)
+    # A directory (or its config.json) stays the path, so its tokenizer, if any, is used.
+    path = Path(spec).expanduser()
+    path = path if path.is_dir() else path.parent if path.is_file() else Path(name)
+    return net, cfg, path
+
+
+def random_model(cfg: ModelConfig, device, dtype, seed: int = 0, model_class=LlamaModel) -> LlamaModel:
+    """A model of shape ``cfg`` with random weights drawn on the device (norms 1, biases 0)."""
     with torch.device("meta"):
-        net = LlamaModel(cfg)
+        net = model_class(cfg)
     net = net.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -170,7 +197,4 @@ def _random_model(spec, device: torch.device, dtype: torch.dtype, seed: int = 0)
                 p.normal_(0.0, 0.02, generator=gen)
     net.setup_rotary(device)
     net.eval()
-    # A directory (or its config.json) stays the path, so its tokenizer, if any, is used.
-    path = Path(spec).expanduser()
-    path = path if path.is_dir() else path.parent if path.is_file() else Path(name)
-    return net, cfg, path
+    return net

@@ -1,0 +1,158 @@
+"""Load one rank's shard of a checkpoint, reading only its slices from disk.
+
+safetensors files are opened lazily and sliced (``safe_open(...).get_slice``); ``pytorch_model*.bin`` files
+are memory-mapped (``torch.load(mmap=True)``) and sliced; a GGUF's tensors are dequantized only for the
+rows wanted (a column slice is dequantized a few rows at a time). So no rank ever holds the whole model,
+only, for a moment, one slice of one tensor on top of its shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hydragen.distributed.sharded_model import ShardedLlamaModel
+from hydragen.distributed.sharding import Shard
+from hydragen.model.config import ModelConfig
+from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.loader import (
+    build_model,
+    parse_config,
+    random_model,
+    read_hf_config,
+    resolve_model_path,
+    weight_files,
+)
+
+
+class SafetensorsFiles:
+    """Tensors of a directory's *.safetensors files, read slice by slice."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._where: dict[str, object] = {}
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except Exception as e:  # a damaged header raises the library's own error types
+                raise ModelFileError(
+                    f, f"unreadable weights file, truncated or corrupt ({first_line(e)})"
+                ) from None
+            for name in handle.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
+                self._where[name] = handle
+        self.names = list(self._where)
+
+    def read(self, name: str, dim: int | None, lo: int, hi: int) -> torch.Tensor:
+        handle = self._where[name]
+        if dim is None:
+            return handle.get_tensor(name)
+        piece = handle.get_slice(name)
+        return piece[lo:hi] if dim == 0 else piece[:, lo:hi]
+
+
+class TorchBinFiles:
+    """Tensors of pytorch_model*.bin files, memory-mapped: a slice copies only its own bytes."""
+
+    def __init__(self, files: list[Path]):
+        self._tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                self._tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+            except Exception as e:  # pickle and zip each raise their own types for a damaged file
+                raise ModelFileError(
+                    f, f"unreadable weights file, truncated or corrupt ({first_line(e)})"
+                ) from None
+        self.names = list(self._tensors)
+
+    def read(self, name: str, dim: int | None, lo: int, hi: int) -> torch.Tensor:
+        t = self._tensors[name]
+        if dim is None:
+            return t.clone()
+        return (t[lo:hi] if dim == 0 else t[:, lo:hi]).clone()
+
+
+class ShardState:
+    """What ``LlamaModel.load_hf_state_dict`` pops by name, each tensor cut to this rank's slice as read."""
+
+    def __init__(self, files, shard: Shard, dtype: torch.dtype):
+        self.files, self.shard, self.dtype = files, shard, dtype
+        self._left = dict.fromkeys(files.names)
+
+    def __iter__(self):
+        return iter(list(self._left))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._left
+
+    def pop(self, name: str, *default):
+        if name not in self._left:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        del self._left[name]
+        piece = self.shard.piece(name)
+        t = self.files.read(name, piece.dim, piece.lo, piece.hi).to(self.dtype)
+        if piece.pad_to is not None and t.shape[0] < piece.pad_to:
+            pad = torch.zeros((piece.pad_to - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+            t = torch.cat([t, pad])
+        return t
+
+
+def read_config(model: str | Path | None) -> tuple[ModelConfig, Path]:
+    """The model's config from its header alone (no weights read): enough to check a split."""
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        from hydragen.model.gguf import open_gguf_tensors
+
+        hf_cfg, _ = open_gguf_tensors(path)
+        return parse_config(hf_cfg, path), path
+    return parse_config(read_hf_config(path), path / "config.json"), path
+
+
+def random_config(spec) -> tuple[ModelConfig, Path]:
+    from hydragen.model.presets import config_for_random_weights
+
+    if spec is None:
+        raise ValueError("random weights need a shape: a preset name, a config.json or a model directory")
+    hf_cfg, name = config_for_random_weights(spec)
+    path = Path(spec).expanduser()
+    path = path if path.is_dir() else path.parent if path.is_file() else Path(name)
+    return ModelConfig.from_hf(hf_cfg), path
+
+
+def load_shard(
+    model: str | Path | None,
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    random_weights: bool = False,
+) -> tuple[ShardedLlamaModel, ModelConfig, Path, Shard]:
+    """(this rank's model shard, the full config, the resolved path, the shard's description).
+
+    ``random_weights``: each rank draws its own slices (seeded by rank): the right shapes for throughput
+    measurements, but not the same numbers as a TP = 1 random model.
+    """
+    if random_weights:
+        cfg, path = random_config(model)
+        shard = Shard(cfg, rank, world)
+        net = random_model(shard.local_config(), device, dtype, seed=rank, model_class=ShardedLlamaModel)
+        return net, cfg, path, shard
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        from hydragen.model.gguf import open_gguf_tensors
+
+        hf_cfg, files = open_gguf_tensors(path)
+        cfg = parse_config(hf_cfg, path)
+    else:
+        cfg = parse_config(read_hf_config(path), path / "config.json")
+        found = weight_files(path)
+        files = SafetensorsFiles(found) if found[0].suffix == ".safetensors" else TorchBinFiles(found)
+    shard = Shard(cfg, rank, world)
+    state = ShardState(files, shard, dtype)
+    net = build_model(shard.local_config(), state, device, dtype, path, model_class=ShardedLlamaModel)
+    net.setup_rotary(device)
+    net.eval()
+    return net, cfg, path, shard

@@ -1,0 +1,133 @@
+"""Rank 0's side of tensor parallelism: the one scheduler drives every rank, step by step.
+
+Rank 0 runs the Engine (scheduler, radix tree, KV manager) unchanged. Its model runner and page pool are
+subclasses that first tell the other ranks what to do: ``TPRunner.forward`` broadcasts the packed batch
+and then runs the same forward as every rank; ``TPPagePool.copy_slots`` broadcasts the slot copies of the
+no-sharing baseline. Every rank's pool has the same pages and slots (holding its own KV heads), so the
+one set of block tables rank 0 builds serves all ranks.
+
+Failure handling: before each command rank 0 checks that its spawned workers are alive; a collective that
+fails (a peer died or timed out) or any error after a step was sent leaves the ranks out of step, so the
+group is marked broken and every later step raises at once with the first reason. While idle, a heartbeat
+keeps the workers' wait for the next command under the collective timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from hydragen.distributed import commands
+from hydragen.distributed.group import TPGroup, collective_timeout
+from hydragen.engine.model_runner import ModelRunner, PackedBatch
+from hydragen.kv.pool import PagePool
+
+
+class TPGroupBroken(RuntimeError):
+    """The tensor-parallel ranks can no longer work together (a worker died, hung or failed)."""
+
+
+class Coordinator:
+    """Rank 0's channel to the other ranks: one command at a time, liveness checked, failure remembered."""
+
+    def __init__(self, group: TPGroup, dead_workers: Callable[[], list[str]] = lambda: []):
+        self.group = group
+        self.dead_workers = dead_workers
+        self.lock = threading.RLock()
+        self.broken: str | None = None
+        self.stopped = False
+        self.last_sent = time.monotonic()
+        self.heartbeat_s = max(0.05, min(10.0, collective_timeout() / 4))
+        self._heartbeat = threading.Thread(target=self._beat, name="hydragen-tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def check(self) -> None:
+        """Raise TPGroupBroken if the group cannot run a step."""
+        if self.stopped:
+            raise TPGroupBroken("tensor-parallel group is down: the LLM was closed")
+        if self.broken is None:
+            dead = self.dead_workers()
+            if dead:
+                self.broken = "; ".join(dead)
+        if self.broken is not None:
+            raise TPGroupBroken(f"tensor-parallel group is down: {self.broken}")
+
+    def fail(self, why: BaseException | str) -> None:
+        if self.broken is None:
+            dead = self.dead_workers()
+            reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}".strip()
+            self.broken = "; ".join(dead) if dead else f"a step failed part-way ({reason})"
+
+    def send(self, command: int, payload: torch.Tensor | None = None) -> None:
+        with self.lock:
+            self.check()
+            try:
+                commands.send(self.group, command, payload)
+            except BaseException as e:
+                self.fail(e)
+                self.check()
+                raise
+            self.last_sent = time.monotonic()
+
+    def stop(self) -> bool:
+        """Tell the workers to exit; False when they could not be told (broken group)."""
+        with self.lock:
+            if self.stopped:
+                return True
+            ok = self.broken is None and not self.dead_workers()
+            if ok:
+                try:
+                    commands.send(self.group, commands.STOP)
+                except Exception:  # noqa: BLE001  the launcher kills what is left
+                    ok = False
+            self.stopped = True
+            return ok
+
+    def _beat(self) -> None:
+        while not self.stopped and self.broken is None:
+            time.sleep(self.heartbeat_s / 2)
+            if time.monotonic() - self.last_sent < self.heartbeat_s:
+                continue
+            if not self.lock.acquire(timeout=0.1):
+                continue  # a step is running: it is the heartbeat
+            try:
+                if not self.stopped and self.broken is None:
+                    self.send(commands.NOOP)
+            except Exception:  # noqa: BLE001  recorded in self.broken; the next step reports it
+                pass
+            finally:
+                self.lock.release()
+
+
+class TPPagePool(PagePool):
+    """This rank's KV pages (its KV heads); slot copies are repeated on every rank."""
+
+    coordinator: Coordinator
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self.coordinator.lock:
+            self.coordinator.send(commands.COPY, commands.pack_copy(dst, src))
+            super().copy_slots(dst, src)
+
+
+class TPRunner(ModelRunner):
+    """The model runner on rank 0: every forward is broadcast first, then run by all ranks together."""
+
+    coordinator: Coordinator
+
+    def setup_workers(self) -> None:
+        pool = self.kv.pool
+        code = commands.ATTENTION_CODES.index(self.attention_name)
+        self.coordinator.send(commands.SETUP, torch.tensor([pool.num_pages, pool.page_size, code]))
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor | None:
+        with self.coordinator.lock:
+            self.coordinator.send(commands.STEP, commands.pack_step(batch))
+            try:
+                return super().forward(batch)
+            except BaseException as e:  # the other ranks may be inside a collective rank 0 never joins
+                self.coordinator.fail(e)
+                raise TPGroupBroken(f"tensor-parallel group is down: {self.coordinator.broken}") from e

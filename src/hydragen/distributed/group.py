@@ -1,0 +1,110 @@
+"""The tensor-parallel process group: rendezvous, backend choice, timeouts and the collectives the model uses.
+
+The group is a standalone ``torch.distributed`` process group built on the rendezvous store (file://,
+tcp:// or torchrun's env://), not the global default group: a program may hold several tensor-parallel
+LLMs, and one that also uses torch.distributed for its own work keeps its default group. On CPU one gloo
+group carries everything. On CUDA the step's metadata (CPU tensors) goes through gloo and activations
+through NCCL, as vLLM splits them. Every collective is bounded by the timeout (``HYDRAGEN_TP_TIMEOUT``
+seconds, 300 by default), so a peer that hangs becomes an error, never a wait forever; a peer that dies
+closes its connections, which fails the collective at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def collective_timeout() -> float:
+    raw = os.environ.get("HYDRAGEN_TP_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"HYDRAGEN_TP_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"HYDRAGEN_TP_TIMEOUT must be positive, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The ranks torchrun (or any launcher using the env:// convention) started."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """This process's place in a torchrun job of more than one rank, else None."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        return None
+    if world <= 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    return TorchrunEnv(rank, world, local)
+
+
+@dataclass
+class TPGroup:
+    """This rank's view of the group: its rank, the world size, the device its shard lives on, and the
+    process groups (``control``: gloo, CPU tensors; ``data``: the model's collectives)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    control: object = field(repr=False)
+    data: object = field(repr=False)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.data.allreduce([x]).wait()
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (same shape on all ranks) on rank 0, in rank order; None elsewhere."""
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            self.data.gather([parts], [x], opts).wait()
+            return parts
+        self.data.gather([], [x], opts).wait()
+        return None
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's CPU tensor ``x`` into every rank's ``x`` (the control channel)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.control.broadcast([x], opts).wait()
+        return x
+
+    def close(self) -> None:
+        for pg in {id(self.control): self.control, id(self.data): self.data}.values():
+            if hasattr(pg, "shutdown"):
+                pg.shutdown()
+
+
+def join_group(rank: int, world: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join (and with the others, form) the group. ``init_method``: file://, tcp:// or env://."""
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    store, rank, world = next(dist.rendezvous(init_method, rank, world, timeout=timeout))
+    store.set_timeout(timeout)
+    prefix = "hydragen-tp"  # each group has its own store (a fresh file, or torchrun's job)
+    control = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "-gloo", store), rank, world, timeout)
+    data = control
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        data = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "-nccl", store), rank, world, options)
+    return TPGroup(rank, world, device, control, data)

@@ -1,0 +1,58 @@
+"""The loop every rank but 0 runs: wait for rank 0's command, do it on this rank's shard, repeat.
+
+A worker holds its model shard and a page pool of the same pages as rank 0's (its own KV heads). It keeps
+no scheduler state: each ``STEP`` brings the whole packed batch, and the forward's collectives (two
+all-reduces per layer, the embedding's all-reduce, the logits' gather) meet rank 0's. An error inside a
+step ends the worker with a non-zero exit code: rank 0 then sees a failed collective or a dead worker,
+which fails the requests instead of leaving any rank waiting.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from hydragen.distributed import commands
+from hydragen.distributed.group import TPGroup
+from hydragen.engine.model_runner import ModelRunner
+from hydragen.kv.manager import KVManager
+from hydragen.kv.pool import PagePool
+
+
+def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
+    """Run commands until STOP (returns 0) or a failure (returns 1, after printing why)."""
+    device = group.device
+    runner: ModelRunner | None = None
+    while True:
+        try:
+            command, payload = commands.receive(group)
+        except Exception as e:  # noqa: BLE001  rank 0 is gone or the group timed out
+            print(f"hydragen: tensor-parallel rank {group.rank}: lost rank 0 ({e})", file=sys.stderr)
+            return 1
+        try:
+            if command == commands.STOP:
+                return 0
+            if command == commands.NOOP:
+                continue
+            if command == commands.SETUP:
+                num_pages, page_size, code = payload.tolist()
+                local = shard.local_config()
+                pool = PagePool(
+                    cfg.num_layers, num_pages, page_size, local.num_kv_heads, cfg.head_dim, dtype, device
+                )
+                runner = ModelRunner(
+                    model, cfg, KVManager(pool, True), device, commands.ATTENTION_CODES[code]
+                )
+            elif command == commands.COPY:
+                runner.kv.pool.copy_slots(*commands.unpack_copy(payload, device))
+            elif command == commands.STEP:
+                runner.forward(commands.unpack_step(payload, device))
+            else:
+                raise ValueError(f"unknown command {command}")
+        except Exception:  # noqa: BLE001
+            name = commands.NAMES.get(command, command)
+            print(f"hydragen: tensor-parallel rank {group.rank} failed in {name}:", file=sys.stderr)
+            traceback.print_exc()
+            return 1

@@ -1,0 +1,173 @@
+"""Tensor parallelism end to end on CPU (gloo, spawned worker processes): the same greedy tokens as TP = 1,
+logits within 1e-5, prefix-cache hits and sharing off under TP, a killed worker turning into errors, and
+no worker left behind after close, exit or Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hydragen import LLM, SamplingParams
+
+STEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
+PROMPTS = [STEM + [30, 31, 32], STEM + [40, 41], STEM, [7, 8, 9, 60, 61]]
+GREEDY = SamplingParams(n=2, temperature=0, max_tokens=8)
+
+
+def _recording(llm: LLM) -> list[torch.Tensor]:
+    """Every logits matrix the engine samples from, in order."""
+    seen: list[torch.Tensor] = []
+    runner = llm.engine.runner
+    sample = runner.sample
+
+    def record(logits, seqs, top=None):
+        seen.append(logits.clone())
+        return sample(logits, seqs, top)
+
+    runner.sample = record
+    return seen
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes (its parent reaps it)
+        return f.read().split()[2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tiny_models):
+    """(TP = 1, TP = 2) engines on the tiny Llama (4 heads, 2 KV heads: one per rank)."""
+    one = LLM(tiny_models["llama"], kv_cache_tokens=4096)
+    two = LLM(tiny_models["llama"], kv_cache_tokens=4096, tensor_parallel_size=2)
+    yield one, two
+    two.close()
+
+
+def test_tp2_matches_tp1_tokens_and_logits(llama_pair) -> None:
+    one, two = llama_pair
+    logits_one, logits_two = _recording(one), _recording(two)
+    want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    assert len(logits_two) == len(logits_one) > 1
+    for a, b in zip(logits_one, logits_two, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+        assert (a - b).abs().max().item() < 1e-5
+
+
+def test_prefix_cache_hits_across_requests_under_tp(llama_pair) -> None:
+    one, two = llama_pair
+    prompt = STEM + [50, 51, 52, 53]
+    first = two.generate([prompt], GREEDY, use_tqdm=False)[0]
+    again = two.generate([prompt + [54]], GREEDY, use_tqdm=False)[0]
+    assert again.cached_prompt_tokens >= len(STEM)  # served from the cache every rank holds its heads of
+    want = one.generate([prompt, prompt + [54]], GREEDY, use_tqdm=False)
+    assert _tokens([first, again]) == _tokens(want)
+    seeded = SamplingParams(n=3, temperature=0.8, top_p=0.9, max_tokens=6, seed=7)
+    assert _tokens(two.generate([prompt], seeded, use_tqdm=False)) == _tokens(
+        one.generate([prompt], seeded, use_tqdm=False)
+    )
+
+
+def test_workers_are_gone_after_close(tiny_models) -> None:
+    llm = LLM(tiny_models["mistral"], kv_cache_tokens=2048, tensor_parallel_size=2, prefix_sharing=False)
+    pids = [p.pid for p in llm.parallel.procs]
+    ref = LLM(tiny_models["mistral"], kv_cache_tokens=2048, prefix_sharing=False)
+    # Sharing off: each sequence copies the prompt's KV into its own pages, on every rank.
+    assert _tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)) == _tokens(
+        ref.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    )
+    llm.close()
+    assert not any(_alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match="tensor-parallel group is down: the LLM was closed"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_killed_worker_is_an_error_for_every_request_not_a_hang(tiny_models) -> None:
+    llm = LLM(tiny_models["qwen2"], kv_cache_tokens=2048, tensor_parallel_size=2)
+    ref = LLM(tiny_models["qwen2"], kv_cache_tokens=2048)
+    # Qwen2: q/k/v biases, tied embeddings, 6 heads and 2 KV heads (3 and 1 per rank).
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
+        ref.generate(PROMPTS, GREEDY, use_tqdm=False)
+    )
+    (worker,) = llm.parallel.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    start = time.monotonic()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL"):
+            llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "world"), [("llama", 4), ("llama3_mqa", 2), ("llama3_mqa", 4), ("mistral", 4)]
+)
+def test_more_ranks_and_replicated_kv_heads_match_tp1(tiny_models, name, world) -> None:
+    """4 ranks over 2 KV heads (each replicated twice), MQA (one KV head on every rank), 4 ranks over 4."""
+    one = LLM(tiny_models[name], kv_cache_tokens=4096)
+    with LLM(tiny_models[name], kv_cache_tokens=4096, tensor_parallel_size=world) as split:
+        logits_one, logits_split = _recording(one), _recording(split)
+        assert _tokens(split.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
+            one.generate(PROMPTS, GREEDY, use_tqdm=False)
+        )
+    for a, b in zip(logits_one, logits_split, strict=True):
+        assert (a - b).abs().max().item() < 1e-5
+
+
+_SCRIPT = """
+import sys, time
+from hydragen import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_cache_tokens=2048, tensor_parallel_size=2)
+print(" ".join(str(p.pid) for p in llm.parallel.procs), flush=True)
+if sys.argv[2] == "exit":
+    sys.exit(0)
+print("generating", flush=True)
+while True:
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "ctrl-c"])
+def test_no_worker_outlives_its_program(tiny_models, how) -> None:
+    """A program that exits without close(), or is stopped with Ctrl-C mid-generation, takes its workers
+    with it."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, tiny_models["llama"], how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1, proc.stderr.read()
+        if how == "ctrl-c":
+            assert proc.stdout.readline().strip() == "generating"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
