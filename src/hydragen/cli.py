@@ -331,6 +331,7 @@ def _serve(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens,
             max_num_seqs=args.max_num_seqs,
             prefix_sharing=not args.no_sharing,
+            jump_forward=not args.no_jump_forward,
         )
     except BaseException:
         sock.close()
@@ -521,6 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs", type=int, default=256, help="most sequences decoded at once (default 256)"
     )
     v.add_argument("--no-sharing", action="store_true", help="baseline: no prefix cache, no shared attention")
+    v.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="structured outputs: sample forced text token by token instead of jumping over it (measurement)",
+    )
     v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     v.add_argument(

@@ -40,6 +40,8 @@ class LLM:
     held by two sequences). ``page_size`` is the KV allocation unit in tokens (16 by default).
     ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
     config.json or a model directory) with random weights: for throughput benchmarks without downloads.
+    ``jump_forward`` (structured outputs): append the text a grammar forces in one multi-token extend
+    instead of sampling it token by token (False: plain constrained decoding, for measurement).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class LLM:
         random_weights: bool = False,
         min_shared_reads: int | None = None,
         page_size: int = 16,
+        jump_forward: bool = True,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -90,6 +93,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             min_shared_reads=min_shared_reads,
             page_size=page_size,
+            jump_forward=jump_forward,
         )
 
     # ---- prompts ------------------------------------------------------------------------------
