@@ -5,6 +5,7 @@ the forced text of n samples prefilled once."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -280,3 +281,37 @@ def test_extend_checks_the_grammar(bpe_llm):
         assert re.fullmatch("12[0-9]*", req.seqs[0].text)
     finally:
         engine.abort(req.request_id)
+
+
+def test_bench_structured_reports_every_mode(bpe_llm, tmp_path):
+    """The benchmark's measuring loop at toy size: every mode runs, jump-forward forces tokens, the
+    nothing-forced grammar forces none and runs to its fixed length, the plots are drawn."""
+    from hydragen.bench import structured as bench
+
+    result = bench.run(bpe_llm, [2], requests=2, serial=1, max_tokens=24, free_tokens=4, seed=0)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == set(bench.MODES + bench.FREE_MODES)
+    assert rows["jump"]["forced_fraction"] > 0 == rows["no_jump"]["forced_fraction"]
+    assert rows["jump"]["decode_steps"] < rows["no_jump"]["decode_steps"]
+    assert rows["free"]["output_tokens"] == rows["free_masked"]["output_tokens"] == 2 * 4
+    assert rows["free_masked"]["forced_fraction"] == 0 and rows["free_masked"]["mask_us_per_token_mean"] > 0
+    assert set(result["compile_ms"]) >= set(bench.SCHEMAS)
+    paths = bench.plots({"rows": result["rows"], "quick": True}, tmp_path)
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert bpe_llm.engine.structured.jump_forward
+
+
+def test_generate_cli_constraints(bpe_llm, capsys):
+    """`hydragen generate --regex / --json-schema`: the output matches; a bad constraint exits 2."""
+    from hydragen.cli import main
+
+    path = str(bpe_llm.model_path)
+    base = ["generate", "x", "--model", path, "--raw", "-q", "--max-tokens", "40", "--temperature", "0"]
+    assert main([*base, "--regex", "[0-9]{3}-[a-z]{2}"]) == 0
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", capsys.readouterr().out.strip())
+    assert main([*base, "--json-schema", json.dumps(SCHEMAS["flat_person"]), "--no-jump-forward"]) == 0
+    assert_valid(capsys.readouterr().out.strip(), SCHEMAS["flat_person"], "generate --json-schema")
+    assert main([*base, "--regex", "[a"]) == 2
+    assert "cannot compile" in capsys.readouterr().err
+    assert main([*base, "--regex", "a", "--choice", "b"]) == 2  # refused before loading anything
+    assert "at most one" in capsys.readouterr().err

@@ -77,29 +77,52 @@ def _spelling(i: int, schema: dict) -> dict:
     ][i % 4]
 
 
-@pytest.mark.parametrize(
-    "chat, stream, jump",
-    [(False, False, True), (False, True, False), (True, False, False), (True, True, True)],
-    ids=["completions", "completions_stream", "chat", "chat_stream"],
-)
-def test_every_schema_validates(live, chat, stream, jump):
-    """All schemas at once (concurrent requests, batched by the engine), jump-forward on or off."""
+ENTRY_POINTS = [(False, False), (False, True), (True, False), (True, True)]  # (chat, stream)
+
+
+def _run_schemas(live, jobs: list[tuple[str, dict, bool, dict]], jump: bool) -> None:
+    """Send (name, schema, chat, body) jobs concurrently (the engine batches them); every choice must
+    end with "stop" and validate."""
     live.engine.structured.jump_forward = jump
-    jobs = []
-    for i, (name, schema) in enumerate(SCHEMAS.items()):
-        n, t = CONFIGS[i % len(CONFIGS)]
-        jobs.append((name, schema, _body(chat, _spelling(i, schema), n, t, stream)))
     try:
         with ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(lambda job: _post(live, chat, job[2]), jobs))
+            results = list(pool.map(lambda job: _post(live, job[2], job[3]), jobs))
     finally:
         live.engine.structured.jump_forward = True
-    for (name, schema, body), (status, texts, reasons) in zip(jobs, results, strict=True):
-        assert status == 200, (name, texts)
-        assert len(texts) == body["n"] and reasons == ["stop"] * body["n"], (name, reasons)
+    for (name, schema, chat, body), (status, texts, reasons) in zip(jobs, results, strict=True):
+        where = f"{name} chat={chat} stream={body.get('stream', False)} jump={jump}"
+        assert status == 200, (where, texts)
+        assert len(texts) == body["n"] and reasons == ["stop"] * body["n"], (where, reasons)
         for text in texts:
-            assert_valid(text, schema, f"{name} chat={chat} stream={stream}")
+            assert_valid(text, schema, where)
     live.assert_no_leak()
+
+
+@pytest.mark.parametrize("jump", [True, False], ids=["jump", "no_jump"])
+def test_every_schema_validates(live, jump):
+    """Every schema through the server in one concurrent burst, the entry points (completions, chat,
+    each streaming or not) and the (n, temperature) configurations rotating over the schemas."""
+    jobs = []
+    for i, (name, schema) in enumerate(SCHEMAS.items()):
+        chat, stream = ENTRY_POINTS[i % 4]
+        n, t = CONFIGS[(i // 4) % 4]
+        jobs.append((name, schema, chat, _body(chat, _spelling(i, schema), n, t, stream)))
+    _run_schemas(live, jobs, jump)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jump", [True, False], ids=["jump", "no_jump"])
+@pytest.mark.parametrize(
+    "chat, stream", ENTRY_POINTS, ids=["completions", "completions_stream", "chat", "chat_stream"]
+)
+def test_every_schema_validates_on_every_entry_point(live, chat, stream, jump):
+    """The full matrix: every schema on every entry point, jump on and off, all four (n, T) configs."""
+    jobs = [
+        (name, schema, chat, _body(chat, _spelling(i, schema), n, t, stream))
+        for i, (name, schema) in enumerate(SCHEMAS.items())
+        for n, t in CONFIGS
+    ]
+    _run_schemas(live, jobs, jump)
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

@@ -44,6 +44,34 @@ def _sampling_params(args: argparse.Namespace, **fields):
         raise UsageError(flag_named(str(e))) from None
 
 
+def _constraint(args: argparse.Namespace):
+    """``generate``'s output constraint (--json-schema / --regex / --choice), or None."""
+    from hydragen import StructuredOutputsParams
+
+    given = {
+        "--json-schema": args.json_schema,
+        "--regex": args.regex,
+        "--choice": args.choice,
+    }
+    named = [flag for flag, value in given.items() if value is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise UsageError(f"give at most one output constraint, got {' and '.join(named)}")
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{") and Path(schema).is_file():
+            schema = Path(schema).read_text()
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise UsageError(f"--json-schema: {e} (give a JSON Schema or a file holding one)") from None
+    try:
+        return StructuredOutputsParams(regex=args.regex, choice=args.choice)
+    except ValueError as e:
+        raise UsageError(f"{named[0]}: {e}") from None
+
+
 def _apply_machine_flags(args: argparse.Namespace) -> None:
     """Flags checked before the (slow) model load."""
     if args.threads is not None and args.threads < 1:
@@ -56,7 +84,12 @@ def _apply_machine_flags(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _load(args: argparse.Namespace, kv_cache_tokens: int | None = None, prefix_sharing: bool = True):
+def _load(
+    args: argparse.Namespace,
+    kv_cache_tokens: int | None = None,
+    prefix_sharing: bool = True,
+    jump_forward: bool = True,
+):
     """(LLM, seconds it took, context length in force): the model plus --max-model-len checked against it."""
     from hydragen import LLM
 
@@ -67,6 +100,7 @@ def _load(args: argparse.Namespace, kv_cache_tokens: int | None = None, prefix_s
         dtype=args.dtype,
         prefix_sharing=prefix_sharing,
         kv_cache_tokens=kv_cache_tokens,
+        jump_forward=jump_forward,
     )
     load_s = time.perf_counter() - t0
     context = llm.config.max_position_embeddings
@@ -198,12 +232,20 @@ def _generate(args: argparse.Namespace) -> int:
     if args.n < 1:  # before SamplingParams, so the summary's arithmetic never sees n < 1
         raise UsageError(f"-n must be at least 1, got {args.n}")
     params = _sampling_params(
-        args, n=args.n, max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos
+        args,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+        structured_outputs=_constraint(args),
     )
     _apply_machine_flags(args)
     text = _read_prompt(args.prompt)
     llm, load_s, context = _load(
-        args, _kv_for(args.max_model_len, args.n), prefix_sharing=not args.no_sharing
+        args,
+        _kv_for(args.max_model_len, args.n),
+        prefix_sharing=not args.no_sharing,
+        jump_forward=not args.no_jump_forward,
     )
     ids = _prompt_ids(llm, args, text)
     if len(ids) >= context:
@@ -354,6 +396,7 @@ BENCHMARKS = {
     "longdoc": "hydragen.bench.longdoc",
     "tree": "hydragen.bench.tree",
     "serve": "hydragen.bench.serve",
+    "structured": "hydragen.bench.structured",
 }
 # Calibrations, run on their own (not part of `bench all`).
 EXTRA_BENCHMARKS = {"cost-rule": "hydragen.bench.cost_rule", "exactness": "hydragen.bench.exactness"}
@@ -475,6 +518,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument(
+        "--json-schema", default=None, help="output must match this JSON Schema (inline or a file)"
+    )
+    g.add_argument("--regex", default=None, help="output must match this regular expression")
+    g.add_argument("--choice", action="append", help="output must be one of these strings (repeatable)")
+    g.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="with a constraint: sample forced text token by token instead of jumping over it",
+    )
+    g.add_argument(
         "--no-sharing",
         action="store_true",
         help="baseline: every sequence keeps its own full copy of the prompt's KV",
@@ -566,8 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule): `hydragen bench NAME -h`; "
-        "`hydragen bench NAME --replot DIR` redraws a run's plots from its saved JSON",
+        help="benchmark suite (attention, e2e, longdoc, tree, serve, structured; cost-rule): "
+        "`hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` redraws a run's plots from its "
+        "saved JSON",
     )
     b.add_argument(
         "which",

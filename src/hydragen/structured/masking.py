@@ -9,9 +9,12 @@ the sampler: each row's result depends on its own mask only, so seeded sampling 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy
 import torch
+
+TIMED_STEPS = 100_000
 
 
 class BatchMasker:
@@ -21,9 +24,14 @@ class BatchMasker:
         self._threads = threads
         self._executor = None
         self._bits = torch.empty(0, self.words, dtype=torch.int32)
-        self.fill_seconds: list[float] = []  # per masked step: the grammar engine's part alone
-        self.seconds: list[float] = []  # per masked step: time to fill and apply the masks
-        self.rows = 0  # constrained rows masked in all
+        self.reset_timings()
+
+    def reset_timings(self) -> None:
+        """Per masked step (the last TIMED_STEPS, so a server never grows them without bound): time to
+        fill and apply the masks, the grammar engine's part alone, and the constrained rows."""
+        self.seconds: deque[float] = deque(maxlen=TIMED_STEPS)
+        self.fill_seconds: deque[float] = deque(maxlen=TIMED_STEPS)
+        self.row_counts: deque[int] = deque(maxlen=TIMED_STEPS)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         if self._bits.shape[0] < rows:
@@ -51,5 +59,5 @@ class BatchMasker:
             blocked = numpy.unpackbits(inverted, axis=1, bitorder="little")[:, : logits.shape[1]]
             logits.masked_fill_(torch.from_numpy(blocked).view(torch.bool).to(logits.device), float("-inf"))
         self.seconds.append(time.perf_counter() - t0)
-        self.rows += len(matchers)
+        self.row_counts.append(len(matchers))
         return logits
