@@ -315,3 +315,19 @@ def test_generate_cli_constraints(bpe_llm, capsys):
     assert "cannot compile" in capsys.readouterr().err
     assert main([*base, "--regex", "a", "--choice", "b"]) == 2  # refused before loading anything
     assert "at most one" in capsys.readouterr().err
+
+
+def test_logprob_alternatives_are_only_allowed_tokens(bpe_llm):
+    """Top alternatives come from the masked distribution: a token the constraint excludes is never
+    listed (its logprob would be -inf), even when fewer tokens are allowed than alternatives asked."""
+    out = bpe_llm.generate(
+        "x",
+        SamplingParams(max_tokens=10, logprobs=5, structured_outputs=SO(choice=["yes", "no"]), seed=1),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.text in ("yes", "no")
+    for lp in out.logprobs:
+        assert all(v is None or v > float("-inf") for v in lp.values())
+    tok = bpe_llm.engine.tokenizer
+    first = [tok.decode([t]) for t in out.logprobs[0]]  # only spellings of the start of `yes` or `no`
+    assert first and all("yes".startswith(p) or "no".startswith(p) for p in first), first

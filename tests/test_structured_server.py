@@ -189,3 +189,18 @@ def test_bad_constraint_is_a_400_naming_the_field(live, chat, constraint, param)
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert err["message"]
     live.assert_no_leak()
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_logprobs_of_forced_tokens_are_null(live, chat):
+    body = _body(chat, {"guided_json": SCHEMAS["entity_movie"]}, 1, 1.0, False, 200)
+    body.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
+    r = httpx.post(live.url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    values = [c["logprob"] for c in lp["content"]] if chat else lp["token_logprobs"]
+    assert None in values and any(v is not None for v in values)
+    if chat:
+        assert all(c["top_logprobs"] == [] for c in lp["content"] if c["logprob"] is None)
+        # sampled: at most the 2 asked for, only tokens the constraint allowed (so maybe fewer)
+        assert all(1 <= len(c["top_logprobs"]) <= 2 for c in lp["content"] if c["logprob"] is not None)

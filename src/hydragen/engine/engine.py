@@ -443,6 +443,8 @@ class Engine:
         except GrammarViolation as e:
             raise StageError("structured outputs", e) from e
         first, forced = tokens[0], tokens[1:]
+        if logprobs is not None:  # alternatives the constraint excluded have probability 0: not listed
+            logprobs = {t: lp for t, lp in logprobs.items() if lp != float("-inf")}
         if first != token:
             self.stats.forced_tokens += 1
             s.forced += 1
