@@ -367,7 +367,7 @@ def plots(data: dict, out: Path) -> list[Path]:
         ("tokens_per_s", "output tokens per second", "structured_tokens_per_s.png", MODES),
         ("tokens_per_cpu_s", "output tokens per CPU second", "structured_tokens_per_cpu_s.png", MODES),
         ("latency_mean_s", "mean request latency (s)", "structured_latency.png", MODES),
-        ("tokens_per_s", "output tokens per second", "structured_mask_overhead.png", FREE_MODES),
+        ("tokens_per_cpu_s", "output tokens per CPU second", "structured_mask_overhead.png", FREE_MODES),
     ):
         fig, ax = plt.subplots(figsize=(8.4, 4.6), layout="constrained")
         width = 0.8 / len(modes)
