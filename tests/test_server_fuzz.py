@@ -198,15 +198,21 @@ def hostile_requests() -> list[dict]:
         "tools": [{"type": "function"}],
         "functions": [{"name": "f"}],
         "tool_choice": "auto",
-        "response_format": {"type": "json_object"},
         "modalities": ["audio"],
         "foo": 1,
-        "guided_json": {},
-        "structured_outputs": {"json": {}},
         "min_tokens": 3,
         "use_beam_search": True,
     }
     for key, value in unsupported.items():
+        add(C, json.dumps({**BASE, key: value}).encode(), {key})
+        add(CHAT, json.dumps({**CHAT_BASE, key: value}).encode(), {key})
+    malformed_constraints = {  # output constraints are supported; these values of them are not valid
+        "response_format": {"type": "xml"},
+        "guided_json": "{not json",
+        "guided_regex": "[a",
+        "structured_outputs": {"json": {}, "regex": "a"},
+    }
+    for key, value in malformed_constraints.items():
         add(C, json.dumps({**BASE, key: value}).encode(), {key})
         add(CHAT, json.dumps({**CHAT_BASE, key: value}).encode(), {key})
     for content in (

@@ -103,13 +103,7 @@ BAD = [
     (C, {**OK, "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
     (C, {**OK, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
     (C, {**OK, "frequency_penalty": -1}, 400, "frequency_penalty", "unsupported_parameter"),
-    (
-        CHAT,
-        {**MSG, "response_format": {"type": "json_object"}},
-        400,
-        "response_format",
-        "unsupported_parameter",
-    ),
+    (CHAT, {**MSG, "response_format": {"type": "xml"}}, 400, "response_format.type", "invalid_value"),
     (
         CHAT,
         {**MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -119,7 +113,8 @@ BAD = [
     ),
     (CHAT, {**MSG, "tool_choice": "auto"}, 400, "tool_choice", "unsupported_parameter"),
     (CHAT, {**MSG, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
-    (CHAT, {**MSG, "guided_json": {}}, 400, "guided_json", "unsupported_parameter"),
+    (CHAT, {**MSG, "guided_json": "{not json"}, 400, "guided_json", "invalid_value"),
+    (CHAT, {**MSG, "structured_outputs": {"jsonn": {}}}, 400, "structured_outputs", "unsupported_parameter"),
     (
         CHAT,
         {**MSG, "messages": [{"role": "user", "content": "hi", "name": "bob"}]},

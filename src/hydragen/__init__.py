@@ -3,6 +3,7 @@
 from hydragen.engine.llm import LLM
 from hydragen.engine.outputs import CompletionOutput, RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
+from hydragen.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

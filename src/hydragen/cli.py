@@ -44,6 +44,34 @@ def _sampling_params(args: argparse.Namespace, **fields):
         raise UsageError(flag_named(str(e))) from None
 
 
+def _constraint(args: argparse.Namespace):
+    """``generate``'s output constraint (--json-schema / --regex / --choice), or None."""
+    from hydragen import StructuredOutputsParams
+
+    given = {
+        "--json-schema": args.json_schema,
+        "--regex": args.regex,
+        "--choice": args.choice,
+    }
+    named = [flag for flag, value in given.items() if value is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise UsageError(f"give at most one output constraint, got {' and '.join(named)}")
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{") and Path(schema).is_file():
+            schema = Path(schema).read_text()
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise UsageError(f"--json-schema: {e} (give a JSON Schema or a file holding one)") from None
+    try:
+        return StructuredOutputsParams(regex=args.regex, choice=args.choice)
+    except ValueError as e:
+        raise UsageError(f"{named[0]}: {e}") from None
+
+
 def _apply_machine_flags(args: argparse.Namespace) -> None:
     """Flags checked before the (slow) model load."""
     if args.threads is not None and args.threads < 1:
@@ -56,7 +84,12 @@ def _apply_machine_flags(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _load(args: argparse.Namespace, kv_cache_tokens: int | None = None, prefix_sharing: bool = True):
+def _load(
+    args: argparse.Namespace,
+    kv_cache_tokens: int | None = None,
+    prefix_sharing: bool = True,
+    jump_forward: bool = True,
+):
     """(LLM, seconds it took, context length in force): the model plus --max-model-len checked against it."""
     from hydragen import LLM
 
@@ -68,6 +101,7 @@ def _load(args: argparse.Namespace, kv_cache_tokens: int | None = None, prefix_s
         prefix_sharing=prefix_sharing,
         kv_cache_tokens=kv_cache_tokens,
         tensor_parallel_size=_tp_size(args),
+        jump_forward=jump_forward,
     )
     load_s = time.perf_counter() - t0
     context = llm.config.max_position_embeddings
@@ -232,12 +266,20 @@ def _generate(args: argparse.Namespace) -> int:
     if args.n < 1:  # before SamplingParams, so the summary's arithmetic never sees n < 1
         raise UsageError(f"-n must be at least 1, got {args.n}")
     params = _sampling_params(
-        args, n=args.n, max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos
+        args,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+        structured_outputs=_constraint(args),
     )
     _apply_machine_flags(args)
     text = _read_prompt(args.prompt)
     llm, load_s, context = _load(
-        args, _kv_for(args.max_model_len, args.n), prefix_sharing=not args.no_sharing
+        args,
+        _kv_for(args.max_model_len, args.n),
+        prefix_sharing=not args.no_sharing,
+        jump_forward=not args.no_jump_forward,
     )
     ids = _prompt_ids(llm, args, text)
     if len(ids) >= context:
@@ -368,6 +410,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             prefix_sharing=not args.no_sharing,
             tensor_parallel_size=_tp_size(args),
+            jump_forward=not args.no_jump_forward,
         )
     except BaseException:
         sock.close()
@@ -393,6 +436,7 @@ BENCHMARKS = {
     "longdoc": "hydragen.bench.longdoc",
     "tree": "hydragen.bench.tree",
     "serve": "hydragen.bench.serve",
+    "structured": "hydragen.bench.structured",
 }
 # Calibrations, run on their own (not part of `bench all`).
 EXTRA_BENCHMARKS = {
@@ -531,6 +575,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument(
+        "--json-schema", default=None, help="output must match this JSON Schema (inline or a file)"
+    )
+    g.add_argument("--regex", default=None, help="output must match this regular expression")
+    g.add_argument("--choice", action="append", help="output must be one of these strings (repeatable)")
+    g.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="with a constraint: sample forced text token by token instead of jumping over it",
+    )
+    g.add_argument(
         "--no-sharing",
         action="store_true",
         help="baseline: every sequence keeps its own full copy of the prompt's KV",
@@ -578,6 +632,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs", type=int, default=256, help="most sequences decoded at once (default 256)"
     )
     v.add_argument("--no-sharing", action="store_true", help="baseline: no prefix cache, no shared attention")
+    v.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="structured outputs: sample forced text token by token instead of jumping over it (measurement)",
+    )
     v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     v.add_argument(
@@ -618,8 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmark suite (attention, e2e, longdoc, tree, serve; cost-rule, exactness, versus, tp): "
-        "`hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` redraws a run's plots from its JSON",
+        help="benchmark suite (attention, e2e, longdoc, tree, serve, structured; cost-rule, exactness, "
+        "versus, tp): `hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` redraws a run's plots "
+        "from its JSON",
     )
     b.add_argument(
         "which",

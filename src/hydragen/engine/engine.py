@@ -31,6 +31,8 @@ from hydragen.kv.manager import (  # noqa: F401  (re-exported for the benchmarks
     sharing_pays,
 )
 from hydragen.kv.pool import PagePool
+from hydragen.structured.controller import StructuredOutputs
+from hydragen.structured.matcher import GrammarViolation
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -48,7 +50,9 @@ class EngineStats:
     prompt_tokens: int = 0  # sum over sequences of prompt length
     prefill_tokens: int = 0  # prompt tokens actually run through the model
     cache_hit_tokens: int = 0  # prompt tokens found already cached when a sequence was scheduled
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # sampled tokens
+    forced_tokens: int = 0  # tokens appended by jump-forward (or extend()) without sampling
+    forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decode and extends)
     decode_steps: int = 0
     decode_seconds: float = 0.0  # steps that only decoded
     prefill_seconds: float = 0.0  # steps that also prefilled
@@ -95,6 +99,7 @@ class Engine:
         min_shared_reads: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         parallel=None,
+        jump_forward: bool = True,
     ):
         """``parallel``: a tensor-parallel group's rank 0 (``hydragen.distributed.launcher.TensorParallel``),
         which builds the page pool and model runner that drive the other ranks; None runs in-process."""
@@ -129,6 +134,7 @@ class Engine:
         self.runner = make_runner(model, cfg, self.kv, device, attention)
         eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
+        self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, eos, jump_forward)
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
         self.stats = EngineStats()
@@ -230,6 +236,7 @@ class Engine:
         req = Request(rid, prompt, list(prompt_ids), params, arrival_time=time.perf_counter())
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         req.seqs = [Sequence(req, i, derive_seed(base_seed, i)) for i in range(params.n)]
+        self.structured.attach(params, req.seqs)  # a constraint that cannot compile raises ParamError here
         self.requests[rid] = req
         self.scheduler.add(req.seqs)
         return req
@@ -286,10 +293,12 @@ class Engine:
             raise ValueError(f"token ids must lie in [0, {vocab})")
         if len(s.generated) + len(token_ids) >= s.request.params.max_tokens:
             raise ValueError("extend would reach max_tokens: no room left to sample after it")
-        s.generated.extend(token_ids)
-        s.forced += len(token_ids)
+        if s.grammar is not None:
+            if not s.grammar.fits(list(token_ids)):
+                raise ValueError("the tokens do not fit the request's structured-output constraint")
+            s.grammar.accept_all(list(token_ids))
         s.pending += len(token_ids)
-        self.outputs.add_forced(s, list(token_ids))
+        self._append_forced(s, list(token_ids))
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -335,6 +344,7 @@ class Engine:
             return self._forward_isolating_prefill(plan)
         self._prefilled(plan.prefill)
         self.stats.prefill_tokens += batch.num_prefill_tokens
+        self.stats.forward_tokens += len(batch.input_ids)
         return logits, plan
 
     def _forward_isolating_prefill(self, plan: StepPlan) -> tuple[torch.Tensor | None, StepPlan]:
@@ -385,6 +395,7 @@ class Engine:
         """Sample, append, check stops; per-request work is guarded so a failure ends its request alone."""
         seqs = plan.decode
         top = max((p.logprobs for s in seqs if (p := s.request.params).logprobs is not None), default=None)
+        self.structured.mask(logits, seqs)
         tokens, lps, row_errors = self.runner.sample(logits, seqs, top)
         token_list = tokens.tolist()
         self.stats.decode_steps += 1
@@ -399,14 +410,18 @@ class Engine:
             try:
                 want = lps[i] if lps is not None and s.request.params.logprobs is not None else None
                 self.stats.generated_tokens += 1
-                if self.outputs.append(s, t, want):
+                if s.grammar is not None:
+                    done = self._append_structured(s, t, want)
+                else:
+                    done = self.outputs.append(s, t, want)
+                if done:
                     finished.append(s)
             except StageError as e:
                 errors.setdefault(id(s.request), (s.request, failure_message(e.stage, e.cause)))
             except Exception as e:
                 errors.setdefault(id(s.request), (s.request, failure_message("stop check", e)))
             finally:
-                s.pending = 1
+                s.pending += 1  # the new token (after any forced ones, already counted)
         for s in finished:
             if id(s.request) not in errors:
                 try:
@@ -423,6 +438,46 @@ class Engine:
         return [
             o for s in finished if s.request.finished and (o := self._finish_request(s.request)) is not None
         ]
+
+    def _append_structured(self, s: Sequence, token: int, logprobs: dict | None) -> bool:
+        """Append a constrained sequence's sampled token and what jump-forward adds after it; returns
+        True when the sequence is finished. A token that is not the one sampled (a boundary re-split,
+        forced text) gets the logprobs entry ``{token: None}``: no distribution was sampled for it."""
+        try:
+            tokens = self.structured.after_sample(s, token)
+        except GrammarViolation as e:
+            raise StageError("structured outputs", e) from e
+        first, forced = tokens[0], tokens[1:]
+        if logprobs is not None:  # alternatives the constraint excluded have probability 0: not listed
+            logprobs = {t: lp for t, lp in logprobs.items() if lp != float("-inf")}
+        if first != token:
+            self.stats.forced_tokens += 1
+            s.forced += 1
+            logprobs = {first: None} if logprobs is not None else None
+        if self.outputs.append(s, first, logprobs):
+            return True
+        room = s.request.params.max_tokens - len(s.generated)
+        forced = forced[: max(0, min(room, self.cfg.max_position_embeddings - s.context_len))]
+        if forced:
+            s.pending += len(forced)
+            self._append_forced(s, forced)
+            if s.finished:
+                return True
+            if len(s.generated) >= s.request.params.max_tokens or s.context_len >= self.outputs.max_context:
+                s.finish_reason = "length"
+                return True
+        if s.grammar.done:  # the output is complete: end here instead of sampling an EOS next
+            s.finish_reason, s.stop_reason = "stop", None
+        return s.finished
+
+    def _append_forced(self, s: Sequence, tokens: list[int]) -> None:
+        s.generated.extend(tokens)
+        s.forced += len(tokens)
+        self.stats.forced_tokens += len(tokens)
+        if s.request.params.logprobs is not None:
+            s.logprobs = s.logprobs if s.logprobs is not None else []
+            s.logprobs.extend({t: None} for t in tokens)
+        self.outputs.add_forced(s, tokens)
 
     def _finish_request(self, req: Request) -> RequestOutput | None:
         if self.requests.pop(req.request_id, None) is None:

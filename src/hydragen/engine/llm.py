@@ -43,6 +43,8 @@ class LLM:
     ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.distributed``): this one is
     rank 0 and starts the others itself, or joins the ranks torchrun started; ``close()`` (or leaving a
     ``with`` block, or the end of the program) stops them.
+    ``jump_forward`` (structured outputs): append the text a grammar forces in one multi-token extend
+    instead of sampling it token by token (False: plain constrained decoding, for measurement).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class LLM:
         min_shared_reads: int | None = None,
         page_size: int = 16,
         tensor_parallel_size: int = 1,
+        jump_forward: bool = True,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -76,14 +79,31 @@ class LLM:
             self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights)
         try:
             self._start_engine(
-                dev, dt, prefix_sharing, attention, kv_cache_tokens, max_num_seqs, min_shared_reads, page_size
+                dev,
+                dt,
+                prefix_sharing,
+                attention,
+                kv_cache_tokens,
+                max_num_seqs,
+                min_shared_reads,
+                page_size,
+                jump_forward,
             )
         except BaseException:
             self.close()
             raise
 
     def _start_engine(
-        self, dev, dt, prefix_sharing, attention, kv_cache_tokens, max_num_seqs, min_shared_reads, page_size
+        self,
+        dev,
+        dt,
+        prefix_sharing,
+        attention,
+        kv_cache_tokens,
+        max_num_seqs,
+        min_shared_reads,
+        page_size,
+        jump_forward,
     ) -> None:
         has_tokenizer = self.model_path.suffix == ".gguf" or any(
             (self.model_path / f).exists()
@@ -117,6 +137,7 @@ class LLM:
             min_shared_reads=min_shared_reads,
             page_size=page_size,
             parallel=self.parallel,
+            jump_forward=jump_forward,
         )
 
     def close(self) -> None:

@@ -47,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    structured_outputs: object | None = None  # a hydragen.StructuredOutputsParams: constrain the output
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -91,6 +92,11 @@ class SamplingParams:
             bad("seed", "must be None or an integer that fits in int64")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives)")
+        if self.structured_outputs is not None:
+            from hydragen.structured.params import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

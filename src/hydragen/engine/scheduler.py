@@ -8,6 +8,9 @@ Every step:
 2. **prefill** at most ``prefill_budget`` uncached tokens, in chunks of at most ``prefill_chunk``, for
    any number of nodes and requests: they all run in the step's one packed forward;
 3. **join**: sequences whose whole path is computed by the end of this step decode in this same step;
+   Running sequences about to extend the same tokens from the same context (the n samples of a request
+   forced through the same text by jump-forward) first move those tokens into the tree, so they are
+   prefilled once as a shared node (``share_extends``);
 4. **grow**: every decoding sequence gets pages for its next token(s); when memory runs out, the newest
    sequence is **preempted** (its KV goes into the prefix tree; it resumes from there, recomputing only
    what was evicted meanwhile).
@@ -96,6 +99,7 @@ class Scheduler:
         self.step_count += 1
         self.admitted = []
         self.failures = []
+        self._share_extends()
         self._admit()
         plan = StepPlan()
         for s in self._plan_prefill(plan):
@@ -122,6 +126,30 @@ class Scheduler:
             self._order_dirty = False
             self._plan_items = self.kv.plan(self.running, all_nodes=self.kv.reserve_whole)
         return StepPlan(decode=list(self.running), items=self._plan_items)
+
+    def _share_extends(self) -> None:
+        """Groups of running sequences whose contexts agree up to their last token, with several tokens
+        pending (forced text), have those tokens prefilled once as a tree node they all hold: each goes
+        through the prefill path again (its computed KV handed to the tree, nothing recomputed), with
+        only its last token left to decode."""
+        kv = self.kv
+        if not kv.prefix_sharing or kv.share_limit is not None or kv.reserve_whole:
+            return
+        groups: dict[tuple, list[Sequence]] = {}
+        for s in self.running:
+            if s.pending > 1:
+                groups.setdefault(tuple(s.context[:-1]), []).append(s)
+        moving = [s for g in groups.values() if len(g) > 1 for s in g]
+        if not moving:
+            return
+        gone = {id(s) for s in moving}
+        self.running = [s for s in self.running if id(s) not in gone]
+        self._order_dirty = True
+        for s in moving:
+            kv.leave(s)
+            s.pending = 1
+            kv.admit(s)
+            self.prefilling.append(s)
 
     def _admit(self) -> None:
         """Waiting -> prefilling: aged sequences first, then the longest cached prefix, while memory lasts."""

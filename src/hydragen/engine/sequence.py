@@ -56,6 +56,7 @@ class Sequence:
     counted: bool = False  # prompt statistics recorded (not again after a preemption)
     preemptions: int = 0
     detok: object | None = None  # the output processor's incremental decoding state
+    grammar: object | None = None  # structured outputs: the sequence's GrammarState
 
     @property
     def prompt_ids(self) -> list[int]:

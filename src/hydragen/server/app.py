@@ -159,7 +159,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
             )
             params.append(body.sampling_params(max_tokens, logprobs))
         record["prompt_tokens"] = sum(len(ids) for ids, _ in prompts)
-        subs = await submit_all(prompts, params, chat, body.max_tokens_param)
+        subs = await submit_all(prompts, params, chat, body.max_tokens_param, body.structured_field())
         shapes = Shapes(tok, chat, (body.top_logprobs or 0) if chat else 0, logprobs is not None)
         meta = {"id": record["id"], "created": int(time.time()), "model": body.model}
         record["stream"] = body.stream
@@ -170,7 +170,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def submit_all(
-        prompts, params, chat: bool, max_tokens_param: str
+        prompts, params, chat: bool, max_tokens_param: str, structured_param: str = "structured_outputs"
     ) -> list[tuple[str, asyncio.Queue]]:
         subs = []
         try:
@@ -184,6 +184,8 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
                 param = "messages"
             elif param == "max_tokens":
                 param = max_tokens_param
+            elif param == "structured_outputs":  # a constraint the grammar engine could not compile
+                param = structured_param
             raise APIError(400, str(e), param, code="invalid_value") from None
         except BaseException:
             for rid, _ in subs:

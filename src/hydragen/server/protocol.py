@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hydragen.engine.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 from hydragen.server.errors import APIError
+from hydragen.server.structured_fields import structured_outputs_from
 
 # Accepted and ignored: bookkeeping for the caller, no effect on what is generated.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
@@ -33,7 +34,6 @@ NEUTRAL: dict[str, tuple] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
 }
 
@@ -92,10 +92,23 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # Output constraints (server/structured_fields.py): OpenAI's and vLLM's spellings, at most one.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_field(self) -> str:
+        """The request field that carries the output constraint (for naming it in errors)."""
+        return structured_outputs_from(self)[1]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams, or a 400 naming the parameter the engine could not represent."""
+        structured, _ = structured_outputs_from(self)
         fields = dict(
+            structured_outputs=structured,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

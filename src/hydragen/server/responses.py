@@ -28,7 +28,8 @@ class Shapes:
             }
         content = []
         for lp, t in zip(lps, ids, strict=False):
-            alts = sorted(lp.items(), key=lambda kv: -kv[1])[: self.top]
+            # A forced token (structured outputs) has {token: None}: null logprob, no alternatives.
+            alts = sorted(lp.items(), key=lambda kv: -kv[1])[: self.top] if lp[t] is not None else []
             s = self.token_str(t)
             content.append(
                 {

@@ -1,0 +1,50 @@
+"""The engine's view of structured outputs: attach grammars to a request's sequences, mask a step's
+logits, and turn each sampled token into the tokens to append (jump-forward included).
+
+The engine calls three hooks and nothing else of this package: ``attach`` when a request is added
+(a bad constraint raises ParamError there, before anything runs), ``mask`` before sampling, and
+``after_sample`` for each constrained sequence's new token.
+"""
+
+from __future__ import annotations
+
+from hydragen.engine.sampling_params import ParamError
+from hydragen.structured.compiler import GrammarCompiler
+from hydragen.structured.jump import jump_forward
+from hydragen.structured.masking import BatchMasker
+from hydragen.structured.matcher import GrammarState
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int], jump_forward: bool = True):
+        self.tokenizer = tokenizer
+        self.jump_forward = jump_forward
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids)
+        self.masker = BatchMasker(vocab_size)
+
+    def attach(self, params, seqs) -> None:
+        """Give every sequence of a request its own grammar state (compiled once, cached)."""
+        if params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise ParamError("structured_outputs", "structured outputs need a model with a tokenizer")
+        start = self.compiler.compile(params.structured_outputs)
+        for s in seqs:
+            s.grammar = GrammarState(start.deep_copy())
+
+    def mask(self, logits, seqs) -> None:
+        """Mask the constrained rows of a decode step's logits in place (one batched op)."""
+        rows = [(s.grammar.matcher, i) for i, s in enumerate(seqs) if s.grammar is not None]
+        if rows:
+            self.masker.apply(logits, rows)
+
+    def after_sample(self, s, token: int) -> list[int]:
+        """The tokens to append for sampled ``token``: it (or its canonical re-split) and, with
+        jump-forward on, the tokens the grammar forces after it. Raises GrammarViolation."""
+        s.grammar.accept(token)
+        if not self.jump_forward or s.grammar.done:
+            return [token]
+        return jump_forward(s.grammar, self.compiler.ll_tokenizer, self._encode, token)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
