@@ -92,7 +92,12 @@ def test_committed_figures_redraw_from_their_json(tmp_path, folder, capsys):
     """`hydragen bench NAME --replot DIR` redraws each committed figure from the committed JSON alone."""
     from hydragen import cli
 
-    name = {"cost-rule-recheck": "cost-rule", "e2e-peers16": "e2e", "e2e-peers64": "e2e"}.get(folder, folder)
+    name = {
+        "cost-rule-recheck": "cost-rule",
+        "cost-rule-v2": "cost-rule",
+        "e2e-peers16": "e2e",
+        "e2e-peers64": "e2e",
+    }.get(folder, folder)
     shutil.copytree(RESULTS / folder, tmp_path / folder)
     for png in (tmp_path / folder).glob("*.png"):
         png.unlink()
