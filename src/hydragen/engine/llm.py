@@ -81,30 +81,20 @@ class LLM:
             self._start_engine(
                 dev,
                 dt,
-                prefix_sharing,
-                attention,
                 kv_cache_tokens,
                 max_num_seqs,
-                min_shared_reads,
-                page_size,
-                jump_forward,
+                prefix_sharing=prefix_sharing,
+                attention=attention,
+                min_shared_reads=min_shared_reads,
+                page_size=page_size,
+                jump_forward=jump_forward,
             )
         except BaseException:
             self.close()
             raise
 
-    def _start_engine(
-        self,
-        dev,
-        dt,
-        prefix_sharing,
-        attention,
-        kv_cache_tokens,
-        max_num_seqs,
-        min_shared_reads,
-        page_size,
-        jump_forward,
-    ) -> None:
+    def _start_engine(self, dev, dt, kv_cache_tokens, max_num_seqs, **engine_options) -> None:
+        """The tokenizer, the KV budget and the engine; ``engine_options`` go to ``Engine`` unchanged."""
         has_tokenizer = self.model_path.suffix == ".gguf" or any(
             (self.model_path / f).exists()
             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -130,14 +120,10 @@ class LLM:
             self.tokenizer,
             dev,
             dt,
-            prefix_sharing=prefix_sharing,
-            attention=attention,
             kv_cache_tokens=kv_cache_tokens,
             max_num_seqs=max_num_seqs,
-            min_shared_reads=min_shared_reads,
-            page_size=page_size,
             parallel=self.parallel,
-            jump_forward=jump_forward,
+            **engine_options,
         )
 
     def close(self) -> None:

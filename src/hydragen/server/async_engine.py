@@ -184,22 +184,21 @@ class AsyncEngine:
                 self._add(*payload)
             elif kind == "abort":
                 self._tracked.pop(payload, None)
-                if self.failure is None:
-                    try:
-                        self.engine.abort(payload)
-                    except Exception as e:
-                        traceback.print_exc()
-                        self._die(failure_message("abort", e))
+                self._abort_in_engine(payload)
             elif kind == "fail_all":
                 for rid, tr in list(self._tracked.items()):
                     self._send(tr, Update([], True, payload))
                     del self._tracked[rid]
-                    if self.failure is None:
-                        try:
-                            self.engine.abort(rid)
-                        except Exception as e:
-                            traceback.print_exc()
-                            self._die(failure_message("abort", e))
+                    self._abort_in_engine(rid)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        """Abort in the engine unless it has already failed; a failing abort fails the engine."""
+        if self.failure is None:
+            try:
+                self.engine.abort(request_id)
+            except Exception as e:
+                traceback.print_exc()
+                self._die(failure_message("abort", e))
 
     def _add(self, prompt_ids, params, prompt, loop, out, accepted, times) -> None:
         if (err := self.unavailable()) is not None:
