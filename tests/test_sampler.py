@@ -9,6 +9,17 @@ import torch
 from hydragen.engine import truncation
 from hydragen.engine.sampler import Sampler, derive_seed
 from hydragen.engine.sampling_params import SamplingParams
+from hydragen.native import build as native_build
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def truncation_impl(request, monkeypatch):
+    """Every test runs with the C++ truncated-sampling op and with its torch twin (the op's oracle)."""
+    if request.param == "torch":
+        monkeypatch.setattr(truncation, "_native_op", lambda probs: None)
+    elif native_build.sample_truncated_op() is None:
+        pytest.skip(f"the C++ ops are unavailable: {native_build.build_error()}")
+    return request.param
 
 
 def _draw(logits, temperature=1.0, top_k=0, top_p=1.0, n=20000, seed=3):
@@ -173,9 +184,11 @@ def test_rows_are_batch_invariant():
     assert torch.equal(big, batch[order])
 
 
-def test_retry_passes_give_the_same_tokens(monkeypatch):
+def test_retry_passes_give_the_same_tokens(monkeypatch, truncation_impl):
     """Forcing rows past the first pass (the best 64 blocks) through the threshold passes, down to the
     last one that reads every token (the exact fallback), changes no token."""
+    if truncation_impl == "native":
+        pytest.skip("the C++ op reads every token in one pass; this checks the torch twin's passes")
     sampler = Sampler()
     logits = realistic_logits(48, seed=7)
     settings = [SETTINGS[i % len(SETTINGS)] for i in range(48)]
@@ -282,3 +295,33 @@ def test_seed_zero_is_not_degenerate():
     u = sampler.uniforms(seeds, torch.zeros_like(seeds))
     assert bool((u > 1e-3).all()) and bool((u < 1 - 1e-3).all())
     assert derive_seed(0, 0) != 0
+
+
+@pytest.mark.parametrize("vocab", [64 * 40, 64 * 40 + 13, 49152])
+def test_native_op_draws_the_torch_twins_tokens(vocab, truncation_impl):
+    """The C++ op and the torch twin give the same token for every row: peaked, flat, tied and underflowing
+    distributions; top_p alone (wide nuclei reach the twin's retry passes), with top_k and with min_p."""
+    if truncation_impl == "torch":
+        pytest.skip("compares the two implementations")
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 96
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.1, 12.0, rows).unsqueeze(1)
+    logits[::4] = logits[::4].round()  # ties
+    logits[1::5, ::3] = -1e4  # probabilities that underflow to 0
+    temperature = torch.rand(rows, generator=gen) * 1.5 + 0.05
+
+    def some(share):
+        return torch.rand(rows, generator=gen) < share
+
+    top_p = torch.where(some(0.8), torch.rand(rows, generator=gen).clamp_min(1e-3), 1.0)
+    top_k = torch.where(some(0.3), torch.randint(1, 200, (rows,), generator=gen), 0)
+    min_p = torch.where(some(0.3), torch.rand(rows, generator=gen) * 0.3, 0.0)
+    seeds = torch.randint(0, 2**32, (rows,), generator=gen)
+    steps = torch.randint(0, 1000, (rows,), generator=gen)
+    args = (logits, temperature, top_k, top_p, seeds, steps, True, True, True, min_p, True)
+    sampler = Sampler()
+    native = sampler.sample(*args).tokens
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(truncation, "_native_op", lambda probs: None)
+        twin = sampler.sample(*args).tokens
+    assert torch.equal(native, twin)

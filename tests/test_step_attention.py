@@ -13,10 +13,11 @@ import warnings
 import pytest
 import torch
 
-from hydragen.attention import cpp_build, step_work
 from hydragen.attention import step_attention as sa_module
+from hydragen.attention import step_work
 from hydragen.attention.reference import reference_attention
 from hydragen.attention.step_attention import StepAttentionMeta, step_attention
+from hydragen.native import build as cpp_build
 
 IMPLS = ["cpp", "torch"]
 HEADS_DIMS = [(9, 3, 64), (8, 1, 128), (4, 4, 20), (6, 2, 20)]  # GQA 9:3, MQA 8:1, MHA, GQA with odd D
@@ -331,7 +332,7 @@ def test_no_cpp_env_falls_back_to_torch(monkeypatch):
 def test_stale_build_lock_does_not_hang():
     """A build killed mid-way leaves torch's lock file behind; the next load must not wait for it forever."""
     assert cpp_build.step_attention_op() is not None
-    where = cpp_build.cache_dir() / "ext" / f"hydragen_step_attention_{cpp_build.build_key()}"
+    where = cpp_build.build_folder()
     (where / "lock").touch()
     done = threading.Event()
     threading.Thread(target=lambda: (cpp_build._build(), done.set()), daemon=True).start()
@@ -345,7 +346,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
     def no_compiler():
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 
-    monkeypatch.setattr(cpp_build, "_op", None)
+    monkeypatch.setattr(cpp_build, "_ops", None)
     monkeypatch.setattr(cpp_build, "_error", None)
     monkeypatch.setattr(cpp_build, "_build", no_compiler)
     monkeypatch.setattr(sa_module, "_warned", False)
@@ -374,13 +375,14 @@ def test_another_checkout_of_the_same_source_loads_the_cached_build(monkeypatch,
     """The build folder is keyed by the source's content, not its path: a second checkout (a worktree, a
     clone, a venv) of the same version loads the existing library instead of recompiling it."""
     assert cpp_build.step_attention_op() is not None  # the build exists
-    where = cpp_build.cache_dir() / "ext" / f"hydragen_step_attention_{cpp_build.build_key()}"
-    built = (where / f"hydragen_step_attention_{cpp_build.build_key()}.so").stat().st_mtime_ns
-    other = tmp_path / "checkout" / "step_attention.cpp"
-    other.parent.mkdir()
-    other.write_bytes(cpp_build.SOURCE.read_bytes())
-    monkeypatch.setattr(cpp_build, "SOURCE", other)
+    where = cpp_build.build_folder()
+    built = (where / f"{cpp_build.library_name()}.so").stat().st_mtime_ns
+    other = tmp_path / "checkout"
+    other.mkdir()
+    for source in cpp_build.SOURCES:
+        (other / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(cpp_build, "SOURCES", tuple(other / source.name for source in cpp_build.SOURCES))
     capsys.readouterr()
     assert cpp_build._build() is not None
     assert "compiled" not in capsys.readouterr().err
-    assert (where / f"hydragen_step_attention_{cpp_build.build_key()}.so").stat().st_mtime_ns == built
+    assert (where / f"{cpp_build.library_name()}.so").stat().st_mtime_ns == built

@@ -17,9 +17,10 @@ described once per step by a :class:`StepAttentionMeta`:
 A token's output is exact softmax attention over the union of its segment's visible keys and the keys of
 every unit that covers it (an LSE merge of the parts); a token that sees nothing gets zeros.
 
-Two implementations share this metadata. ``cpp`` (``csrc/step_attention.cpp``, compiled on first use by
-``cpp_build``) is one call per layer: big unit pieces through ATen's CPU flash kernel as matrix products,
-the rest by a threaded online-softmax kernel reading K/V rows in place, partials merged per token in fp32.
+Two implementations share this metadata. ``cpp`` (``native/csrc/step_attention.cpp``, compiled on first
+use by ``native/build.py``) is one call per layer: big unit pieces through ATen's CPU flash kernel as
+matrix products, the rest by a threaded online-softmax kernel reading K/V rows in place, partials merged
+per token in fp32.
 ``torch`` (``step_attention_torch``) gathers segment keys and runs the existing partial kernels: any
 device, and a second oracle. ``auto`` takes cpp on CPU when it builds, else torch.
 
@@ -36,8 +37,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hydragen.attention import cpp_build, step_work
+from hydragen.attention import step_work
 from hydragen.attention.step_work import cut_step
+from hydragen.native import build as cpp_build
 
 UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

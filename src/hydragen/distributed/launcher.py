@@ -189,7 +189,7 @@ def _start_rank0(model, world, device, dtype, random_weights, init_method, procs
 def _prepare_attention(device: torch.device, attention: str) -> None:
     """Build (or load) the C++ op once, here, before N processes would each want it."""
     if device.type == "cpu" and attention in ("auto", "fused"):
-        from hydragen.attention.cpp_build import step_attention_op
+        from hydragen.native.build import step_attention_op
 
         step_attention_op()
 

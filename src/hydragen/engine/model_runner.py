@@ -61,7 +61,7 @@ class ModelRunner:
         self.sampler = Sampler()
         if torch.device(device).type == "cpu" and self.attention in ("auto", "cpp"):
             # Compile (once per machine, ~30 s) or load the CPU op now, not inside the first request.
-            from hydragen.attention.cpp_build import step_attention_op
+            from hydragen.native.build import step_attention_op
 
             step_attention_op()
         self._sampling_key: tuple = ()

@@ -24,11 +24,18 @@ Only C is read; its masses are summed per level of p (8 levels per octave) to fi
 cut falls in, and only that level's tokens are sorted. Masses are fixed-point integers (p * 2**36, floored),
 so every sum is exact in any order and a row's token never depends on the other rows of the batch. A
 token below 2**-36 of the total mass is never drawn; the uniform's 24 bits could not resolve it anyway.
+
+On CPU the rows go to a C++ op (``native/csrc/sampling.cpp``) that computes the same masses, levels and
+draw over each row's whole vocabulary in its cache, one thread per row: a wide nucleus (a flat
+distribution, a high temperature) costs the candidate passes here many retries and large gathers, and the
+op none. This module is the op's twin where it cannot be built, and the oracle its tests compare it with.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hydragen.native import build as native_build
 
 BLOCK = 64
 MASS_SCALE = 2**36
@@ -117,6 +124,9 @@ def sample_truncated(
             kth = top_values(probs, int(k.max()), maxima)[0].gather(1, k.unsqueeze(1) - 1).squeeze(1)
             survive = torch.where(on, torch.maximum(survive, kth), survive)
     free = survive <= 0  # only top_p: the survivors are the whole vocabulary
+    op = _native_op(probs)
+    if op is not None:
+        return op(probs, survive.float(), free, top_p.float(), bits)
     # First pass for a free row: every token above the FIRST_K-th largest block maximum. They all lie in
     # the FIRST_K best blocks (a token above it in another block would raise that block's maximum).
     if maxima.shape[1] > FIRST_K:
@@ -145,6 +155,13 @@ def sample_truncated(
         if todo.numel() == 0:
             break
     return tokens
+
+
+def _native_op(probs: torch.Tensor):
+    """The C++ op when it serves these probabilities (CPU, fp32, dense rows) and builds; else None."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32 or not probs.is_contiguous():
+        return None
+    return native_build.sample_truncated_op()
 
 
 def _draw(

@@ -1,11 +1,12 @@
-"""Compile hydragen's C++ CPU attention op on first use and cache the build on disk.
+"""Compile hydragen's C++ CPU ops on first use and cache the build on disk.
 
-The op is built with ``-march=native`` for the machine it runs on, so it ships as source
-(``attention/csrc/``) and is compiled by ``torch.utils.cpp_extension`` the first time it is needed. The
-build lives under ``$HYDRAGEN_CACHE_DIR`` (else ``$HYDRAGEN_CACHE``, else ``~/.cache/hydragen``) in a
-folder keyed by a hash of the source, the torch version, the flags and the CPU, so an edit, an upgrade or a
-different machine sharing the home directory never loads a stale or foreign binary. When no compiler works
-the op is reported unavailable with the reason, and callers fall back to the pure-torch path.
+The ops (``torch.ops.hydragen.step_attention`` and ``sample_truncated``) are built into one library with
+``-march=native`` for the machine they run on, so they ship as source (``native/csrc/``) and are compiled
+by ``torch.utils.cpp_extension`` the first time one is needed. The build lives under
+``$HYDRAGEN_CACHE_DIR`` (else ``$HYDRAGEN_CACHE``, else ``~/.cache/hydragen``) in a folder keyed by a hash
+of the sources, the torch version, the flags and the CPU, so an edit, an upgrade or a different machine
+sharing the home directory never loads a stale or foreign binary. When no compiler works the ops are
+reported unavailable with the reason, and callers fall back to their pure-torch twins.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "step_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("step_attention.cpp", "sampling.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 
 _lock = threading.Lock()
-_op: Callable | None = None
+_ops: object | None = None  # the torch.ops.hydragen namespace once loaded
 _error: str | None = None
 
 
@@ -47,7 +48,8 @@ def _cpu_identity() -> str:
 
 
 def build_key() -> str:
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode()]
+    parts = [source.read_bytes() for source in SOURCES]
+    parts += [torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode()]
     parts.append(_cpu_identity().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -71,26 +73,35 @@ def _build_lock(where: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build() -> Callable:
+def library_name() -> str:
+    return f"hydragen_ops_{build_key()}"
+
+
+def build_folder() -> Path:
+    return cache_dir() / "ext" / library_name()
+
+
+def _build() -> object:
+    """Load the library, building it first when this machine has none of these sources; the op namespace."""
     from torch.utils import cpp_extension
 
-    key = build_key()
-    name = f"hydragen_step_attention_{key}"
-    where = cache_dir() / "ext" / name
+    name = library_name()
+    where = build_folder()
     where.mkdir(parents=True, exist_ok=True)
     with _build_lock(where):
         library = where / f"{name}.so"
         if library.exists():  # built before, by any checkout: the key names its source exactly
             torch.ops.load_library(str(library))
-            return torch.ops.hydragen.step_attention
-        # Built from a copy inside the folder: build.ninja then never names a checkout, so two checkouts of
+            return torch.ops.hydragen
+        # Built from copies inside the folder: build.ninja then never names a checkout, so two checkouts of
         # one version share one build instead of rebuilding it for each other.
-        source = where / SOURCE.name
-        source.write_bytes(SOURCE.read_bytes())
+        copies = [where / source.name for source in SOURCES]
+        for source, copy in zip(SOURCES, copies, strict=True):
+            copy.write_bytes(source.read_bytes())
         start = time.perf_counter()
         cpp_extension.load(
             name=name,
-            sources=[str(source)],
+            sources=[str(copy) for copy in copies],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(where),
@@ -98,11 +109,10 @@ def _build() -> Callable:
             verbose=False,
         )
     print(
-        f"hydragen: compiled the C++ step-attention op in {time.perf_counter() - start:.1f} s "
-        f"(cached in {where})",
+        f"hydragen: compiled the C++ CPU ops in {time.perf_counter() - start:.1f} s (cached in {where})",
         file=sys.stderr,
     )
-    return torch.ops.hydragen.step_attention
+    return torch.ops.hydragen
 
 
 def disabled_reason() -> str | None:
@@ -112,20 +122,33 @@ def disabled_reason() -> str | None:
     return None
 
 
-def step_attention_op() -> Callable | None:
-    """The compiled op, building it on first call; None when disabled or unbuildable (see ``build_error``)."""
-    global _op, _error
+def load_ops() -> object | None:
+    """The compiled ops' namespace, building it on first call; None when disabled or unbuildable
+    (see ``build_error``)."""
+    global _ops, _error
     if disabled_reason() is not None:
         return None
-    if _op is None and _error is None:
+    if _ops is None and _error is None:
         with _lock:
-            if _op is None and _error is None:
+            if _ops is None and _error is None:
                 try:
-                    _op = _build()
+                    _ops = _build()
                 except Exception as exc:  # no compiler, no ninja, a compile error: all mean "use torch"
                     lines = str(exc).strip().splitlines()
                     _error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
-    return _op
+    return _ops
+
+
+def step_attention_op() -> Callable | None:
+    """``torch.ops.hydragen.step_attention``, or None when the ops are unavailable."""
+    ops = load_ops()
+    return None if ops is None else ops.step_attention
+
+
+def sample_truncated_op() -> Callable | None:
+    """``torch.ops.hydragen.sample_truncated``, or None when the ops are unavailable."""
+    ops = load_ops()
+    return None if ops is None else ops.sample_truncated
 
 
 def build_error() -> str | None:

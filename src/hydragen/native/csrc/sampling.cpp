@@ -1,0 +1,160 @@
+// Truncated sampling (min_p / top_k / top_p survivors, then the top_p cut, then an inverse-CDF draw) on
+// CPU, one row per task. engine/truncation.py defines the distribution and is this op's twin and oracle:
+// the same fixed-point masses (floor(p * 2**36)), the same levels (fp32 exponent and 3 mantissa bits), the
+// same tie rule and the same 24-bit draw, so both give the same token for every row. The torch twin reads
+// only a candidate set and retries when it falls short, which costs many small tensor ops when the nucleus
+// is wide; here a row is four passes over its probabilities, which stay in the core's cache:
+//   1. the row's largest probability (its level is level 0);
+//   2. each token's level (kept for the next passes) and each survivor's mass, summed per level;
+//   3. the survivors of the level the top_p cut falls in, sorted by probability to decide each one;
+//   4. the draw: the kept tokens' masses accumulated in token order until they pass the row's target.
+// Rows never interact, so a row's token cannot depend on the batch.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLevels = 256;  // engine/truncation.py: _LEVELS
+constexpr int kLevelShift = 20;  // _LEVEL_SHIFT
+constexpr double kMassScale = 68719476736.0;  // MASS_SCALE = 2**36
+
+inline int32_t level_bits(float p) {
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  return bits >> kLevelShift;
+}
+
+// floor(p * 2**36) for 0 <= p <= 1: scaling by a power of two is exact in fp32, and the conversion truncates.
+inline int64_t mass_of(float p) { return static_cast<int64_t>(p * 68719476736.0f); }
+
+struct AtCut {
+  float p;
+  int64_t mass;
+  bool kept;
+};
+
+struct RowScratch {
+  std::vector<int16_t> level;  // per token: its level, or -1 when it does not survive
+  std::vector<AtCut> cut_tokens;
+  std::vector<int32_t> order;
+};
+
+// One row: probs [vocab] (padding below 0 never survives), survivors p >= survive.
+int64_t draw_row(const float* probs, int64_t vocab, float survive, bool free_row, float top_p, int64_t bits,
+                 RowScratch& w) {
+  float pmax = probs[0];
+  for (int64_t i = 1; i < vocab; ++i) pmax = std::max(pmax, probs[i]);
+  const int32_t top_level = level_bits(pmax);
+
+  w.level.resize(vocab);
+  int16_t* level = w.level.data();
+  // Four interleaved histograms: neighbouring tokens often share a level, and one histogram would chain
+  // every add on the previous one's store.
+  std::array<std::array<int64_t, kLevels>, 4> parts{};
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float p = probs[i];
+    const int16_t l = static_cast<int16_t>(std::min<int32_t>(top_level - level_bits(p), kLevels - 1));
+    const bool survives = p >= survive;
+    level[i] = survives ? l : int16_t{-1};
+    parts[i & 3][l] += survives ? mass_of(p) : 0;
+  }
+  std::array<int64_t, kLevels> inclusive;
+  int64_t total = 0;
+  for (int l = 0; l < kLevels; ++l) {
+    inclusive[l] = parts[0][l] + parts[1][l] + parts[2][l] + parts[3][l];
+    total += inclusive[l];
+  }
+  for (int l = 1; l < kLevels; ++l) inclusive[l] += inclusive[l - 1];
+  const double limit = static_cast<double>(top_p) * (free_row ? kMassScale : static_cast<double>(total));
+  int cut = kLevels;  // none passes the limit: every level is kept
+  for (int l = 0; l < kLevels; ++l) {
+    if (static_cast<double>(inclusive[l]) > limit) {
+      cut = l;
+      break;
+    }
+  }
+
+  // The cut level's survivors, in token order, then by probability (largest first, ties in token order).
+  auto& cut_tokens = w.cut_tokens;
+  cut_tokens.clear();
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (level[i] == cut) cut_tokens.push_back({probs[i], mass_of(probs[i]), false});
+  }
+  auto& order = w.order;
+  order.resize(cut_tokens.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return cut_tokens[a].p > cut_tokens[b].p; });
+  const int64_t levels_above = cut > 0 && cut < kLevels ? inclusive[cut - 1] : 0;
+  int64_t kept_at_cut = 0, before = 0, tie_before = 0;
+  for (size_t j = 0; j < order.size(); ++j) {
+    AtCut& t = cut_tokens[order[j]];
+    if (j == 0 || t.p != cut_tokens[order[j - 1]].p) tie_before = before;  // tied tokens share the mass above
+    t.kept = t.mass > 0 && static_cast<double>(levels_above + tie_before) < limit;
+    if (t.kept) kept_at_cut += t.mass;
+    before += t.mass;
+  }
+
+  // The draw: the kept tokens' masses in token order (levels above the cut whole, the cut level as decided).
+  const int64_t kept_total = (cut < kLevels ? levels_above : inclusive[kLevels - 1]) + kept_at_cut;
+  const int64_t target = ((2 * bits + 1) * kept_total) >> 25;
+  int64_t cumulative = 0, last_kept = 0;
+  size_t next_at_cut = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const int16_t l = level[i];
+    if (l < 0 || l > cut) continue;
+    if (l == cut && !cut_tokens[next_at_cut++].kept) continue;
+    const int64_t m = mass_of(probs[i]);
+    if (m == 0) continue;
+    cumulative += m;
+    last_kept = i;
+    if (cumulative > target) return i;
+  }
+  return last_kept;  // unreachable while the target is below the kept mass
+}
+
+at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& survive, const at::Tensor& free_rows,
+                            const at::Tensor& top_p, const at::Tensor& bits) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous(),
+              "sample_truncated: probs must be a contiguous float32 [rows, vocab] tensor");
+  const int64_t rows = probs.size(0), vocab = probs.size(1);
+  for (const at::Tensor* t : {&survive, &free_rows, &top_p, &bits}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous(),
+                "sample_truncated: per-row tensors must be contiguous [rows]");
+  }
+  TORCH_CHECK(survive.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+                  free_rows.scalar_type() == at::kBool && bits.scalar_type() == at::kLong,
+              "sample_truncated: survive/top_p float32, free bool, bits int64");
+  at::Tensor tokens = at::empty({rows}, probs.options().dtype(at::kLong));
+  const float* pp = probs.const_data_ptr<float>();
+  const float* sp = survive.const_data_ptr<float>();
+  const bool* fp = free_rows.const_data_ptr<bool>();
+  const float* tp = top_p.const_data_ptr<float>();
+  const int64_t* bp = bits.const_data_ptr<int64_t>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    RowScratch scratch;
+    for (int64_t r = lo; r < hi; ++r) {
+      // A free row's survivors are every real token: p >= 0 (the padding is negative).
+      const float s = fp[r] ? 0.0f : sp[r];
+      out[r] = draw_row(pp + r * vocab, vocab, s, fp[r], tp[r], bp[r], scratch);
+    }
+  });
+  return tokens;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hydragen, m) {
+  m.def("sample_truncated(Tensor probs, Tensor survive, Tensor free, Tensor top_p, Tensor bits) -> Tensor");
+  m.impl("sample_truncated", c10::DispatchKey::CPU, &sample_truncated);
+}
