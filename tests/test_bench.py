@@ -207,15 +207,16 @@ def test_bench_all_runs_every_benchmark_into_its_own_folder(monkeypatch, tmp_pat
     import types
 
     from hydragen import cli
+    from hydragen.cli import bench
 
     calls = []
     fake = {}
-    for name in cli.BENCHMARKS:
+    for name in bench.BENCHMARKS:
         mod = types.ModuleType(f"fake_bench_{name}")
         mod.main = lambda argv, name=name: calls.append((name, argv))
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
         fake[name] = mod.__name__
-    monkeypatch.setattr(cli, "BENCHMARKS", fake)
+    monkeypatch.setattr(bench, "BENCHMARKS", fake)
     assert cli.main(["bench", "all", "--quick", "--out", str(tmp_path)]) == 0
     assert calls == [(n, ["--out", f"{tmp_path}/{n}", "--quick"]) for n in fake]
 

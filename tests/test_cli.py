@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from hydragen import __version__
-from hydragen.cli import flag_named, main, summary_lines
+from hydragen.cli import main
+from hydragen.cli.common import flag_named
+from hydragen.cli.generate import summary_lines
 from hydragen.streaming import StreamResult
 
 GREEDY = ["--temperature", "0", "--max-tokens", "12"]
@@ -212,15 +214,15 @@ def test_summary_lines_show_only_comparable_numbers():
 
 
 def test_live_rate_line_for_several_completions(capsys):
-    from hydragen.cli import _RateLine
+    from hydragen.cli.generate import RateLine
 
-    line = _RateLine(4, enabled=True)
+    line = RateLine(4, enabled=True)
     line(10, 2.0)
     line(12, 2.05)  # redrawn at most every 0.1 s
     line.clear()
     err = capsys.readouterr().err
     assert err == "\rgenerating 4 completions: 10 tokens in 2.0 s, 5.0 tokens/s\x1b[K\r\x1b[K"
-    quiet = _RateLine(4, enabled=False)  # -q, or stderr not a terminal
+    quiet = RateLine(4, enabled=False)  # -q, or stderr not a terminal
     quiet(10, 2.0)
     quiet.clear()
     assert capsys.readouterr().err == ""

@@ -48,10 +48,13 @@ def make_prompts(n: int, seed: int) -> list[str]:
 
 def run_mode(llm, prompts: list[str], mode: str, params) -> list[tuple[list[int], list[dict]]]:
     if mode.endswith("alone"):
-        outs = []
-        for p in prompts:
+        outs, t0 = [], time.perf_counter()
+        for i, p in enumerate(prompts, 1):
             llm.reset_prefix_cache()
             outs += llm.generate([p], params, use_tqdm=False)
+            if i % 16 == 0 or i == len(prompts):  # the alone modes are the long part: show the rate
+                rate = i / (time.perf_counter() - t0)
+                print(f"[exactness] {mode}: {i}/{len(prompts)} prompts, {rate:.2f}/s", file=sys.stderr)
     else:
         if mode != "on-warm":
             llm.reset_prefix_cache()

@@ -1,0 +1,63 @@
+"""``hydragen bench``: one benchmark, the suite, or a run's plots redrawn from its JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hydragen.cli.common import UsageError
+
+BENCHMARKS = {
+    "attention": "hydragen.bench.attention",
+    "e2e": "hydragen.bench.e2e",
+    "longdoc": "hydragen.bench.longdoc",
+    "tree": "hydragen.bench.tree",
+    "serve": "hydragen.bench.serve",
+    "structured": "hydragen.bench.structured",
+}
+# Calibrations, run on their own (not part of `bench all`).
+EXTRA_BENCHMARKS = {
+    "cost-rule": "hydragen.bench.cost_rule",
+    "exactness": "hydragen.bench.exactness",
+    "versus": "hydragen.bench.versus",
+    "tp": "hydragen.bench.tp",
+}
+
+
+def _replot(module_name: str, folder: str) -> None:
+    """Redraw a benchmark's plots from the JSON a run saved in ``folder`` (no measuring)."""
+    import importlib
+
+    from hydragen.bench.common import read_results
+
+    module = importlib.import_module(module_name)
+    for path in module.plots(read_results(Path(folder), module.RESULT_NAME), Path(folder)):
+        print(path)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    rest = list(args.rest)
+    if "--replot" in rest:  # `hydragen bench NAME --replot DIR`: the plots again, from DIR/NAME.json
+        at = rest.index("--replot")
+        if at + 1 >= len(rest) or args.which == "all":
+            raise UsageError(
+                "--replot takes one results folder, after a benchmark's name: bench e2e --replot DIR"
+            )
+        _replot({**BENCHMARKS, **EXTRA_BENCHMARKS}[args.which], rest[at + 1])
+        return 0
+    if args.which != "all":
+        importlib.import_module({**BENCHMARKS, **EXTRA_BENCHMARKS}[args.which]).main(rest)
+        return 0
+    # The whole suite at its defaults (or --quick), each benchmark into its own folder under --out.
+    extra = argparse.ArgumentParser(prog="hydragen bench all")
+    extra.add_argument("--quick", action="store_true", help="tiny sizes: checks that every benchmark runs")
+    extra.add_argument("--out", default="bench-out")
+    opts = extra.parse_args(rest)
+    for name, module in BENCHMARKS.items():
+        print(f"=== hydragen bench {name} ===", file=sys.stderr)
+        argv = ["--out", f"{opts.out}/{name}"] + (["--quick"] if opts.quick else [])
+        importlib.import_module(module).main(argv)
+    return 0

@@ -1,0 +1,150 @@
+"""What the CLI's commands share: flag checks, sampling settings, loading the model, tensor parallelism."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+# SamplingParams field -> the flag that sets it, so a bad value is reported as the user typed it.
+SAMPLING_FLAGS = {
+    "n": "-n",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "max_tokens": "--max-tokens",
+    "stop": "--stop",
+    "seed": "--seed",
+}
+
+
+class UsageError(Exception):
+    """A bad command line value, reported as ``error: ...`` with exit code 2 (as argparse does)."""
+
+
+def flag_named(message: str) -> str:
+    """Rewrite a SamplingParams error so it names the CLI flag (``--top-p``, not ``SamplingParams.top_p``)."""
+    for field, flag in SAMPLING_FLAGS.items():
+        message = re.sub(rf"(?:\bSamplingParams\.|^){field}\b", flag, message)
+    return message
+
+
+def sampling_params(args: argparse.Namespace, **fields):
+    from hydragen import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, **fields
+        )
+    except ValueError as e:
+        raise UsageError(flag_named(str(e))) from None
+
+
+def constraint(args: argparse.Namespace):
+    """``generate``'s output constraint (--json-schema / --regex / --choice), or None."""
+    from hydragen import StructuredOutputsParams
+
+    given = {
+        "--json-schema": args.json_schema,
+        "--regex": args.regex,
+        "--choice": args.choice,
+    }
+    named = [flag for flag, value in given.items() if value is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise UsageError(f"give at most one output constraint, got {' and '.join(named)}")
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{") and Path(schema).is_file():
+            schema = Path(schema).read_text()
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise UsageError(f"--json-schema: {e} (give a JSON Schema or a file holding one)") from None
+    try:
+        return StructuredOutputsParams(regex=args.regex, choice=args.choice)
+    except ValueError as e:
+        raise UsageError(f"{named[0]}: {e}") from None
+
+
+def apply_machine_flags(args: argparse.Namespace) -> None:
+    """Flags checked before the (slow) model load."""
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UsageError(f"--max-model-len must be at least 2 tokens, got {args.max_model_len}")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def load_llm(
+    args: argparse.Namespace,
+    kv_cache_tokens: int | None = None,
+    prefix_sharing: bool = True,
+    jump_forward: bool = True,
+):
+    """(LLM, seconds it took, context length in force): the model plus --max-model-len checked against it."""
+    from hydragen import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        prefix_sharing=prefix_sharing,
+        kv_cache_tokens=kv_cache_tokens,
+        tensor_parallel_size=tp_size(args),
+        jump_forward=jump_forward,
+    )
+    load_s = time.perf_counter() - t0
+    context = llm.config.max_position_embeddings
+    if args.max_model_len is not None:
+        if args.max_model_len > context:
+            raise UsageError(
+                f"--max-model-len {args.max_model_len} exceeds the model's context of {context} tokens"
+            )
+        context = args.max_model_len
+    return llm, load_s, context
+
+
+def tp_size(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, defaulting to the number of ranks when torchrun started this process."""
+    from hydragen.distributed.group import torchrun_env
+
+    env = torchrun_env()
+    size = args.tensor_parallel_size
+    if size is None:
+        return env.world if env is not None else 1
+    if size < 1:
+        raise UsageError(f"--tensor-parallel-size must be at least 1, got {size}")
+    if env is not None and size != env.world:
+        raise UsageError(
+            f"--tensor-parallel-size {size} does not match the {env.world} ranks torchrun started"
+        )
+    return size
+
+
+def torchrun_worker(args: argparse.Namespace) -> int | None:
+    """Under torchrun, ranks 1..N-1 follow rank 0 instead of running the command (None on rank 0, or
+    without torchrun)."""
+    from hydragen.distributed.group import torchrun_env
+
+    env = torchrun_env()
+    if env is None or env.rank == 0 or args.command not in ("generate", "serve", "chat"):
+        return None
+    tp_size(args)
+    from hydragen.distributed.launcher import run_torchrun_worker
+    from hydragen.model.loader import resolve_device, resolve_dtype
+
+    random = getattr(args, "random_weights", False)
+    return run_torchrun_worker(args.model, resolve_device(args.device), resolve_dtype(args.dtype), random)
+
+
+def kv_for(context: int | None, n: int) -> int | None:
+    """KV cache for --max-model-len: room for the prompt once plus n full contexts, twice over (the decode
+    tail block is rebuilt while the old one is still held). None: the engine's default."""
+    return None if context is None else 2 * (n + 1) * (context + 1) + 1024

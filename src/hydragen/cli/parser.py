@@ -1,0 +1,215 @@
+"""The ``hydragen`` command line: every subcommand's flags and help."""
+
+from __future__ import annotations
+
+import argparse
+
+from hydragen.cli.bench import BENCHMARKS, EXTRA_BENCHMARKS, run_bench
+from hydragen.cli.generate import run_chat, run_generate
+from hydragen.cli.serve import run_serve
+
+
+def _version() -> str:
+    import platform
+
+    from hydragen import __version__
+
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # --version must work even where torch is broken
+        torch_version = "not installed"
+    return f"hydragen {__version__} (torch {torch_version}, Python {platform.python_version()})"
+
+
+class _VersionAction(argparse.Action):
+    """--version, computed only when asked (it imports torch)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(_version())
+        parser.exit()
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--system", default=None, help="system prompt (the chat template's system message)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: every core)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="context limit, prompt and output together; also sizes the KV cache (default: the model's)",
+    )
+    p.add_argument("--version", action=_VersionAction, help="print the version and exit")
+    _add_tp_arg(p)
+
+
+def _add_tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model over N processes (attention heads, MLP columns, vocabulary); hydragen starts "
+        "them itself, or, under torchrun, uses its ranks (default 1, or torchrun's number of ranks)",
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=temperature,
+        help=f"sampling temperature, 0 = greedy (default {temperature})",
+    )
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hydragen", description="LLM inference built around shared prefixes."
+    )
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser(
+        "generate",
+        help="sample completions of one prompt with shared-prefix attention",
+        description="Generate N completions of PROMPT; the prompt's KV is computed and stored once and read "
+        "by all N sequences in one batched attention call. One completion streams as it is generated; "
+        "several are printed when done, with a live token rate meanwhile. A summary goes to stderr.",
+    )
+    g.add_argument("prompt", help="the prompt text, or - to read it from standard input")
+    g.add_argument("-n", type=int, default=1, help="number of completions (default 1)")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per completion (default 64)")
+    _add_sampling_args(g, temperature=0.7)
+    g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    g.add_argument(
+        "--json-schema", default=None, help="output must match this JSON Schema (inline or a file)"
+    )
+    g.add_argument("--regex", default=None, help="output must match this regular expression")
+    g.add_argument("--choice", action="append", help="output must be one of these strings (repeatable)")
+    g.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="with a constraint: sample forced text token by token instead of jumping over it",
+    )
+    g.add_argument(
+        "--no-sharing",
+        action="store_true",
+        help="baseline: every sequence keeps its own full copy of the prompt's KV",
+    )
+    _add_model_args(g)
+    g.add_argument("-q", "--quiet", action="store_true", help="no live rate line and no summary")
+    g.set_defaults(func=run_generate)
+
+    c = sub.add_parser(
+        "chat",
+        help="interactive chat in the terminal (earlier turns are served from the prefix cache)",
+        description="Chat with the model: replies stream as they are generated, and each turn reuses the KV "
+        "of the conversation so far from the prefix cache. /reset starts over, /exit or Ctrl-D leaves, "
+        "Ctrl-C stops a reply. With standard input not a terminal, each input line is one user turn.",
+    )
+    c.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most new tokens per reply (default: until the model ends its turn or the context is full)",
+    )
+    _add_sampling_args(c, temperature=0.7)
+    _add_model_args(c)
+    c.add_argument("-q", "--quiet", action="store_true", help="no banner and no per-turn statistics")
+    c.set_defaults(func=run_chat)
+
+    v = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with a persistent prefix cache",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics. Requests that share prefixes share KV, across time.",
+    )
+    v.add_argument(
+        "--model", default=None, help="a .gguf file or Hugging Face model directory (default: embedded)"
+    )
+    v.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument(
+        "--served-model-name", default=None, help="model name clients send (default: file/dir name)"
+    )
+    v.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens (default: 1/4 of RAM)"
+    )
+    v.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most sequences decoded at once (default 256)"
+    )
+    v.add_argument("--no-sharing", action="store_true", help="baseline: no prefix cache, no shared attention")
+    v.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="structured outputs: sample forced text token by token instead of jumping over it (measurement)",
+    )
+    v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    v.add_argument(
+        "--log-level",
+        default="info",
+        help="critical, error, warning, info (one line per request; default) or debug",
+    )
+    v.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYDRAGEN_API_KEY, else none)",
+    )
+    v.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated host names accepted in the Host header (default: any)",
+    )
+    v.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body in bytes; larger ones get a 413 (default 8 MiB)",
+    )
+    v.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers and body (default 30)",
+    )
+    v.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds in-flight requests get before they are aborted (default 10)",
+    )
+    _add_tp_arg(v)
+    v.set_defaults(func=run_serve)
+
+    b = sub.add_parser(
+        "bench",
+        help="benchmark suite (attention, e2e, longdoc, tree, serve, structured; cost-rule, exactness, "
+        "versus, tp): `hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` redraws a run's plots "
+        "from its JSON",
+    )
+    b.add_argument(
+        "which",
+        choices=[*BENCHMARKS, "all", *EXTRA_BENCHMARKS],
+        help="which benchmark ('all': the suite; 'cost-rule': calibrates the engine's sharing threshold)",
+    )
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    b.set_defaults(func=run_bench)
+    return parser

@@ -1,0 +1,87 @@
+"""``hydragen serve``: options checked before the model loads, then the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hydragen.cli.common import tp_size
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from hydragen.server.launch import LOG_LEVELS, bind_socket, configure_logging
+    from hydragen.server.options import ServerOptions
+
+    # Everything that can be checked without the model is checked first: a bad option is one line, at once.
+    api_key = args.api_key if args.api_key is not None else os.environ.get("HYDRAGEN_API_KEY") or None
+    hosts = [h.strip() for h in args.allowed_hosts.split(",")] if args.allowed_hosts else None
+    options = ServerOptions(
+        api_key=api_key,
+        allowed_hosts=hosts,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    problems = []
+    if not 0 <= args.port <= 65535:
+        problems.append(f"--port must be in [0, 65535], got {args.port}")
+    if args.log_level.lower() not in LOG_LEVELS:
+        problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
+    if args.api_key is not None and not args.api_key.strip():
+        problems.append("--api-key must not be empty")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        problems.append(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
+    if args.max_num_seqs < 1:
+        problems.append(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        problems.append(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.model is not None and not os.path.exists(args.model):
+        problems.append(f"--model {args.model!r} does not exist")
+    try:
+        options.check()
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
+    log_level = args.log_level.lower()
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(log_level)
+
+    from hydragen import LLM
+    from hydragen.server.app import create_app
+    from hydragen.server.launch import run
+
+    try:
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_tokens=args.kv_cache_tokens,
+            max_num_seqs=args.max_num_seqs,
+            prefix_sharing=not args.no_sharing,
+            tensor_parallel_size=tp_size(args),
+            jump_forward=not args.no_jump_forward,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    name = args.served_model_name or llm.model_path.stem
+    kv = llm.engine.pool.num_slots
+    mib = kv * llm.engine.pool.bytes_per_token / 2**20
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    ready = (
+        f"ready: serving {name!r} on http://{host}:{{port}}/v1 | KV cache {kv} tokens ({mib:.0f} MiB)"
+        f" | API key {'required' if api_key else 'not required'}"
+    )
+    try:
+        run(create_app(llm, name, options), sock, options, log_level, ready)
+    finally:
+        llm.close()
+    return 0
