@@ -143,7 +143,7 @@ def start(
             f"tensor_parallel_size {world} needs {world} GPUs from {device}, but torch sees "
             f"{torch.cuda.device_count()}"
         )
-    _prepare_attention(device, attention)
+    _prepare_native_ops(device)
     torch.set_num_threads(threads_per_rank(world))
     store_dir = tempfile.mkdtemp(prefix="hydragen-tp-")
     init_method = f"file://{store_dir}/store"
@@ -186,12 +186,12 @@ def _start_rank0(model, world, device, dtype, random_weights, init_method, procs
     return TensorParallel(group, net, cfg, path, shard, procs, store_dir)
 
 
-def _prepare_attention(device: torch.device, attention: str) -> None:
-    """Build (or load) the C++ op once, here, before N processes would each want it."""
-    if device.type == "cpu" and attention in ("auto", "fused"):
-        from hydragen.native.build import step_attention_op
+def _prepare_native_ops(device: torch.device) -> None:
+    """Build (or load) the C++ ops once, here, before N processes would each want them."""
+    if device.type == "cpu":
+        from hydragen.native.build import load_ops
 
-        step_attention_op()
+        load_ops()
 
 
 def _spawn(rank, world, init_method, model, device, dtype, random_weights):

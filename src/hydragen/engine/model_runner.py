@@ -59,11 +59,12 @@ class ModelRunner:
             kv.reserve_whole = True
         self.scale = cfg.head_dim**-0.5
         self.sampler = Sampler()
-        if torch.device(device).type == "cpu" and self.attention in ("auto", "cpp"):
-            # Compile (once per machine, ~30 s) or load the CPU op now, not inside the first request.
-            from hydragen.native.build import step_attention_op
+        if torch.device(device).type == "cpu":
+            # Compile (once per machine, ~30 s) or load the CPU ops now, not inside the first request: the
+            # sampler uses them whatever the attention implementation.
+            from hydragen.native.build import load_ops
 
-            step_attention_op()
+            load_ops()
         self._sampling_key: tuple = ()
         self._sampling: tuple = ()
 
