@@ -325,3 +325,21 @@ def test_native_op_draws_the_torch_twins_tokens(vocab, truncation_impl):
         patch.setattr(truncation, "_native_op", lambda probs: None)
         twin = sampler.sample(*args).tokens
     assert torch.equal(native, twin)
+
+
+def test_nan_rows_get_an_impossible_token():
+    """NaN logits (a broken model or input) must not become a plausible token: the row gets an id outside
+    the vocabulary, which the model runner reports as that request's error; the other rows are unaffected."""
+    sampler = Sampler()
+    vocab, rows = 3000, 4
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1))
+    logits[1] = float("nan")
+    settings = [(1.0, 0, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 40, 1.0, 0.0), (1.0, 0, 1.0, 0.05)]
+    nan_everywhere = logits.clone()
+    nan_everywhere[[2, 3]] = float("nan")
+    tokens = run(sampler, logits, settings).tokens
+    assert not 0 <= tokens[1] < vocab
+    assert all(0 <= t < vocab for t in tokens[[0, 2, 3]].tolist())
+    assert torch.equal(run(sampler, logits[[0]], settings[:1]).tokens, tokens[[0]])
+    broken = run(sampler, nan_everywhere, settings).tokens
+    assert all(not 0 <= t < vocab for t in broken[1:].tolist())

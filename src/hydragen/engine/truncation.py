@@ -154,7 +154,9 @@ def sample_truncated(
         todo = todo[~done]
         if todo.numel() == 0:
             break
-    return tokens
+    # A row with NaN probabilities (amax propagates NaN) has no distribution: an impossible token, which the
+    # model runner turns into an error for that row alone.
+    return torch.where(pmax > 0, tokens, -1)
 
 
 def _native_op(probs: torch.Tensor):

@@ -1,12 +1,14 @@
 // Truncated sampling (min_p / top_k / top_p survivors, then the top_p cut, then an inverse-CDF draw) on
 // CPU, one row per task. engine/truncation.py defines the distribution and is this op's twin and oracle:
 // the same fixed-point masses (floor(p * 2**36)), the same levels (fp32 exponent and 3 mantissa bits), the
-// same tie rule and the same 24-bit draw, so both give the same token for every row. The torch twin reads
-// only a candidate set and retries when it falls short, which costs many small tensor ops when the nucleus
-// is wide; here a row is four passes over its probabilities, which stay in the core's cache:
-//   1. the row's largest probability (its level is level 0);
-//   2. each token's level (kept for the next passes) and each survivor's mass, summed per level;
-//   3. the survivors of the level the top_p cut falls in, sorted by probability to decide each one;
+// same tie rule, the same candidate sets and the same 24-bit draw, so both give the same token for every
+// row. The twin pays many small tensor ops, and large gathers when the nucleus is wide; here a row is:
+//   1. its 64-token blocks' maxima (one vectorised pass);
+//   2. the candidates: tokens at or above a threshold, read only in blocks whose maximum reaches it (a
+//      restricted row's survivor threshold; for a top_p-only row, just above its 64th best block maximum,
+//      then, if those hold less than top_p of the mass, every token): their levels noted and their masses
+//      summed per level;
+//   3. the candidates of the level the top_p cut falls in, sorted by probability to decide each one;
 //   4. the draw: the kept tokens' masses accumulated in token order until they pass the row's target.
 // Rows never interact, so a row's token cannot depend on the batch.
 
@@ -20,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 namespace {
@@ -37,6 +40,9 @@ inline int32_t level_bits(float p) {
 // floor(p * 2**36) for 0 <= p <= 1: scaling by a power of two is exact in fp32, and the conversion truncates.
 inline int64_t mass_of(float p) { return static_cast<int64_t>(p * 68719476736.0f); }
 
+constexpr int64_t kBlock = 64;  // BLOCK
+constexpr int64_t kFirstK = 64;  // FIRST_K
+
 struct AtCut {
   float p;
   int64_t mass;
@@ -44,38 +50,78 @@ struct AtCut {
 };
 
 struct RowScratch {
-  std::vector<int16_t> level;  // per token: its level, or -1 when it does not survive
+  std::vector<int16_t> level;
+  std::vector<float> block_max;
+  std::vector<float> sorted_max;
   std::vector<AtCut> cut_tokens;
   std::vector<int32_t> order;
 };
 
-// One row: probs [vocab] (padding below 0 never survives), survivors p >= survive.
+// One row: probs [vocab] (padding below 0 never survives), survivors p >= survive (0 for a free row).
 int64_t draw_row(const float* probs, int64_t vocab, float survive, bool free_row, float top_p, int64_t bits,
                  RowScratch& w) {
-  float pmax = probs[0];
-  for (int64_t i = 1; i < vocab; ++i) pmax = std::max(pmax, probs[i]);
+  const int64_t blocks = (vocab + kBlock - 1) / kBlock;
+  w.block_max.resize(blocks);
+  bool finite = true;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t hi = std::min(vocab, (b + 1) * kBlock);
+    float m = probs[b * kBlock];
+    for (int64_t i = b * kBlock; i < hi; ++i) {
+      m = std::max(m, probs[i]);
+      finite &= probs[i] == probs[i];
+    }
+    w.block_max[b] = m;
+  }
+  const float pmax = *std::max_element(w.block_max.begin(), w.block_max.end());
+  // NaN probabilities (from NaN logits) have no distribution to draw from: an impossible token, which the
+  // model runner turns into an error for this row alone.
+  if (!finite || !(pmax > 0)) return -1;
   const int32_t top_level = level_bits(pmax);
+  auto level_of = [&](float p) { return std::min<int32_t>(top_level - level_bits(p), kLevels - 1); };
 
+  // Candidates: p >= tau, read only in blocks whose maximum reaches tau.
+  auto for_each_hot_block = [&](float tau, auto&& fn) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (w.block_max[b] >= tau && fn(b * kBlock, std::min(vocab, (b + 1) * kBlock))) return;
+    }
+  };
+
+  float tau = survive;
+  if (free_row && blocks > kFirstK) {  // first try the tokens above the FIRST_K-th best block maximum
+    w.sorted_max = w.block_max;
+    std::nth_element(w.sorted_max.begin(), w.sorted_max.begin() + (kFirstK - 1), w.sorted_max.end(),
+                     std::greater<float>());
+    tau = std::nextafter(w.sorted_max[kFirstK - 1], 2.0f);
+  }
   w.level.resize(vocab);
-  int16_t* level = w.level.data();
-  // Four interleaved histograms: neighbouring tokens often share a level, and one histogram would chain
-  // every add on the previous one's store.
-  std::array<std::array<int64_t, kLevels>, 4> parts{};
-  for (int64_t i = 0; i < vocab; ++i) {
-    const float p = probs[i];
-    const int16_t l = static_cast<int16_t>(std::min<int32_t>(top_level - level_bits(p), kLevels - 1));
-    const bool survives = p >= survive;
-    level[i] = survives ? l : int16_t{-1};
-    parts[i & 3][l] += survives ? mass_of(p) : 0;
-  }
+  int16_t* level = w.level.data();  // a candidate's level, -1 for a non-candidate (in the hot blocks)
   std::array<int64_t, kLevels> inclusive;
-  int64_t total = 0;
-  for (int l = 0; l < kLevels; ++l) {
-    inclusive[l] = parts[0][l] + parts[1][l] + parts[2][l] + parts[3][l];
-    total += inclusive[l];
+  double limit = 0;
+  for (;;) {
+    // Four interleaved histograms: neighbouring tokens often share a level, and one histogram would chain
+    // every add on the previous one's store.
+    std::array<std::array<int64_t, kLevels>, 4> parts{};
+    for_each_hot_block(tau, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const float p = probs[i];
+        const bool candidate = p >= tau;
+        const int16_t l = static_cast<int16_t>(level_of(p));
+        level[i] = candidate ? l : int16_t{-1};
+        parts[i & 3][l] += candidate ? mass_of(p) : 0;
+      }
+      return false;
+    });
+    int64_t total = 0;
+    for (int l = 0; l < kLevels; ++l) {
+      total += parts[0][l] + parts[1][l] + parts[2][l] + parts[3][l];
+      inclusive[l] = total;
+    }
+    limit = static_cast<double>(top_p) * (free_row ? kMassScale : static_cast<double>(total));
+    // A free row's candidates settle it when they hold top_p of the mass: every other token has at least
+    // that much above it. Otherwise, every token.
+    if (!free_row || tau <= 0 || static_cast<double>(total) >= limit) break;
+    tau = 0;  // every token (the twin's lower floors first would give the same token; they cost a pass each)
   }
-  for (int l = 1; l < kLevels; ++l) inclusive[l] += inclusive[l - 1];
-  const double limit = static_cast<double>(top_p) * (free_row ? kMassScale : static_cast<double>(total));
   int cut = kLevels;  // none passes the limit: every level is kept
   for (int l = 0; l < kLevels; ++l) {
     if (static_cast<double>(inclusive[l]) > limit) {
@@ -84,14 +130,20 @@ int64_t draw_row(const float* probs, int64_t vocab, float survive, bool free_row
     }
   }
 
-  // The cut level's survivors, in token order, then by probability (largest first, ties in token order).
+  // The cut level's candidates, in token order, then by probability (largest first, ties in token order).
   auto& cut_tokens = w.cut_tokens;
   cut_tokens.clear();
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (level[i] == cut) cut_tokens.push_back({probs[i], mass_of(probs[i]), false});
+  if (cut < kLevels) {
+    for_each_hot_block(tau, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        if (level[i] == cut) cut_tokens.push_back({probs[i], mass_of(probs[i]), false});
+      }
+      return false;
+    });
   }
+  const size_t at_cut = cut_tokens.size();
   auto& order = w.order;
-  order.resize(cut_tokens.size());
+  order.resize(at_cut);
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return cut_tokens[a].p > cut_tokens[b].p; });
   const int64_t levels_above = cut > 0 && cut < kLevels ? inclusive[cut - 1] : 0;
@@ -106,20 +158,24 @@ int64_t draw_row(const float* probs, int64_t vocab, float survive, bool free_row
 
   // The draw: the kept tokens' masses in token order (levels above the cut whole, the cut level as decided).
   const int64_t kept_total = (cut < kLevels ? levels_above : inclusive[kLevels - 1]) + kept_at_cut;
+  if (kept_total <= 0) return -1;
   const int64_t target = ((2 * bits + 1) * kept_total) >> 25;
-  int64_t cumulative = 0, last_kept = 0;
+  int64_t cumulative = 0, picked = -1;
   size_t next_at_cut = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    const int16_t l = level[i];
-    if (l < 0 || l > cut) continue;
-    if (l == cut && !cut_tokens[next_at_cut++].kept) continue;
-    const int64_t m = mass_of(probs[i]);
-    if (m == 0) continue;
-    cumulative += m;
-    last_kept = i;
-    if (cumulative > target) return i;
-  }
-  return last_kept;  // unreachable while the target is below the kept mass
+  for_each_hot_block(tau, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int16_t l = level[i];
+      if (l < 0 || l > cut) continue;
+      if (l == cut && !cut_tokens[next_at_cut++].kept) continue;
+      cumulative += mass_of(probs[i]);
+      if (cumulative > target) {  // first true at a kept token with mass: the draw
+        picked = i;
+        return true;
+      }
+    }
+    return false;
+  });
+  return picked;  // the last kept token only if the target were not below the kept mass (it always is)
 }
 
 at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& survive, const at::Tensor& free_rows,
