@@ -11,8 +11,8 @@ Two ways in:
 * **torchrun** (``WORLD_SIZE`` > 1 in the environment): the ranks exist already; rank 0 builds the
   engine, the others call ``run_torchrun_worker``; torchrun itself reaps them.
 
-The C++ step-attention op is compiled (or loaded) here before any worker starts, so N processes never
-race to build it, and torch gets ``cores // N`` threads per rank.
+The C++ CPU ops are compiled (or loaded) here before any worker starts, so N processes never
+race to build them, and torch gets ``cores // N`` threads per rank.
 """
 
 from __future__ import annotations

@@ -25,10 +25,11 @@ cut falls in, and only that level's tokens are sorted. Masses are fixed-point in
 so every sum is exact in any order and a row's token never depends on the other rows of the batch. A
 token below 2**-36 of the total mass is never drawn; the uniform's 24 bits could not resolve it anyway.
 
-On CPU the rows go to a C++ op (``native/csrc/sampling.cpp``) that computes the same masses, levels and
-draw over each row's whole vocabulary in its cache, one thread per row: a wide nucleus (a flat
-distribution, a high temperature) costs the candidate passes here many retries and large gathers, and the
-op none. This module is the op's twin where it cannot be built, and the oracle its tests compare it with.
+On CPU the rows go to a C++ op (``native/csrc/sampling.cpp``), one thread per row, that takes the same
+candidate sets (the first pass's, then, if it falls short, every token) and computes the same masses,
+levels and draw in the core's cache: a wide nucleus (a flat distribution, a high temperature) costs the
+passes here many retries and large gathers, and the op one more pass. This module is the op's twin where
+it cannot be built, and the oracle its tests compare it with.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def sample_truncated(
     free = survive <= 0  # only top_p: the survivors are the whole vocabulary
     op = _native_op(probs)
     if op is not None:
-        return op(probs, survive.float(), free, top_p.float(), bits)
+        return op(probs, maxima.contiguous(), survive.float(), free, top_p.float(), bits)
     # First pass for a free row: every token above the FIRST_K-th largest block maximum. They all lie in
     # the FIRST_K best blocks (a token above it in another block would raise that block's maximum).
     if maxima.shape[1] > FIRST_K:

@@ -3,7 +3,7 @@
 // the same fixed-point masses (floor(p * 2**36)), the same levels (fp32 exponent and 3 mantissa bits), the
 // same tie rule, the same candidate sets and the same 24-bit draw, so both give the same token for every
 // row. The twin pays many small tensor ops, and large gathers when the nucleus is wide; here a row is:
-//   1. its 64-token blocks' maxima (one vectorised pass);
+//   1. its largest probability, from its 64-token blocks' maxima (the caller has them already);
 //   2. the candidates: tokens at or above a threshold, read only in blocks whose maximum reaches it (a
 //      restricted row's survivor threshold; for a top_p-only row, just above its 64th best block maximum,
 //      then, if those hold less than top_p of the mass, every token): their levels noted and their masses
@@ -51,28 +51,22 @@ struct AtCut {
 
 struct RowScratch {
   std::vector<int16_t> level;
-  std::vector<float> block_max;
   std::vector<float> sorted_max;
   std::vector<AtCut> cut_tokens;
   std::vector<int32_t> order;
 };
 
-// One row: probs [vocab] (padding below 0 never survives), survivors p >= survive (0 for a free row).
-int64_t draw_row(const float* probs, int64_t vocab, float survive, bool free_row, float top_p, int64_t bits,
-                 RowScratch& w) {
+// One row: probs [vocab] (padding below 0 never survives) and its blocks' maxima [blocks] (torch's amax,
+// NaN where the block holds a NaN), survivors p >= survive (0 for a free row).
+int64_t draw_row(const float* probs, const float* block_max, int64_t vocab, float survive, bool free_row,
+                 float top_p, int64_t bits, RowScratch& w) {
   const int64_t blocks = (vocab + kBlock - 1) / kBlock;
-  w.block_max.resize(blocks);
+  float pmax = block_max[0];
   bool finite = true;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t hi = std::min(vocab, (b + 1) * kBlock);
-    float m = probs[b * kBlock];
-    for (int64_t i = b * kBlock; i < hi; ++i) {
-      m = std::max(m, probs[i]);
-      finite &= probs[i] == probs[i];
-    }
-    w.block_max[b] = m;
+    pmax = std::max(pmax, block_max[b]);
+    finite &= block_max[b] == block_max[b];
   }
-  const float pmax = *std::max_element(w.block_max.begin(), w.block_max.end());
   // NaN probabilities (from NaN logits) have no distribution to draw from: an impossible token, which the
   // model runner turns into an error for this row alone.
   if (!finite || !(pmax > 0)) return -1;
@@ -82,13 +76,13 @@ int64_t draw_row(const float* probs, int64_t vocab, float survive, bool free_row
   // Candidates: p >= tau, read only in blocks whose maximum reaches tau.
   auto for_each_hot_block = [&](float tau, auto&& fn) {
     for (int64_t b = 0; b < blocks; ++b) {
-      if (w.block_max[b] >= tau && fn(b * kBlock, std::min(vocab, (b + 1) * kBlock))) return;
+      if (block_max[b] >= tau && fn(b * kBlock, std::min(vocab, (b + 1) * kBlock))) return;
     }
   };
 
   float tau = survive;
   if (free_row && blocks > kFirstK) {  // first try the tokens above the FIRST_K-th best block maximum
-    w.sorted_max = w.block_max;
+    w.sorted_max.assign(block_max, block_max + blocks);
     std::nth_element(w.sorted_max.begin(), w.sorted_max.begin() + (kFirstK - 1), w.sorted_max.end(),
                      std::greater<float>());
     tau = std::nextafter(w.sorted_max[kFirstK - 1], 2.0f);
@@ -178,11 +172,14 @@ int64_t draw_row(const float* probs, int64_t vocab, float survive, bool free_row
   return picked;  // the last kept token only if the target were not below the kept mass (it always is)
 }
 
-at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& survive, const at::Tensor& free_rows,
-                            const at::Tensor& top_p, const at::Tensor& bits) {
+at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& maxima, const at::Tensor& survive,
+                            const at::Tensor& free_rows, const at::Tensor& top_p, const at::Tensor& bits) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous(),
               "sample_truncated: probs must be a contiguous float32 [rows, vocab] tensor");
   const int64_t rows = probs.size(0), vocab = probs.size(1);
+  TORCH_CHECK(maxima.dim() == 2 && maxima.scalar_type() == at::kFloat && maxima.is_contiguous() &&
+                  maxima.size(0) == rows && maxima.size(1) == (vocab + kBlock - 1) / kBlock,
+              "sample_truncated: maxima must be a contiguous float32 [rows, vocab / 64] tensor");
   for (const at::Tensor* t : {&survive, &free_rows, &top_p, &bits}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous(),
                 "sample_truncated: per-row tensors must be contiguous [rows]");
@@ -192,17 +189,19 @@ at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& survive, 
               "sample_truncated: survive/top_p float32, free bool, bits int64");
   at::Tensor tokens = at::empty({rows}, probs.options().dtype(at::kLong));
   const float* pp = probs.const_data_ptr<float>();
+  const float* mp = maxima.const_data_ptr<float>();
   const float* sp = survive.const_data_ptr<float>();
   const bool* fp = free_rows.const_data_ptr<bool>();
   const float* tp = top_p.const_data_ptr<float>();
   const int64_t* bp = bits.const_data_ptr<int64_t>();
+  const int64_t blocks = maxima.size(1);
   int64_t* out = tokens.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     RowScratch scratch;
     for (int64_t r = lo; r < hi; ++r) {
       // A free row's survivors are every real token: p >= 0 (the padding is negative).
       const float s = fp[r] ? 0.0f : sp[r];
-      out[r] = draw_row(pp + r * vocab, vocab, s, fp[r], tp[r], bp[r], scratch);
+      out[r] = draw_row(pp + r * vocab, mp + r * blocks, vocab, s, fp[r], tp[r], bp[r], scratch);
     }
   });
   return tokens;
@@ -211,6 +210,8 @@ at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& survive, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
-  m.def("sample_truncated(Tensor probs, Tensor survive, Tensor free, Tensor top_p, Tensor bits) -> Tensor");
+  m.def(
+      "sample_truncated(Tensor probs, Tensor maxima, Tensor survive, Tensor free, Tensor top_p, Tensor bits) "
+      "-> Tensor");
   m.impl("sample_truncated", c10::DispatchKey::CPU, &sample_truncated);
 }
