@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import sys
-import threading
 from typing import TextIO
 
+from hydragen.prompt_input import PromptReader
 from hydragen.streaming import StreamResult, interrupt_flag, stream_request
 
 COMMANDS = {
@@ -69,17 +68,20 @@ class Chat:
         if self.interactive:
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (line editing and history for input())
-        with _signals_to_main_thread():
-            self._warm_up()  # the first step starts the kernels' worker threads
+        self._warm_up()
         self._note(
             f"{self.llm.model_path.name} loaded in {load_s:.1f} s. Type a message; /help lists the commands, "
             "Ctrl-C stops a reply, Ctrl-D leaves."
             if self.interactive
             else f"{self.llm.model_path.name} loaded in {load_s:.1f} s; one user turn per input line."
         )
+        with PromptReader() as reader:
+            return self._loop(reader)
+
+    def _loop(self, reader: PromptReader) -> int:
         while True:
             try:
-                line = self._read()
+                line = self._read(reader)
             except KeyboardInterrupt:  # at the prompt: a fresh line, not an exit
                 print(file=self.stdout)
                 self._note("(Ctrl-D or /exit to leave)")
@@ -97,10 +99,10 @@ class Chat:
                 continue
             self._turn(line)
 
-    def _read(self) -> str | None:
+    def _read(self, reader: PromptReader) -> str | None:
         if self.interactive:
             try:
-                return input(">>> ")
+                return reader.input(">>> ")
             except EOFError:
                 return None
         line = self.stdin.readline()
@@ -138,12 +140,8 @@ class Chat:
         params = dataclasses.replace(self.params, max_tokens=min(self.max_tokens or room, room))
         stats = self.llm.engine.stats
         prompt0, computed0 = stats.prompt_tokens, stats.prefill_tokens
-        with interrupt_flag() as stop, _signals_to_main_thread() as poll:
-            # SIGINT stays blocked while the engine works (any worker thread it starts inherits that) and
-            # is let through between steps, where the flag is read.
-            result = stream_request(
-                self.llm.engine, ids, params, on_text=self._write, should_stop=lambda: poll() or stop()
-            )
+        with interrupt_flag() as stop:
+            result = stream_request(self.llm.engine, ids, params, on_text=self._write, should_stop=stop)
         print(file=self.stdout, flush=True)
         reused = (stats.prompt_tokens - prompt0) - (stats.prefill_tokens - computed0)
         self.history = conversation + [{"role": "assistant", "content": result.texts[0]}]
@@ -159,27 +157,3 @@ def turn_summary(result: StreamResult, prompt_tokens: int, reused: int) -> str:
         parts.append(f"{result.decode_rate:.1f} tokens/s")
     head = ", ".join(parts) + (" (stopped)" if result.stopped else "")
     return f"[{head} | prompt {prompt_tokens} tokens, {max(reused, 0)} from the prefix cache]"
-
-
-@contextlib.contextmanager
-def _signals_to_main_thread():
-    """Threads started inside inherit a blocked SIGINT, so Ctrl-C always reaches the main thread.
-
-    The compiled attention op's OpenMP workers otherwise accept SIGINT too; a Ctrl-C that lands on one of
-    them never wakes the main thread's ``input()``, and the prompt ignores it.
-    """
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield lambda: False
-        return
-
-    def poll() -> bool:
-        """Let a pending SIGINT reach this (main) thread's handler now; always False."""
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        return False
-
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield poll
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
