@@ -56,7 +56,7 @@ def kv_tokens_needed(
 
 def time_mode(llm, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
     from hydragen import SamplingParams
-    from hydragen.engine.engine import EngineStats
+    from hydragen.engine.stats import EngineStats
 
     llm.reset_prefix_cache()
     llm.engine.stats = EngineStats()

@@ -19,10 +19,12 @@ from hydragen.engine.isolation import failure_message
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
 from hydragen.engine.outputs import RequestOutput
+from hydragen.engine.request_checks import check_fits, check_request
 from hydragen.engine.sampler import derive_seed
-from hydragen.engine.sampling_params import ParamError, SamplingParams
+from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.scheduler import Scheduler, StepPlan
 from hydragen.engine.sequence import Request, Sequence
+from hydragen.engine.stats import EngineStats
 from hydragen.kv.manager import (  # noqa: F401  (re-exported for the benchmarks)
     DEFAULT_MIN_SHARED_READS,
     MERGE_ROW_TOKENS,
@@ -43,32 +45,6 @@ def triton_available() -> bool:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # a broken or blocked install counts as absent
         return False
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens: int = 0  # sum over sequences of prompt length
-    prefill_tokens: int = 0  # prompt tokens actually run through the model
-    cache_hit_tokens: int = 0  # prompt tokens found already cached when a sequence was scheduled
-    generated_tokens: int = 0  # sampled tokens
-    forced_tokens: int = 0  # tokens appended by jump-forward (or extend()) without sampling
-    forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decode and extends)
-    decode_steps: int = 0
-    decode_seconds: float = 0.0  # steps that only decoded
-    prefill_seconds: float = 0.0  # steps that also prefilled
-    per_sequence_kv_tokens: int = 0  # KV tokens the finished sequences would hold as private copies
-    peak_kv_tokens: int = 0  # most KV slots in use at once (whole pages: the memory really taken)
-    preemptions: int = 0
-    requests_finished: int = 0
-
-    @property
-    def shared_prompt_tokens(self) -> int:
-        return self.prompt_tokens - self.prefill_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        """Prompt tokens whose prefill was skipped / prompt tokens: the prefix-cache hit rate."""
-        return self.shared_prompt_tokens / max(self.prompt_tokens, 1)
 
 
 @dataclass
@@ -203,33 +179,12 @@ class Engine:
     ) -> Request:
         """Queue a request. Raises ``ParamError`` (a ValueError naming the parameter) for a request the
         engine could never finish: bad token ids, too long for the context, or too big for the KV cache."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt_ids, (list, tuple)):
-            raise ParamError("prompt", f"prompt token ids must be a list, got {type(prompt_ids).__name__}")
-        if not prompt_ids:
-            raise ParamError("prompt", "prompt is empty: at least one token is needed")
-        ctx = self.cfg.max_position_embeddings
-        if len(prompt_ids) >= ctx:  # before scanning the ids: a huge prompt is refused at once
-            raise ParamError(
-                "prompt", f"prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens"
-            )
-        vocab = self.cfg.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ParamError("prompt", f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
-        bad = [t for t in params.stop_token_ids or () if t >= vocab]
-        if bad:
-            raise ParamError("stop_token_ids", f"stop token id {bad[0]} is out of range [0, {vocab})")
-        # One sequence alone must fit; the n sequences of a request run in waves when they do not all fit.
-        need = self.sequence_kv_need(len(prompt_ids), params.max_tokens)
-        if need > self.pool.num_slots:
-            raise ParamError(
-                "max_tokens",
-                f"one sequence of this request needs up to {need} KV slots (prompt + max_tokens, in pages of "
-                f"{self.pool.page_size}) but the cache has {self.pool.num_slots}; lower max_tokens or the "
-                "prompt length",
-            )
+        check_request(prompt_ids, params, vocab=self.cfg.vocab_size, context=self.cfg.max_position_embeddings)
+        check_fits(
+            self.sequence_kv_need(len(prompt_ids), params.max_tokens),
+            self.pool.num_slots,
+            self.pool.page_size,
+        )
         rid = str(next(self._ids)) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -471,13 +426,8 @@ class Engine:
         return s.finished
 
     def _append_forced(self, s: Sequence, tokens: list[int]) -> None:
-        s.generated.extend(tokens)
-        s.forced += len(tokens)
+        self.outputs.append_forced(s, tokens)
         self.stats.forced_tokens += len(tokens)
-        if s.request.params.logprobs is not None:
-            s.logprobs = s.logprobs if s.logprobs is not None else []
-            s.logprobs.extend({t: None} for t in tokens)
-        self.outputs.add_forced(s, tokens)
 
     def _finish_request(self, req: Request) -> RequestOutput | None:
         if self.requests.pop(req.request_id, None) is None:

@@ -53,8 +53,14 @@ class OutputProcessor:
             s.finish_reason = "length"
         return s.finished
 
-    def add_forced(self, s: Sequence, tokens: list[int]) -> None:
-        """Text of tokens appended without sampling (``Engine.extend``)."""
+    def append_forced(self, s: Sequence, tokens: list[int]) -> None:
+        """Add tokens chosen without sampling (jump-forward, ``Engine.extend``): no distribution was sampled
+        for them, so their logprobs entries are ``{token: None}``. Stops are not checked on them."""
+        s.generated.extend(tokens)
+        s.forced += len(tokens)
+        if s.request.params.logprobs is not None:
+            s.logprobs = s.logprobs if s.logprobs is not None else []
+            s.logprobs.extend({t: None} for t in tokens)
         self._add_text(s, tokens)
 
     def _state(self, s: Sequence) -> _TextState | None:

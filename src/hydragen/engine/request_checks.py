@@ -1,0 +1,39 @@
+"""Refusing at ``add_request`` a request the engine could never finish, with an error naming the parameter.
+
+Checked before anything is queued, so a bad request costs nobody else a step: token ids outside the
+vocabulary, a prompt as long as the context, or one sequence too big for the whole KV cache.
+"""
+
+from __future__ import annotations
+
+from hydragen.engine.sampling_params import ParamError, SamplingParams
+
+
+def check_request(prompt_ids: object, params: SamplingParams, *, vocab: int, context: int) -> None:
+    """Raises ``ParamError`` for a prompt or stop-token id the model cannot take."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if not isinstance(prompt_ids, (list, tuple)):
+        raise ParamError("prompt", f"prompt token ids must be a list, got {type(prompt_ids).__name__}")
+    if not prompt_ids:
+        raise ParamError("prompt", "prompt is empty: at least one token is needed")
+    if len(prompt_ids) >= context:  # before scanning the ids: a huge prompt is refused at once
+        raise ParamError(
+            "prompt", f"prompt has {len(prompt_ids)} tokens; the model's context is {context} tokens"
+        )
+    bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise ParamError("prompt", f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+    bad = [t for t in params.stop_token_ids or () if t >= vocab]
+    if bad:
+        raise ParamError("stop_token_ids", f"stop token id {bad[0]} is out of range [0, {vocab})")
+
+
+def check_fits(need: int, num_slots: int, page_size: int) -> None:
+    """One sequence alone must fit the cache; the n sequences of a request run in waves if not all fit."""
+    if need > num_slots:
+        raise ParamError(
+            "max_tokens",
+            f"one sequence of this request needs up to {need} KV slots (prompt + max_tokens, in pages of "
+            f"{page_size}) but the cache has {num_slots}; lower max_tokens or the prompt length",
+        )
