@@ -292,7 +292,8 @@ def test_versus_tables_and_plot_from_saved_results(tmp_path):
         return r | {"tree/ops_per_step": 100 * scale, "tree/dispatch_share": 0.1 * scale}
 
     rounds = {"old": [run(2.0), run(3.0)], "new": [run(1.0), run(1.5)]}
-    best = {k: {m: min(r[m] for r in v) for m in v[0]} for k, v in rounds.items()}
+    best = versus.best_of(rounds)
+    assert best["old"]["tree/step_s"] == 2.0 and best["new"]["tree/dispatch_share"] == 0.1
     md = versus.tables({"rounds": rounds, "best": best}, args)
     assert "| default | 4 | 8.00 | 4.00 | 2.00x |" in md
     assert "| prefill cached_64 / uncached_one, new | 1.50 | |" in md

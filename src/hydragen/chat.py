@@ -75,7 +75,8 @@ class Chat:
             if self.interactive
             else f"{self.llm.model_path.name} loaded in {load_s:.1f} s; one user turn per input line."
         )
-        with PromptReader() as reader:
+        reader = PromptReader()  # Ctrl-C handling for the prompt: only a terminal has one
+        with reader if self.interactive else contextlib.nullcontext():
             return self._loop(reader)
 
     def _loop(self, reader: PromptReader) -> int:

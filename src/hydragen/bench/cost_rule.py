@@ -168,7 +168,7 @@ def fit_rule(rows: list[dict]) -> tuple[int, int, float]:
         for reads in [2**e for e in range(4, 17)]:
             total = sum(
                 r["shared_ms"]
-                if (r["holders"] - 1) * (r["node_tokens"] - merge) >= reads
+                if sharing_pays(r["holders"], r["node_tokens"], reads, merge)
                 else r["private_ms"]
                 for r in rows
             )

@@ -130,11 +130,12 @@ def compare(old: Path, new: Path, args: dict, rounds: int, keep: Path | None = N
                 file=sys.stderr,
                 flush=True,
             )
-    best = {}
-    for label, runs in results.items():
-        best[label] = {k: min(run[k] for run in runs) for k in runs[0]}
-        best[label]["tree/dispatch_share"] = min(run["tree/dispatch_share"] for run in runs)
-    return {"rounds": results, "best": best}
+    return {"rounds": results, "best": best_of(results)}
+
+
+def best_of(rounds: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per tree, the best (smallest) value of every measurement over its rounds."""
+    return {label: {k: min(run[k] for run in runs) for k in runs[0]} for label, runs in rounds.items()}
 
 
 def tables(data: dict, args: dict) -> str:

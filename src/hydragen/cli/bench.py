@@ -23,6 +23,7 @@ EXTRA_BENCHMARKS = {
     "versus": "hydragen.bench.versus",
     "tp": "hydragen.bench.tp",
 }
+ALL_BENCHMARKS = {**BENCHMARKS, **EXTRA_BENCHMARKS}
 
 
 def _replot(module_name: str, folder: str) -> None:
@@ -46,10 +47,10 @@ def run_bench(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--replot takes one results folder, after a benchmark's name: bench e2e --replot DIR"
             )
-        _replot({**BENCHMARKS, **EXTRA_BENCHMARKS}[args.which], rest[at + 1])
+        _replot(ALL_BENCHMARKS[args.which], rest[at + 1])
         return 0
     if args.which != "all":
-        importlib.import_module({**BENCHMARKS, **EXTRA_BENCHMARKS}[args.which]).main(rest)
+        importlib.import_module(ALL_BENCHMARKS[args.which]).main(rest)
         return 0
     # The whole suite at its defaults (or --quick), each benchmark into its own folder under --out.
     extra = argparse.ArgumentParser(prog="hydragen bench all")

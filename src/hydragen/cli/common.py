@@ -140,8 +140,7 @@ def torchrun_worker(args: argparse.Namespace) -> int | None:
     from hydragen.distributed.launcher import run_torchrun_worker
     from hydragen.model.loader import resolve_device, resolve_dtype
 
-    random = getattr(args, "random_weights", False)
-    return run_torchrun_worker(args.model, resolve_device(args.device), resolve_dtype(args.dtype), random)
+    return run_torchrun_worker(args.model, resolve_device(args.device), resolve_dtype(args.dtype))
 
 
 def kv_for(context: int | None, n: int) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hydragen.cli.common import tp_size
+from hydragen.cli.common import UsageError, tp_size
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -35,8 +35,10 @@ def run_serve(args: argparse.Namespace) -> int:
         problems.append(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     if args.max_num_seqs < 1:
         problems.append(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
-        problems.append(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    try:
+        tp = tp_size(args)
+    except UsageError as e:
+        problems.append(str(e))
     if args.model is not None and not os.path.exists(args.model):
         problems.append(f"--model {args.model!r} does not exist")
     try:
@@ -66,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens,
             max_num_seqs=args.max_num_seqs,
             prefix_sharing=not args.no_sharing,
-            tensor_parallel_size=tp_size(args),
+            tensor_parallel_size=tp,
             jump_forward=not args.no_jump_forward,
         )
     except BaseException:

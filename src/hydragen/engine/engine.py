@@ -19,7 +19,7 @@ from hydragen.engine.isolation import failure_message
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
 from hydragen.engine.outputs import RequestOutput
-from hydragen.engine.request_checks import check_fits, check_request
+from hydragen.engine.request_checks import check_fits, check_request, first_bad_token
 from hydragen.engine.sampler import derive_seed
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.scheduler import Scheduler, StepPlan
@@ -243,9 +243,8 @@ class Engine:
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].finished:
             raise ValueError(f"no unfinished sequence {index} of request {request_id!r}")
         s = req.seqs[index]
-        vocab = self.cfg.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"token ids must lie in [0, {vocab})")
+        if first_bad_token(token_ids, self.cfg.vocab_size) is not None:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         if len(s.generated) + len(token_ids) >= s.request.params.max_tokens:
             raise ValueError("extend would reach max_tokens: no room left to sample after it")
         if s.grammar is not None:

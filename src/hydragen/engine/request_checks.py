@@ -9,6 +9,13 @@ from __future__ import annotations
 from hydragen.engine.sampling_params import ParamError, SamplingParams
 
 
+def first_bad_token(token_ids, vocab: int) -> object | None:
+    """The first entry that is not a token id in [0, vocab) (bools are not ids), or None."""
+    return next(
+        (t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None
+    )
+
+
 def check_request(prompt_ids: object, params: SamplingParams, *, vocab: int, context: int) -> None:
     """Raises ``ParamError`` for a prompt or stop-token id the model cannot take."""
     if not isinstance(params, SamplingParams):
@@ -21,9 +28,9 @@ def check_request(prompt_ids: object, params: SamplingParams, *, vocab: int, con
         raise ParamError(
             "prompt", f"prompt has {len(prompt_ids)} tokens; the model's context is {context} tokens"
         )
-    bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-    if bad:
-        raise ParamError("prompt", f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+    bad = first_bad_token(prompt_ids, vocab)
+    if bad is not None:
+        raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {vocab})")
     bad = [t for t in params.stop_token_ids or () if t >= vocab]
     if bad:
         raise ParamError("stop_token_ids", f"stop token id {bad[0]} is out of range [0, {vocab})")

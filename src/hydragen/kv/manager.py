@@ -39,9 +39,12 @@ MERGE_ROW_TOKENS = 16
 Item = tuple[int, int, int, int]
 
 
-def sharing_pays(holders: int, tokens: int, min_shared_reads: int) -> bool:
-    """The cost rule for one group of nodes (0 turns it off: everything held by two is shared)."""
-    return min_shared_reads == 0 or (holders - 1) * (tokens - MERGE_ROW_TOKENS) >= min_shared_reads
+def sharing_pays(
+    holders: int, tokens: int, min_shared_reads: int, merge_row_tokens: int = MERGE_ROW_TOKENS
+) -> bool:
+    """The cost rule for one group of nodes (0 turns it off: everything held by two is shared).
+    ``merge_row_tokens`` is the calibration's free parameter (``bench cost-rule`` fits it)."""
+    return min_shared_reads == 0 or (holders - 1) * (tokens - merge_row_tokens) >= min_shared_reads
 
 
 class KVManager:
