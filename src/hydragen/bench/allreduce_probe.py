@@ -8,13 +8,11 @@ share of the layer; this probe has nothing else to wait for, so it shows the tra
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 CALLS = 200
 
@@ -22,10 +20,9 @@ CALLS = 200
 def probe(world: int, hidden: int, rows: list[int]) -> list[dict]:
     """Per-call all-reduce time for each row count, from a fresh group of ``world`` processes."""
     store = tempfile.mkdtemp(prefix="hydragen-allreduce-")
-    src = str(Path(__file__).resolve().parents[2])
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
-    )
+    from hydragen.distributed.launcher import worker_env
+
+    env = worker_env(OMP_NUM_THREADS="1")
     args = [str(world), store, str(hidden), *map(str, rows)]
     cmd = [sys.executable, "-m", "hydragen.bench.allreduce_probe"]
     procs = [

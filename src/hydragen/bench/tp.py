@@ -159,18 +159,11 @@ def run(model, tps: list[int], batches: list[int], prompt_len: int, max_tokens: 
         "doing nothing else. broadcast: the step's metadata, rank 0 to the others (1 per step when it fits "
         "one buffer). gloo over loopback TCP; the installed torch has no shared-memory CPU all-reduce."
     )
-    md = write_table(
-        rows,
-        columns,
-        out,
-        RESULT_NAME,
-        "Tensor parallelism: per-step cost",
-        notes,
-        quick=quick,
-        params={"tps": tps, "batches": batches, "prompt_len": prompt_len, "max_tokens": max_tokens},
-    )
+    params = {"tps": tps, "batches": batches, "prompt_len": prompt_len, "max_tokens": max_tokens}
+    title = "Tensor parallelism: per-step cost"
+    md = write_table(rows, columns, out, RESULT_NAME, title, notes, quick=quick, params=params)
     print(md)
-    for path in plots(json.loads((out / f"{RESULT_NAME}.json").read_text()), out):
+    for path in plots({"rows": rows, "quick": quick, "params": params}, out):
         print(path)
     return rows
 

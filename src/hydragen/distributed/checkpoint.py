@@ -19,6 +19,7 @@ from hydragen.model.errors import ModelFileError, first_line
 from hydragen.model.loader import (
     build_model,
     parse_config,
+    random_config,
     random_model,
     read_hf_config,
     resolve_model_path,
@@ -109,17 +110,6 @@ def read_config(model: str | Path | None) -> tuple[ModelConfig, Path]:
         hf_cfg, _ = open_gguf_tensors(path)
         return parse_config(hf_cfg, path), path
     return parse_config(read_hf_config(path), path / "config.json"), path
-
-
-def random_config(spec) -> tuple[ModelConfig, Path]:
-    from hydragen.model.presets import config_for_random_weights
-
-    if spec is None:
-        raise ValueError("random weights need a shape: a preset name, a config.json or a model directory")
-    hf_cfg, name = config_for_random_weights(spec)
-    path = Path(spec).expanduser()
-    path = path if path.is_dir() else path.parent if path.is_file() else Path(name)
-    return ModelConfig.from_hf(hf_cfg), path
 
 
 def load_shard(

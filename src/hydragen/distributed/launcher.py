@@ -32,11 +32,12 @@ from pathlib import Path
 
 import torch
 
-from hydragen.distributed.checkpoint import load_shard, random_config, read_config
+from hydragen.distributed.checkpoint import load_shard, read_config
 from hydragen.distributed.coordinator import Coordinator, TPPagePool, TPRunner
 from hydragen.distributed.group import TPGroup, join_group, torchrun_env
 from hydragen.distributed.sharding import Shard, check_split
 from hydragen.distributed.worker import serve_rank
+from hydragen.model.loader import random_config
 
 START_TIMEOUT_S = float(os.environ.get("HYDRAGEN_TP_START_TIMEOUT", "600"))
 
@@ -208,8 +209,7 @@ def _spawn(rank, world, init_method, model, device, dtype, random_weights):
         "status_fd": write_fd,
     }
     threads = str(threads_per_rank(world))
-    env = dict(os.environ, OMP_NUM_THREADS=threads, HYDRAGEN_TP_THREADS=threads)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [_src_root(), env.get("PYTHONPATH", "")] if p)
+    env = worker_env(OMP_NUM_THREADS=threads, HYDRAGEN_TP_THREADS=threads)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydragen.distributed.spawned", json.dumps(spec)],
         env=env,
@@ -221,9 +221,13 @@ def _spawn(rank, world, init_method, model, device, dtype, random_weights):
     return proc, os.fdopen(read_fd, "r")
 
 
-def _src_root() -> str:
-    """The folder holding this hydragen package, first on the workers' path: they run the same code."""
-    return str(Path(__file__).resolve().parents[2])
+def worker_env(**overrides: str) -> dict[str, str]:
+    """The environment for a worker process: this one's, with ``overrides``, and the folder holding this
+    hydragen package first on its path, so the worker runs the same code."""
+    env = dict(os.environ, **overrides)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [src, env.get("PYTHONPATH", "")] if p)
+    return env
 
 
 def _await(procs: list[subprocess.Popen], pipes, stage: str) -> None:

@@ -12,7 +12,6 @@ attends over its own heads; this class adds the three places that talk to the ot
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hydragen.distributed.group import TPGroup
 from hydragen.model.llama import LlamaModel
@@ -41,8 +40,7 @@ class ShardedLlamaModel(LlamaModel):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits [B, V] (fp32) on rank 0; None on the other ranks."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        parts = self.group.gather_to_first(F.linear(hidden, weight).float())
+        parts = self.group.gather_to_first(super().logits(hidden))
         if parts is None:
             return None
         return torch.cat(parts, dim=1)[:, : self.full_vocab]

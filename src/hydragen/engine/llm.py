@@ -65,6 +65,8 @@ class LLM:
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        if kv_cache_tokens is not None and (not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1):
+            raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -112,8 +114,6 @@ class LLM:
             kv_cache_tokens = default_kv_cache_tokens(
                 bytes_per_token, dev, max_num_seqs * c.max_position_embeddings
             )
-        elif not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1:
-            raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
         self.engine = Engine(
             self.model,
             c,

@@ -176,10 +176,8 @@ def _check_quantization(path: Path, tensors: dict[str, Any]) -> None:
 
 
 def _dequantize(t: Any) -> np.ndarray:
-    shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims fastest-first; torch wants the reverse
-    arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-    # F32 comes back as a read-only view of the memmap; copy so torch gets owned, writable memory
-    return arr.astype(np.float32, copy=not arr.flags.writeable or arr.dtype != np.float32)
+    """The whole tensor in HF layout, as float32."""
+    return _dequantize_rows(t, 0, int(t.shape[-1]))  # ggml lists dims fastest-first: the last is the rows
 
 
 def _sig(x: float) -> float:
@@ -369,4 +367,5 @@ def _dequantize_rows(t: Any, lo: int, hi: int) -> np.ndarray:
     shape = tuple(int(d) for d in reversed(t.shape))
     data = t.data.reshape(shape[0], -1) if len(shape) > 1 else t.data
     arr = gguf.quants.dequantize(data[lo:hi], t.tensor_type).reshape((hi - lo, *shape[1:]))
+    # F32 comes back as a read-only view of the memmap; copy so torch gets owned, writable memory
     return arr.astype(np.float32, copy=not arr.flags.writeable or arr.dtype != np.float32)

@@ -168,17 +168,21 @@ def load_model(
 
 
 def _random_model(spec, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    cfg, path = random_config(spec)
+    return random_model(cfg, device, dtype, seed), cfg, path
+
+
+def random_config(spec) -> tuple[ModelConfig, Path]:
+    """The config and path of a random-weights model: ``spec`` is a preset name, a config.json or a model
+    directory. A directory (or its config.json) stays the path, so its tokenizer, if any, is used."""
     from hydragen.model.presets import config_for_random_weights
 
     if spec is None:
         raise ValueError("random weights need a shape: a preset name, a config.json or a model directory")
     hf_cfg, name = config_for_random_weights(spec)
-    cfg = ModelConfig.from_hf(hf_cfg)
-    net = random_model(cfg, device, dtype, seed)
-    # A directory (or its config.json) stays the path, so its tokenizer, if any, is used.
     path = Path(spec).expanduser()
     path = path if path.is_dir() else path.parent if path.is_file() else Path(name)
-    return net, cfg, path
+    return ModelConfig.from_hf(hf_cfg), path
 
 
 def random_model(cfg: ModelConfig, device, dtype, seed: int = 0, model_class=LlamaModel) -> LlamaModel:

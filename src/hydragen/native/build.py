@@ -86,7 +86,7 @@ def _build() -> object:
     from torch.utils import cpp_extension
 
     name = library_name()
-    where = build_folder()
+    where = cache_dir() / "ext" / name  # build_folder(), without hashing the sources a second time
     where.mkdir(parents=True, exist_ok=True)
     with _build_lock(where):
         library = where / f"{name}.so"
