@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
+
+import httpx
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -89,3 +92,35 @@ class LiveServer:
         self.thread.join(timeout=timeout)
         assert not self.thread.is_alive(), "server did not stop"
         return time.time() - t0
+
+
+def metric(url: str, name: str) -> float:
+    """The value of gauge or counter ``name`` on the server's /metrics (fails the test if it is missing)."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (for a server started in another process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie counts as gone (its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def all_gone(pids: list[int], timeout: float = 20) -> bool:
+    """Waits up to ``timeout`` seconds for every process in ``pids`` to end; True when they all did."""
+    deadline = time.monotonic() + timeout
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(process_alive(p) for p in pids)

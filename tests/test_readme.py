@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -63,19 +63,13 @@ def test_python_example_prints_what_it_shows():
         assert form.match(got) and form.match(want), (got, want)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_openai_example_against_a_live_server(tmp_path):
     pytest.importorskip("openai")
     example = _block_with("python", "from openai import OpenAI")
     code = example.group(2)
     expected = re.match(r"\s*prints `([^`]+)`", README[example.end() :]).group(1)
     assert "max_tokens" in code and "http://127.0.0.1:8000/v1" in code
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "hydragen", "serve", "--port", str(port)],

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer, tiny_chat_model
+from server_helpers import LiveServer, metric, tiny_chat_model
 
 from hydragen import LLM, SamplingParams
 from hydragen.engine.sampler import derive_seed
@@ -46,13 +46,6 @@ def post(srv, path, body, headers=None, timeout=30):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     hdrs = {"content-type": "application/json", **srv.headers(), **(headers or {})}
     return httpx.post(srv.url + path, content=content, headers=hdrs, timeout=timeout)
-
-
-def metric_value(srv, name: str) -> float:
-    for line in httpx.get(srv.url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"metric {name} missing")
 
 
 def assert_openai_error(r, status, param=None, code=None):
@@ -546,7 +539,7 @@ def test_engine_failure_fails_everything_in_flight_and_health_turns_503(model_di
     for t in threads:
         t.start()
     deadline = time.time() + 60
-    while metric_value(srv, "hydragen_requests_running") < 4:  # both requests are decoding
+    while metric(srv.url, "hydragen_requests_running") < 4:  # both requests are decoding
         assert time.time() < deadline and all(t.is_alive() for t in threads), "requests did not start"
         time.sleep(0.02)
     fail_now.set()

@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import tiny_chat_model
+from server_helpers import metric, tiny_chat_model
 
 
 def spawn(*args: str, api_key: str = "") -> subprocess.Popen:
@@ -103,11 +103,6 @@ def start_server(model_dir: str, grace: float, api_key: str = "") -> tuple[subpr
     return proc, lines, m.group(1)
 
 
-def _requests_running(url: str) -> int:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return int(float(re.search(r"^hydragen_requests_running (\S+)$", text, re.M).group(1)))
-
-
 def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(model_dir):
     proc, lines, url = start_server(model_dir, grace=3)
     results: dict = {}
@@ -143,7 +138,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(mo
         # SIGTERM only once the short request is in the batch (16 long sequences + it), or done: a loaded
         # machine may take longer than any fixed sleep to parse it, and then it would meet the shutdown
         deadline = time.time() + 60
-        while "short" not in results and _requests_running(url) < 17:
+        while "short" not in results and metric(url, "hydragen_requests_running") < 17:
             assert time.time() < deadline, "the short request never reached the batch"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)

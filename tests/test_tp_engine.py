@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_helpers import all_gone, process_alive
 
 from hydragen import LLM, SamplingParams
 
@@ -37,15 +38,6 @@ def _recording(llm: LLM) -> list[torch.Tensor]:
 
 def _tokens(outs) -> list[list[int]]:
     return [c.token_ids for o in outs for c in o.outputs]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes (its parent reaps it)
-        return f.read().split()[2] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +84,7 @@ def test_workers_are_gone_after_close(tiny_models) -> None:
         ref.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     )
     llm.close()
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
     with pytest.raises(RuntimeError, match="tensor-parallel group is down: the LLM was closed"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
 
@@ -167,7 +159,4 @@ def test_no_worker_outlives_its_program(tiny_models, how) -> None:
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert all_gone(pids, timeout=10)

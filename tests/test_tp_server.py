@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-from server_helpers import tiny_chat_model
+from server_helpers import all_gone, free_port, tiny_chat_model
 from test_server_process import Lines
 
 from hydragen import LLM, SamplingParams
@@ -75,21 +74,6 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def _all_gone(pids: list[int], timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(_alive(p) for p in pids)
-
-
 def test_serve_tp2_answers_like_tp1_and_a_killed_worker_is_an_error(chat_model, expected_text) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydragen", *_serve_args(chat_model), "--tensor-parallel-size", "2"],
@@ -110,7 +94,7 @@ def test_serve_tp2_answers_like_tp1_and_a_killed_worker_is_an_error(chat_model, 
         assert again.json()["choices"][0]["text"] == expected_text
 
         os.kill(workers[0], signal.SIGKILL)
-        assert _all_gone(workers)
+        assert all_gone(workers)
         start = time.monotonic()
         failed = _complete(url)
         assert failed.status_code in (500, 503)
@@ -124,13 +108,7 @@ def test_serve_tp2_answers_like_tp1_and_a_killed_worker_is_an_error(chat_model, 
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    assert _all_gone(workers)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert all_gone(workers)
 
 
 def test_torchrun_two_ranks_on_localhost_with_tcp_rendezvous(chat_model, expected_text) -> None:
@@ -147,7 +125,7 @@ def test_torchrun_two_ranks_on_localhost_with_tcp_rendezvous(chat_model, expecte
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "hydragen",
         *_serve_args(chat_model),
@@ -164,4 +142,4 @@ def test_torchrun_two_ranks_on_localhost_with_tcp_rendezvous(chat_model, expecte
         proc.wait(timeout=60)
     finally:
         proc.kill()
-    assert ranks and _all_gone(ranks)
+    assert ranks and all_gone(ranks)
