@@ -126,7 +126,7 @@ class Chat:
         """Compute the template's opening (system prompt) before the first message, so the first reply
         starts as fast as the later ones: a 1-token request whose KV stays in the prefix cache."""
         ids = self.llm.tokenizer.apply_chat_template(self.history + [{"role": "user", "content": "Hi"}])
-        stream_request(self.llm.engine, ids, dataclasses.replace(self.params, max_tokens=1, stop=None))
+        stream_request(self.llm.loop, ids, dataclasses.replace(self.params, max_tokens=1, stop=None))
 
     def _turn(self, message: str) -> None:
         conversation = self.history + [{"role": "user", "content": message}]
@@ -142,7 +142,7 @@ class Chat:
         stats = self.llm.engine.stats
         prompt0, computed0 = stats.prompt_tokens, stats.prefill_tokens
         with interrupt_flag() as stop:
-            result = stream_request(self.llm.engine, ids, params, on_text=self._write, should_stop=stop)
+            result = stream_request(self.llm.loop, ids, params, on_text=self._write, should_stop=stop)
         print(file=self.stdout, flush=True)
         reused = (stats.prompt_tokens - prompt0) - (stats.prefill_tokens - computed0)
         self.history = conversation + [{"role": "assistant", "content": result.texts[0]}]

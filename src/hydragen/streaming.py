@@ -1,10 +1,9 @@
 """Run one request through the engine's step API and hand out its text as it grows.
 
-`hydragen generate` (n = 1) and `hydragen chat` print tokens as they come through this one loop. It uses
-only the engine's public step interface (``add_request``, ``step``, ``abort``, ``has_unfinished``,
-``text_of`` and each sequence's ``generated`` tokens), so it does not depend on how the engine batches or
-stores KV. Ctrl-C is turned into a flag checked between steps (``interrupt_flag``), so stopping a reply
-never leaves the engine half-way through a step.
+`hydragen generate` (n = 1) and `hydragen chat` print tokens as they come. It runs on the engine's one
+step loop (``engine/loop.py``) and reads only each sequence's final ``text`` and ``generated`` tokens, so
+it does not depend on how the engine batches or stores KV. Ctrl-C is turned into a flag checked between
+steps (``interrupt_flag``), so stopping a reply never leaves the engine half-way through a step.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from hydragen.engine.loop import EngineLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 
@@ -50,7 +50,7 @@ class StreamResult:
 
 
 def stream_request(
-    engine,
+    loop: EngineLoop,
     prompt_ids: list[int],
     params: SamplingParams,
     *,
@@ -65,45 +65,32 @@ def stream_request(
 
     A request that fails in the engine raises RuntimeError with the engine's reason.
     """
-    req = engine.add_request(prompt_ids, params, prompt=prompt)
     shown = [""] * params.n
     started = time.perf_counter()
-    first_token: float | None = None
-    first_step_tokens = tokens = 0
-    output: RequestOutput | None = None
-    stopped = False
-    try:
-        while output is None:
-            if should_stop is not None and should_stop():
-                stopped = True
-                break
-            if not engine.has_unfinished():
-                raise RuntimeError(f"the engine went idle without finishing request {req.request_id}")
-            for out in engine.step():
-                if out.request_id == req.request_id:
-                    output = out
-            tokens = sum(len(s.generated) for s in req.seqs)
-            if first_token is None and tokens:
-                first_token, first_step_tokens = time.perf_counter(), tokens
-            if on_text is not None:
-                for i, s in enumerate(req.seqs):
-                    text = output.outputs[i].text if output is not None else engine.text_of(s)
-                    if len(text) > len(shown[i]) and text.startswith(shown[i]):
-                        on_text(i, text[len(shown[i]) :])
-                        shown[i] = text
-            if on_step is not None:
-                on_step(tokens, time.perf_counter() - started)
-    except BaseException:  # a second Ctrl-C or an engine error: free the request if the engine still can
-        with contextlib.suppress(Exception):
-            engine.abort(req.request_id)
-        raise
-    if stopped:
-        engine.abort(req.request_id)  # its computed KV stays in the prefix cache
+    first: list[float | int] = []  # (time, tokens) of the step that produced the first tokens
+
+    def update(req, output: RequestOutput | None) -> None:
+        tokens = sum(len(s.generated) for s in req.seqs)
+        if not first and tokens:
+            first.extend((time.perf_counter(), tokens))
+        if on_text is not None:
+            for i, s in enumerate(req.seqs):
+                text = output.outputs[i].text if output is not None and output.outputs else s.text
+                if len(text) > len(shown[i]) and text.startswith(shown[i]):
+                    on_text(i, text[len(shown[i]) :])
+                    shown[i] = text
+        if on_step is not None:
+            on_step(tokens, time.perf_counter() - started)
+
+    req = loop.add(prompt_ids, params, prompt=prompt, on_update=update)
+    (output,) = loop.run([req], should_stop=should_stop)
     if output is not None and output.error:
         raise RuntimeError(output.error)
+    tokens = sum(len(s.generated) for s in req.seqs)
     texts = [c.text for c in output.outputs] if output is not None else shown
+    first_token, first_step_tokens = (first[0], first[1]) if first else (None, 0)
     return StreamResult(
-        output, texts, stopped, started, time.perf_counter(), first_token, tokens, first_step_tokens
+        output, texts, output is None, started, time.perf_counter(), first_token, tokens, first_step_tokens
     )
 
 

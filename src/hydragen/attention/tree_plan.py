@@ -1,9 +1,9 @@
-"""Device-side work tables for tree decode attention (the Triton path), built once per batch membership.
+"""Device-side work tables for tree decode attention (the Triton path), built once per decode step.
 
-A decode step's attention is a plan (``DecodeBatch.items``): ``(slot_start, slot_end, i, j)`` per shared
-node run, read by the contiguous sequences [i, j) of the DFS-ordered batch, plus each sequence's private
-tail. The Triton path turns that list into fixed tables that three kernels consume with one launch each
-(per layer), whatever the shape of the tree:
+A decode step's attention is a list of items ``(slot_start, slot_end, i, j)``, one per shared slot run read
+by the contiguous sequences [i, j) of the depth-first-ordered batch, plus each sequence's private tail.
+The Triton path turns them into fixed tables that three kernels consume with one launch each (per layer),
+whatever the shape of the tree:
 
 * ``units`` int64 [U, 5], one row per *work unit* of the shared-node kernel:
   ``(kv_lo, kv_hi, seq_lo, seq_hi, part_row)``. A unit is one KV chunk ``[kv_lo, kv_hi)`` of pool slots
@@ -17,8 +17,8 @@ tail. The Triton path turns that list into fixed tables that three kernels consu
 * ``seq_ptr`` int32 [B + 1] and ``seq_parts`` int32 [R (+1 pad)]: CSR lists, per sequence, of the partial rows
   that cover it (every shared chunk it reads). The tail kernel (or the merge kernel when tails are split)
   folds them into the sequence's tail result through their log-sum-exp.
-* ``tail_starts`` int64 [B]: first pool slot of each sequence's private tail (its row of the tail block).
-  Tail *lengths* are the batch's per-step device tensor, the only thing that changes between steps.
+* ``tail_pages`` int32 [B, P]: each sequence's private tail as a page table (page i holds tail positions
+  [i * page_size, (i + 1) * page_size)), and ``tail_lens`` its length in tokens.
 
 Tables are plain torch tensors: this module does not need Triton.
 """
@@ -38,7 +38,8 @@ class TreePlan:
     units: torch.Tensor  # int64 [U, 5]
     seq_ptr: torch.Tensor  # int32 [B + 1]
     seq_parts: torch.Tensor  # int32 [R + 1] (one unread pad entry: kernels never get an empty tensor)
-    tail_starts: torch.Tensor  # int64 [B]
+    tail_pages: torch.Tensor  # int32 [B, P]
+    page_size: int
     num_parts: int  # R: rows of the shared partial buffers
     tail_splits: int  # tails are cut in this many KV splits (1: merge fused into the tail kernel)
     tail_split_len: int  # tokens per tail split
@@ -56,7 +57,8 @@ def _pow2_at_least(x: int, floor: int = 16) -> int:
 
 def build_tree_plan(
     items: list[tuple[int, int, int, int]],
-    tail_starts: torch.Tensor,
+    tail_pages: torch.Tensor,
+    page_size: int,
     *,
     group: int,
     num_kv_heads: int,
@@ -77,8 +79,8 @@ def build_tree_plan(
     give ``target_programs`` programs, never below 256 tokens a split). ``target_programs`` defaults to
     twice the SM count on CUDA and 1 elsewhere (no splitting: the interpreter gains nothing from it).
     """
-    device = tail_starts.device
-    b = tail_starts.shape[0]
+    device = tail_pages.device
+    b = tail_pages.shape[0]
     block_m = max(block_m, _pow2_at_least(group))
     seqs_per_tile = block_m // group
     if target_programs is None:
@@ -128,7 +130,8 @@ def build_tree_plan(
         units=unit_tensor.to(device),
         seq_ptr=seq_ptr.to(device),
         seq_parts=torch.cat([order, order.new_zeros(1)]).to(torch.int32).to(device),  # never empty
-        tail_starts=tail_starts.to(torch.int64),
+        tail_pages=tail_pages.to(torch.int32),
+        page_size=page_size,
         num_parts=rows,
         tail_splits=splits,
         tail_split_len=tail_split_len,

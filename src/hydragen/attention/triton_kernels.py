@@ -7,8 +7,9 @@ One decode step of one layer is at most three launches, whatever the tree (table
    ``seq_lo + r // G``, head ``h * G + r % G``): a tensor-core ``tl.dot`` of [BLOCK_M, D] x [D, BLOCK_N].
    Each sequence's normalised partial (o, natural-log lse) goes to row ``part_row + b - seq_lo`` of
    ``part_o [R, Hq, D]`` / ``part_lse [R, Hq]`` (fp32).
-2. ``_tail_kernel``, grid (B, Hkv, S): sequence b's private tail, a contiguous run of pool slots
-   ``[tail_starts[b], + tail_lens[b])``, against its G query heads (rows padded to 16 for ``tl.dot``),
+2. ``_tail_kernel``, grid (B, Hkv, S): sequence b's private tail, positions ``[0, tail_lens[b])`` read
+   through its row of the page table ``tail_pages`` (PagedAttention), against its G query heads (rows
+   padded to 16 for ``tl.dot``),
    cut in S splits (flash-decoding) when the batch alone cannot fill the GPU. With S == 1 the merge is
    fused into its epilogue: it folds the sequence's shared partials (CSR ``seq_ptr``/``seq_parts``) into
    its running softmax state and writes the final output in the output's dtype.
@@ -69,12 +70,16 @@ def _attend_range(
     l_i,
     qk_scale,
     D,
+    pages_ptr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
-    """Online softmax of q [BLOCK_M, BLOCK_D] over key slots [lo, hi) (k_ptr/v_ptr at slot 0, one head).
+    """Online softmax of q [BLOCK_M, BLOCK_D] over keys [lo, hi) (k_ptr/v_ptr at slot 0, one head): slots
+    lo..hi-1 when PAGE == 0, else positions lo..hi-1 of a context whose page i is ``pages_ptr[i]`` (slot
+    ``page * PAGE + position % PAGE``).
 
     State: acc [BLOCK_M, BLOCK_D] (unnormalised), m_i (running max, base-2 units), l_i (sum of exp2).
     """
@@ -84,7 +89,11 @@ def _attend_range(
     for start in range(lo, hi, BLOCK_N):
         n = start + offs_n
         n_mask = n < hi
-        n64 = n.to(tl.int64)
+        if PAGE:
+            page = tl.load(pages_ptr + n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            n64 = page * PAGE + (n % PAGE).to(tl.int64)
+        else:
+            n64 = n.to(tl.int64)
         kt = tl.load(
             k_ptr + n64[None, :] * stride_ks + offs_d[:, None],
             mask=n_mask[None, :] & d_mask[:, None],
@@ -159,16 +168,17 @@ def _finish(acc, m_i, l_i):
 
 @triton.jit
 def _tail_kernel(
-    q_ptr, k_ptr, v_ptr, starts_ptr, lens_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, pages_ptr, lens_ptr, out_ptr, lse_ptr,
     seq_ptr, seq_parts, part_o, part_lse,
     qk_scale, split_len, G, D,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
     stride_pr, stride_ph, stride_plr,
     MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence, KV head, split): the G query heads of the group against a split of the tail."""
+    """One (sequence, KV head, split): the G query heads of the group against a split of the tail, read
+    through the sequence's row of the page table."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -183,7 +193,6 @@ def _tail_kernel(
         q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=tile_mask, other=0.0
     )
     q = q.to(DOT_DTYPE)
-    start = tl.load(starts_ptr + b).to(tl.int64)
     length = tl.load(lens_ptr + b).to(tl.int32)
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, length)
@@ -191,8 +200,8 @@ def _tail_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_range(
-        q, k_ptr + start * stride_ks + h * stride_kh, v_ptr + start * stride_vs + h * stride_vh,
-        stride_ks, stride_vs, lo, hi, acc, m_i, l_i, qk_scale, D, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
+        q, k_ptr + h * stride_kh, v_ptr + h * stride_vh, stride_ks, stride_vs, lo, hi, acc, m_i, l_i,
+        qk_scale, D, pages_ptr + b64 * stride_pb, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, PAGE,
     )  # fmt: skip
     if MERGE:
         acc, m_i, l_i = _fold_csr(
@@ -244,7 +253,7 @@ def _shared_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_range(
         q, k_ptr + h * stride_kh, v_ptr + h * stride_vh, stride_ks, stride_vs, kv_lo, kv_hi,
-        acc, m_i, l_i, qk_scale, D, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
+        acc, m_i, l_i, qk_scale, D, units_ptr, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, 0,
     )  # fmt: skip
     out, lse = _finish(acc, m_i, l_i)
     prow = part_row + seq - seq_lo
@@ -342,7 +351,8 @@ def tail_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    starts: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
     lens: torch.Tensor,
     scale: float,
     *,
@@ -353,7 +363,8 @@ def tail_attention(
     lse: torch.Tensor | None = None,
     parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's private tail: q [B, Hq, D] against pool slots [starts[b], starts[b] + lens[b]).
+    """Each sequence's private tail: q [B, Hq, D] against positions [0, lens[b]) of the context whose page i
+    is ``pages[b, i]`` (int32 [B, P]; slot ``page * page_size + position % page_size``).
 
     Returns (out [B, S, Hq, D], lse [B, S, Hq]) per split (``split_len`` tokens each, S = num_splits);
     with S == 1 and ``parts = (seq_ptr, seq_parts, part_o, part_lse)`` the shared partials are folded in
@@ -377,13 +388,13 @@ def tail_attention(
     dot_dtype, precision = _dot_config(q.dtype)
     if b:
         _tail_kernel[(b, hkv, num_splits)](
-            q, k, v, starts, lens, out, lse, seq_ptr, seq_parts, part_o, part_lse,
+            q, k, v, pages, lens, out, lse, seq_ptr, seq_parts, part_o, part_lse,
             float(scale) * 1.4426950408889634, split_len, g, d,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pages.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
             MERGE=parts is not None, BLOCK_M=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
-            DOT_DTYPE=dot_dtype, PRECISION=precision, num_stages=_stages(q.dtype),
+            DOT_DTYPE=dot_dtype, PRECISION=precision, PAGE=page_size, num_stages=_stages(q.dtype),
         )  # fmt: skip
     return out, lse
 
@@ -481,12 +492,13 @@ def tree_decode_attention(
     if plan.tail_splits == 1:
         out = torch.empty_like(q)
         out, lse = tail_attention(
-            q, k, v, plan.tail_starts, tail_lens, scale, block_n=block_n, out=out.unsqueeze(1), parts=csr
-        )
+            q, k, v, plan.tail_pages, plan.page_size, tail_lens, scale, block_n=block_n,
+            out=out.unsqueeze(1), parts=csr,
+        )  # fmt: skip
         out, lse = out.squeeze(1), lse.squeeze(1)
     else:
         to, tlse = tail_attention(
-            q, k, v, plan.tail_starts, tail_lens, scale,
+            q, k, v, plan.tail_pages, plan.page_size, tail_lens, scale,
             split_len=plan.tail_split_len, num_splits=plan.tail_splits, block_n=block_n,
         )  # fmt: skip
         out, lse = merge_attention(to, tlse, *csr, group=g, out_dtype=q.dtype)
@@ -514,10 +526,10 @@ def compile_report(
     elem = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     dot_dtype, precision = _dot_config(dtype)
     ptrs = {p: f"*{elem}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    ptrs.update(starts_ptr="*i64", lens_ptr="*i64", units_ptr="*i64", seq_ptr="*i32", seq_parts="*i32")
+    ptrs.update(pages_ptr="*i32", lens_ptr="*i64", units_ptr="*i64", seq_ptr="*i32", seq_parts="*i32")
     tiles = dict(BLOCK_D=_pow2(head_dim), DOT_DTYPE=dot_dtype, PRECISION=precision)
     kernels = {
-        "tail": (_tail_kernel, dict(MERGE=True, BLOCK_M=_pow2(group), BLOCK_N=block_n, **tiles)),
+        "tail": (_tail_kernel, dict(MERGE=True, BLOCK_M=_pow2(group), BLOCK_N=block_n, PAGE=16, **tiles)),
         "shared": (_shared_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, **tiles)),
         "merge": (_merge_kernel, dict(BLOCK_M=_pow2(group), BLOCK_D=_pow2(head_dim))),
     }

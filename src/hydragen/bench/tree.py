@@ -4,8 +4,8 @@ samples, T new tokens per sample; a batch is K problems at once (K x k sequences
 
 * tree: full tree sharing (what hydragen does on its own): the few-shot block and each problem are stored
   once and read once per step by the sequences under them.
-* onelevel: only the few-shot block is shared (``Engine.share_limit``); each sample holds its own copy of
-  its problem's KV, as an engine that shares only a common system prompt would.
+* onelevel: only the few-shot block is shared (the scheduler's ``Sharing(limit=F)``); each sample holds its
+  own copy of its problem's KV, as an engine that shares only a common system prompt would.
 * nosharing: every sample holds its whole prompt (reference).
 
 Compared at equal batch (each K of the sweep) and at the larger batch the memory saved by the tree allows:
@@ -60,24 +60,19 @@ def time_mode(llm, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
 
     llm.reset_prefix_cache()
     llm.engine.stats = EngineStats()
-    pool = llm.engine.pool
-    growth0 = (pool.stats_contiguous_growth, pool.stats_split_growth)
     params = SamplingParams(n=k, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     st = llm.engine.stats
     assert all(len(c.token_ids) == new_tokens for o in outs for c in o.outputs)
-    contiguous = pool.stats_contiguous_growth - growth0[0]
-    split = pool.stats_split_growth - growth0[1]
     return dict(
         wall_s=wall,
-        decode_tok_s=st.generated_tokens / max(st.decode_seconds, 1e-9),
+        # Steps that only decoded: their tokens over their time (steps that also prefilled are left out).
+        decode_tok_s=st.decode_step_tokens / max(st.decode_seconds, 1e-9),
         step_ms=1e3 * st.decode_seconds / max(st.decode_steps, 1),
         peak_kv_mib=st.peak_kv_tokens * llm.engine.pool.bytes_per_token / 2**20,
         preemptions=st.preemptions,
-        # growths of a holder's pages that could not continue its last run (the read then has one more run)
-        run_splits=split / max(split + contiguous, 1),
         tokens=[c.token_ids for o in outs for c in o.outputs],
     )
 
@@ -122,15 +117,16 @@ def run(
         llm = LLM(
             model,
             prefix_sharing=mode != "nosharing",
-            # Twice the need: rebuilding the tail block while sequences join holds old and new blocks at
-            # once, and a tight pool would make late joiners wait (more, smaller steps) in copy-heavy modes.
+            # Twice the need: a tight pool would make late joiners wait (more, smaller steps).
             kv_cache_tokens=2 * kv + most * k * 8 + 1024,
             max_num_seqs=most * k,
             random_weights=random_weights,
         )
         touch_kv_pool(llm)
         if mode == "onelevel":
-            llm.engine.share_limit = F
+            from hydragen.engine.scheduler import Sharing
+
+            llm.engine.scheduler.sharing = Sharing(enabled=True, limit=F)
         prompts = tree_prompts(llm.config.vocab_size, F, most, L)
         time_mode(llm, prompts[: counts[0]], k, 2)  # warm-up at full prompt size
         for c, kind in runs:
@@ -168,7 +164,6 @@ def run(
         "kv_tokens_model",
         "same_seqs",
         "preemptions",
-        "run_splits",
     ]
     params = dict(
         fewshot=F, problem_len=L, samples=k, new_tokens=T, problem_counts=counts, memory_matched=k_mem
@@ -182,8 +177,7 @@ def run(
         f"model {model or 'embedded SmolLM2-135M'}; one-level with {counts[-1]} problems needs {budget} KV "
         f"tokens; tree sharing fits {k_mem} problems in that memory. vs_onelevel_max and time_saved compare "
         f"with one-level at {counts[-1]} problems; same_seqs: fraction of samples whose tokens equal "
-        "tree sharing's; run_splits: fraction of page growths that could not take the page after the "
-        "holder's last one (each adds a run to its reads).",
+        "tree sharing's.",
         quick=quick,
         params=params,
     )

@@ -166,7 +166,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     with interrupt_flag() as stop:
         result = stream_request(
-            engine, ids, params, on_text=show if stream else None, on_step=rate, should_stop=stop
+            llm.loop, ids, params, on_text=show if stream else None, on_step=rate, should_stop=stop
         )
     rate.clear()
     if stream:

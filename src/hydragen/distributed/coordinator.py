@@ -22,11 +22,12 @@ import torch
 
 from hydragen.distributed import commands
 from hydragen.distributed.group import TPGroup, collective_timeout
+from hydragen.engine.isolation import EngineBroken
 from hydragen.engine.model_runner import ModelRunner, PackedBatch
 from hydragen.kv.pool import PagePool
 
 
-class TPGroupBroken(RuntimeError):
+class TPGroupBroken(EngineBroken):
     """The tensor-parallel ranks can no longer work together (a worker died, hung or failed)."""
 
 
@@ -119,7 +120,7 @@ class TPRunner(ModelRunner):
     coordinator: Coordinator
 
     def setup_workers(self) -> None:
-        pool = self.kv.pool
+        pool = self.pool
         code = commands.ATTENTION_CODES.index(self.attention_name)
         self.coordinator.send(commands.SETUP, torch.tensor([pool.num_pages, pool.page_size, code]))
 

@@ -82,10 +82,10 @@ class TensorParallel:
         pool.coordinator = self.coordinator
         return pool
 
-    def make_runner(self, model, cfg, kv, device, attention: str) -> TPRunner:
+    def make_runner(self, model, cfg, pool, device, attention: str) -> TPRunner:
         if attention == "triton":
             raise ValueError("attention='triton' is not supported with tensor_parallel_size > 1")
-        runner = TPRunner(model, cfg, kv, device, attention)
+        runner = TPRunner(model, cfg, pool, device, attention)
         runner.attention_name, runner.coordinator = attention, self.coordinator
         runner.setup_workers()
         return runner

@@ -17,7 +17,6 @@ import torch
 from hydragen.distributed import commands
 from hydragen.distributed.group import TPGroup
 from hydragen.engine.model_runner import ModelRunner
-from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import PagePool
 
 
@@ -43,10 +42,10 @@ def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
                     cfg.num_layers, num_pages, page_size, local.num_kv_heads, cfg.head_dim, dtype, device
                 )
                 runner = ModelRunner(
-                    model, cfg, KVManager(pool, True), device, commands.ATTENTION_CODES[code]
+                    model, cfg, pool, device, commands.ATTENTION_CODES[code]
                 )
             elif command == commands.COPY:
-                runner.kv.pool.copy_slots(*commands.unpack_copy(payload, device))
+                runner.pool.copy_slots(*commands.unpack_copy(payload, device))
             elif command == commands.STEP:
                 runner.forward(commands.unpack_step(payload, device))
             else:

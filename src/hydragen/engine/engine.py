@@ -1,42 +1,46 @@
-"""The engine loop: scheduler -> model runner -> output processor, over a persistent prefix cache.
+"""The engine: a persistent prefix cache, and a step that plans, runs one packed forward, and commits.
 
-``add_request`` queues a request's n sequences; every ``step`` the scheduler plans (admission, prefill
-chunks, joins, growth, preemption), the runner runs the plan as one packed forward and samples, and the
-output processor appends tokens and ends sequences, whose KV the KV manager hands to the prefix tree.
+``add_request`` queues a request's n sequences. Every ``step``:
+
+1. the scheduler builds a frozen plan (admission, prefill chunks, decode tokens, extends, forks,
+   preemption) and nothing touches pages or the prefix tree until 3;
+2. the model runner runs the plan as one packed forward; if it raises, each request's work runs alone to
+   find the culprit, and only that request ends;
+3. the scheduler commits the plan (KV computed, pages published to the prefix tree, forks copied);
+4. the sampled tokens are appended by the output processor; ended sequences give their pages back, their
+   computed KV staying in the prefix tree.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging
 import secrets
 import time
 from dataclasses import dataclass
 
 import torch
 
-from hydragen.engine.isolation import failure_message
+from hydragen.engine.isolation import EngineBroken, failure_message
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.request_checks import check_fits, check_request, first_bad_token
 from hydragen.engine.sampler import derive_seed
 from hydragen.engine.sampling_params import SamplingParams
-from hydragen.engine.scheduler import Scheduler, StepPlan
+from hydragen.engine.scheduler import Scheduler, Sharing
 from hydragen.engine.sequence import Request, Sequence
-from hydragen.engine.stats import EngineStats
-from hydragen.kv.manager import (  # noqa: F401  (re-exported for the benchmarks)
-    DEFAULT_MIN_SHARED_READS,
-    MERGE_ROW_TOKENS,
-    Item,
-    KVManager,
-    sharing_pays,
-)
+from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS
+from hydragen.engine.stats import EngineSnapshot, EngineStats
+from hydragen.engine.step_plan import StepPlan
+from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import PagePool
 from hydragen.structured.controller import StructuredOutputs
 from hydragen.structured.matcher import GrammarViolation
 
 DEFAULT_PAGE_SIZE = 16
+log = logging.getLogger("hydragen.engine")
 
 
 def triton_available() -> bool:
@@ -49,10 +53,11 @@ def triton_available() -> bool:
 
 @dataclass
 class BatchView:
-    """The running batch as tests and benchmarks inspect it: sequences in DFS order, shared items."""
+    """The last step's work as tests and benchmarks inspect it: sequences in depth-first order, shared
+    runs (page_lo, page_hi, lo, hi) over them."""
 
     seqs: list[Sequence]
-    items: list[Item]
+    shared: list[tuple[int, int, int, int]]
 
 
 class Engine:
@@ -78,7 +83,8 @@ class Engine:
         jump_forward: bool = True,
     ):
         """``parallel``: a tensor-parallel group's rank 0 (``hydragen.distributed.launcher.TensorParallel``),
-        which builds the page pool and model runner that drive the other ranks; None runs in-process."""
+        which builds the page pool and model runner that drive the other ranks; None runs in-process.
+        ``share_limit`` (benchmarks' one-level ablation): share only the first that many context tokens."""
         if attention not in ("auto", "fused", "torch", "triton", "none"):
             raise ValueError(
                 f"attention must be 'auto', 'fused', 'torch', 'triton' or 'none', got {attention!r}"
@@ -98,36 +104,38 @@ class Engine:
         self.pool = make_pool(
             cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
         )
-        self.kv = KVManager(self.pool, prefix_sharing, min_shared_reads, share_limit)
+        self.kv = KVManager(self.pool)
         self.scheduler = Scheduler(
             self.kv,
+            Sharing(enabled=prefix_sharing, limit=share_limit),
             max_num_seqs=max_num_seqs,
             prefill_chunk=prefill_chunk,
             prefill_budget=prefill_budget,
             max_wait_steps=max_wait_steps,
+            min_shared_reads=min_shared_reads,
         )
         make_runner = ModelRunner if parallel is None else parallel.make_runner
-        self.runner = make_runner(model, cfg, self.kv, device, attention)
+        self.runner = make_runner(model, cfg, self.pool, device, attention)
         eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
         self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, eos, jump_forward)
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
+        self.ended: list[Sequence] = []  # sequences ended between steps (a stop inside extended text)
         self.stats = EngineStats()
+        self.last_plan = StepPlan()
+        self.snapshot = EngineSnapshot.of(self)
         self._ids = itertools.count()
 
-    # ---- views and knobs (scheduler / KV manager state under their old names) ----------------------
+    # ---- views ----------------------------------------------------------------------------------
     tree = property(lambda self: self.kv.tree)
-    waiting = property(lambda self: self.scheduler.waiting)
-    prefilling = property(lambda self: self.scheduler.prefilling)
     step_count = property(lambda self: self.scheduler.step_count)
-    num_running = property(lambda self: len(self.scheduler.running))
-    min_shared_reads = property(lambda self: self.kv.min_shared_reads)
+    min_shared_reads = property(lambda self: self.scheduler.min_shared_reads)
 
     @property
-    def batch(self) -> BatchView | None:
-        running = self.scheduler.running
-        return BatchView(list(running), list(self.scheduler._plan_items)) if running else None
+    def batch(self) -> BatchView:
+        p = self.last_plan
+        return BatchView([w.seq for w in p.work], [(r.page_lo, r.page_hi, r.lo, r.hi) for r in p.shared])
 
     @property
     def sampler(self):
@@ -137,29 +145,19 @@ class Engine:
     def sampler(self, fn) -> None:
         self.runner.sampler = fn
 
-    def _knob(name: str, owner: str):  # noqa: N805  (a property factory used in the class body)
-        return property(
-            lambda self: getattr(getattr(self, owner), name),
-            lambda self, value: setattr(getattr(self, owner), name, value),
-        )
+    @property
+    def tokenizer(self):
+        return self.outputs.tokenizer
 
-    prefill_budget = _knob("prefill_budget", "scheduler")
-    prefill_chunk = _knob("prefill_chunk", "scheduler")
-    max_wait_steps = _knob("max_wait_steps", "scheduler")
-    max_num_seqs = _knob("max_num_seqs", "scheduler")
-    share_limit = _knob("share_limit", "kv")
-    eos_ids = _knob("eos_ids", "outputs")
-    tokenizer = _knob("tokenizer", "outputs")
-    model = _knob("model", "runner")
-    del _knob
+    @property
+    def model(self):
+        return self.runner.model
 
     def sequence_kv_need(self, prompt_len: int, max_tokens: int) -> int:
-        """KV slots (whole pages) one sequence needs to be sure to finish when it runs alone: its prompt
-        in the tree plus its own pages (with sharing off, its own copy of the whole context instead)."""
-        pool = self.pool
+        """KV slots (whole pages) one sequence needs to be sure to finish when it runs alone: every context
+        position but the last (the last sampled token is never fed back)."""
         new = min(max_tokens, self.cfg.max_position_embeddings - prompt_len)
-        own = new if self.prefix_sharing else prompt_len - 1 + new
-        return (pool.pages_for(prompt_len - 1) + pool.pages_for(own)) * pool.page_size
+        return self.pool.pages_for(prompt_len + new - 1) * self.pool.page_size
 
     def kv_usage(self) -> dict:
         """KV pages in use, held by the prefix cache, and in all: after every request ends, used == cached."""
@@ -168,6 +166,10 @@ class Engine:
     def text_of(self, s: Sequence) -> str:
         """The sequence's final text so far: stable (no later token changes it) and stop-safe."""
         return self.outputs.text_of(s)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
+        self.kv.evict_idle()
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -202,157 +204,163 @@ class Engine:
         if req is None:
             return False
         for s in req.seqs:
-            if not s.finished:
-                s.finish_reason = "abort"
-        self._release([s for s in req.seqs])
+            self.outputs.end(s, "abort")
+        self.scheduler.remove(req.seqs)
         return True
-
-    def _release(self, seqs: list[Sequence]) -> None:
-        """Take sequences out of the scheduler and give their KV back (cached where sharing is on)."""
-        running = {id(s) for s in self.scheduler.running}
-        self.scheduler.remove(seqs)
-        for s in seqs:
-            if id(s) in running:
-                self.kv.leave(s)
-            else:
-                self.kv.unpin(s)
-        for req in {id(s.request): s.request for s in seqs}.values():
-            if req.private_tree is not None and all(x.node is None for x in req.seqs):
-                req.private_tree.clear()
-                req.private_tree = None
 
     def fail(self, req: Request, message: str) -> None:
         """End a request with an error instead of crashing the engine for everyone."""
+        if req.error is not None:
+            return
         req.error = message
         for s in req.seqs:
-            if not s.finished:
-                s.finish_reason = "error"
-        self._release(list(req.seqs))
+            self.outputs.end(s, "error")
+        self.scheduler.remove(req.seqs)
         self.failed.append(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.failed or self.ended)
 
     def extend(self, request_id: str, index: int, token_ids: list[int]) -> None:
         """Append tokens to an unfinished sequence without sampling them (jump-forward's forced text).
 
         The next step computes their KV in one forward, as a multi-token extend, and samples the next
-        token after the last of them. They count as generated tokens (``Sequence.forced`` of them).
+        token after the last of them. They count as generated tokens (``Sequence.forced`` of them); a stop
+        string or stop token inside them ends the sequence there, tokens and text alike.
         """
         req = self.requests.get(request_id)
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].finished:
             raise ValueError(f"no unfinished sequence {index} of request {request_id!r}")
         s = req.seqs[index]
+        token_ids = list(token_ids)
         if first_bad_token(token_ids, self.cfg.vocab_size) is not None:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        if len(s.generated) + len(token_ids) >= s.request.params.max_tokens:
+        if len(s.generated) + len(token_ids) >= s.params.max_tokens:
             raise ValueError("extend would reach max_tokens: no room left to sample after it")
+        if s.context_len + len(token_ids) >= self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"extend would reach the model's context of {self.cfg.max_position_embeddings} tokens: "
+                "no room left to sample after it"
+            )
         if s.grammar is not None:
-            if not s.grammar.fits(list(token_ids)):
+            if not s.grammar.fits(token_ids):
                 raise ValueError("the tokens do not fit the request's structured-output constraint")
-            s.grammar.accept_all(list(token_ids))
-        s.pending += len(token_ids)
-        self._append_forced(s, list(token_ids))
+            s.grammar.accept_all(token_ids)
+        self._append_forced(s, token_ids)
+        if s.finished:
+            self.ended.append(s)
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan, run one packed forward, sample; returns the requests finished in this step.
+        """Plan, run one packed forward, commit, sample; returns the requests finished in this step.
 
         A failure that belongs to one request (its prefill, sampling, logprobs, stop check,
         detokenization or output) ends that request with ``RequestOutput.error`` set; the others go on
         untouched. Anything else raises (the caller fails everything in flight).
         """
         t0 = time.perf_counter()
+        done: list[RequestOutput] = []
+        if self.ended:
+            done += self._release_ended(self.ended)
+            self.ended = []
         plan = self.scheduler.schedule()
+        self.last_plan = plan
         self._count_admissions()
         for s, e in self.scheduler.failures:
-            if s.request.error is None and s.request.request_id in self.requests:
-                self.fail(s.request, failure_message("join", e))
-        done: list[RequestOutput] = []
+            self.fail(s.request, failure_message("scheduling", e))
         if not plan.empty:
-            logits, plan = self._forward(plan)
-            if plan.decode:
-                done += self._decode(plan, logits)
-            elapsed = time.perf_counter() - t0
-            if plan.prefill:
-                self.stats.prefill_seconds += elapsed
-            else:
-                self.stats.decode_seconds += elapsed
+            logits = self._forward(plan)
+            plan = self.last_plan  # without the requests the forward failed
+            self.scheduler.commit(plan)
+            for s, e in self.scheduler.failures:  # a fork that could not copy its leader's KV
+                self.fail(s.request, failure_message("fork", e))
+            if plan.samplers and logits is not None:
+                done += self._sample(plan, logits)
+            self.stats.count_step(plan, time.perf_counter() - t0)
         self.stats.preemptions = self.scheduler.preemptions
-        used = self.pool.used_pages * self.pool.page_size
-        self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, used)
+        self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self.pool.used_pages * self.pool.page_size)
         failed = [o for r in self.failed if (o := self._finish_request(r)) is not None]
         self.failed = []
+        self.snapshot = EngineSnapshot.of(self)
         return failed + done
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, StepPlan]:
-        """The step's packed forward. If it raises and the step prefills, the chunks run one at a time
-        (parents first) to find the ones that fail; only requests on those prompts end, and the decode
-        part then runs alone. Returns the decode logits and the plan that actually ran."""
+    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """The step's packed forward; the logits of its sampling items. If it raises, each request's work
+        runs alone to find the ones that fail: only those requests end (logged), the rest of the plan goes
+        on with their logits. If every request of several fails alone, or the engine itself broke, it
+        raises (the caller fails everything in flight)."""
         try:
             batch = self.runner.pack(plan)
-            logits = self.runner.forward(batch)
-        except Exception:
-            if not plan.prefill:
-                raise
-            return self._forward_isolating_prefill(plan)
-        self._prefilled(plan.prefill)
-        self.stats.prefill_tokens += batch.num_prefill_tokens
-        self.stats.forward_tokens += len(batch.input_ids)
-        return logits, plan
+            return self.runner.forward(batch)
+        except EngineBroken:
+            raise
+        except Exception as e:
+            log.warning("a step failed (%s); running each request alone to find the culprit", e)
+            return self._forward_isolating(plan, e)
 
-    def _forward_isolating_prefill(self, plan: StepPlan) -> tuple[torch.Tensor | None, StepPlan]:
-        broken: dict[int, str] = {}
-        ran = []
-        for ch in plan.prefill:
-            above = next((broken[id(n)] for n in ch.node.path() if id(n) in broken), None)
-            if above is not None:
-                broken[id(ch.node)] = above
-                continue
+    def _forward_isolating(self, plan: StepPlan, error: Exception) -> torch.Tensor | None:
+        by_request: dict[int, list[int]] = {}
+        for i, w in enumerate(plan.work):
+            by_request.setdefault(id(w.seq.request), []).append(i)
+        rows: dict[int, torch.Tensor] = {}  # work index -> its logits row
+        failed: set[int] = set()
+        failures: dict[Request, str] = {}
+        for indices in by_request.values():
+            alone = StepPlan(tuple(plan.work[i] for i in indices))
             try:
-                self.runner.forward(self.runner.pack(StepPlan(prefill=[ch])))
+                logits = self.runner.forward(self.runner.pack(alone))
+            except EngineBroken:
+                raise
             except Exception as e:
-                broken[id(ch.node)] = failure_message("prefill", e)
+                req = plan.work[indices[0]].seq.request
+                failed.add(id(req))
+                failures[req] = failure_message("forward", e)
                 continue
-            self._prefilled([ch])
-            self.stats.prefill_tokens += ch.end - ch.start
-            ran.append(ch)
-        for s in list(self.scheduler.prefilling) + list(self.scheduler.running):
-            path = s.node.path() if s.node is not None else []
-            why = next((broken[id(n)] for n in path if id(n) in broken), None)
-            if why is not None and s.request.error is None:
-                self.fail(s.request, why)
-        decode = self.scheduler.replan()
-        decode.prefill = ran
-        logits = self.runner.forward(self.runner.pack(StepPlan(decode=decode.decode, items=decode.items)))
-        return (logits if decode.decode else None), decode
-
-    @staticmethod
-    def _prefilled(chunks) -> None:
-        for ch in chunks:
-            ch.node.filled = max(ch.node.filled, ch.end)
+            sampling = [i for i in indices if plan.work[i].sample]
+            for i, row in zip(sampling, range(len(sampling)), strict=True):
+                rows[i] = logits[row]
+        if len(by_request) > 1 and len(failed) == len(by_request):
+            raise error  # nothing runs even alone: not one request's fault
+        for req in failures:
+            self.fail(req, failures[req])
+        keep = [i for i, w in enumerate(plan.work) if id(w.seq.request) not in failed]
+        dropped = [f for f in plan.forks if id(f.seq.request) in failed]
+        self.scheduler.abandon(dropped)
+        self.last_plan = StepPlan(
+            tuple(plan.work[i] for i in keep),
+            tuple(f for f in plan.forks if id(f.seq.request) not in failed),
+            (),
+            tuple(plan.cuts[i] for i in keep) if plan.cuts else (),
+        )
+        sampled = [rows[i] for i in keep if plan.work[i].sample]
+        return torch.stack(sampled) if sampled else None
 
     def _count_admissions(self) -> None:
-        now = time.monotonic()
         for s, hit in self.scheduler.admitted:
-            if s.request.first_scheduled is None:
-                s.request.first_scheduled = now
-            if not s.counted:
-                s.counted = True
-                hit = hit if self.prefix_sharing else 0
+            if not s.sched.counted:
+                s.sched.counted = True
                 self.stats.cache_hit_tokens += hit
                 self.stats.prompt_tokens += len(s.prompt_ids)
-                self.stats.prefill_tokens += 1  # the last prompt token, fed by the first decode step
                 s.request.cached_tokens = max(s.request.cached_tokens, hit)
 
-    def _decode(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
         """Sample, append, check stops; per-request work is guarded so a failure ends its request alone."""
-        seqs = plan.decode
-        top = max((p.logprobs for s in seqs if (p := s.request.params).logprobs is not None), default=None)
+        rows = {}  # work index -> its row of ``logits`` (one per sampling work item, in plan order)
+        for i, w in enumerate(plan.work):
+            if w.sample:
+                rows[i] = len(rows)
+        # Forks sample from their leader's row; a request failed after the forward (a fork) samples nothing.
+        samplers = [(s, i) for s, i in plan.samplers if s.request.error is None]
+        if not samplers:
+            return []
+        index = [rows[i] for _, i in samplers]
+        if index != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+        seqs = [s for s, _ in samplers]
+        top = max((p.logprobs for s in seqs if (p := s.params).logprobs is not None), default=None)
         self.structured.mask(logits, seqs)
         tokens, lps, row_errors = self.runner.sample(logits, seqs, top)
         token_list = tokens.tolist()
-        self.stats.decode_steps += 1
         errors: dict[int, tuple[Request, str]] = {}
         for i, message in row_errors.items():
             errors.setdefault(id(seqs[i].request), (seqs[i].request, message))
@@ -360,9 +368,8 @@ class Engine:
         for i, (s, t) in enumerate(zip(seqs, token_list, strict=True)):
             if id(s.request) in errors:
                 continue
-            s.pending = 0
             try:
-                want = lps[i] if lps is not None and s.request.params.logprobs is not None else None
+                want = lps[i] if lps is not None and s.params.logprobs is not None else None
                 self.stats.generated_tokens += 1
                 if s.grammar is not None:
                     done = self._append_structured(s, t, want)
@@ -374,24 +381,27 @@ class Engine:
                 errors.setdefault(id(s.request), (s.request, failure_message(e.stage, e.cause)))
             except Exception as e:
                 errors.setdefault(id(s.request), (s.request, failure_message("stop check", e)))
-            finally:
-                s.pending += 1  # the new token (after any forced ones, already counted)
-        for s in finished:
-            if id(s.request) not in errors:
-                try:
-                    self.outputs.finish(s)
-                    self.stats.per_sequence_kv_tokens += s.context_len - 1
-                except StageError as e:
-                    errors.setdefault(id(s.request), (s.request, failure_message(e.stage, e.cause)))
-                except Exception as e:
-                    errors.setdefault(id(s.request), (s.request, failure_message("detokenization", e)))
-        finished = [s for s in finished if id(s.request) not in errors]
-        self._release(finished)
         for req, message in errors.values():
             self.fail(req, message)
-        return [
-            o for s in finished if s.request.finished and (o := self._finish_request(s.request)) is not None
-        ]
+        return self._release_ended([s for s in finished if id(s.request) not in errors])
+
+    def _release_ended(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Flush the ended sequences' text, give their pages back, and return the requests now finished."""
+        ok = []
+        for s in seqs:
+            if s.request.error is not None:
+                continue
+            try:
+                self.outputs.finish(s)
+                self.stats.per_sequence_kv_tokens += s.context_len - 1
+                ok.append(s)
+            except StageError as e:
+                self.fail(s.request, failure_message(e.stage, e.cause))
+            except Exception as e:
+                self.fail(s.request, failure_message("detokenization", e))
+        self.scheduler.remove(ok)
+        reqs = {id(s.request): s.request for s in ok if s.request.finished}
+        return [o for r in reqs.values() if (o := self._finish_request(r)) is not None]
 
     def _append_structured(self, s: Sequence, token: int, logprobs: dict | None) -> bool:
         """Append a constrained sequence's sampled token and what jump-forward adds after it; returns
@@ -405,28 +415,23 @@ class Engine:
         if logprobs is not None:  # alternatives the constraint excluded have probability 0: not listed
             logprobs = {t: lp for t, lp in logprobs.items() if lp != float("-inf")}
         if first != token:
-            self.stats.forced_tokens += 1
-            s.forced += 1
-            logprobs = {first: None} if logprobs is not None else None
-        if self.outputs.append(s, first, logprobs):
+            self._append_forced(s, [first])
+        else:
+            self.outputs.append(s, first, logprobs)
+        if s.finished:
             return True
-        room = s.request.params.max_tokens - len(s.generated)
+        room = s.params.max_tokens - len(s.generated)
         forced = forced[: max(0, min(room, self.cfg.max_position_embeddings - s.context_len))]
-        if forced:
-            s.pending += len(forced)
-            self._append_forced(s, forced)
-            if s.finished:
-                return True
-            if len(s.generated) >= s.request.params.max_tokens or s.context_len >= self.outputs.max_context:
-                s.finish_reason = "length"
-                return True
+        if forced and self._append_forced(s, forced):
+            return True
         if s.grammar.done:  # the output is complete: end here instead of sampling an EOS next
-            s.finish_reason, s.stop_reason = "stop", None
+            self.outputs.end(s, "stop")
         return s.finished
 
-    def _append_forced(self, s: Sequence, tokens: list[int]) -> None:
-        self.outputs.append_forced(s, tokens)
-        self.stats.forced_tokens += len(tokens)
+    def _append_forced(self, s: Sequence, tokens: list[int]) -> bool:
+        kept = self.outputs.append_forced(s, tokens)
+        self.stats.forced_tokens += kept
+        return s.finished
 
     def _finish_request(self, req: Request) -> RequestOutput | None:
         if self.requests.pop(req.request_id, None) is None:

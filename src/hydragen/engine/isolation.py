@@ -15,6 +15,10 @@ from typing import Any
 import torch
 
 
+class EngineBroken(RuntimeError):
+    """A failure of the engine itself (not of one request's work): nothing is retried, every request ends."""
+
+
 def failure_message(stage: str, exc: BaseException) -> str:
     """One line for the client: the stage that failed and the exception, never a traceback."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

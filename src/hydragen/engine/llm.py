@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hydragen.engine.engine import Engine
+from hydragen.engine.loop import EngineLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.model.loader import load_model, resolve_device, resolve_dtype
@@ -34,10 +35,11 @@ class LLM:
     KV (the no-sharing baseline); ``attention="none"`` skips attention (a throughput ceiling for
     benchmarks, its text is meaningless); ``attention="torch"`` uses the plain reference kernels;
     ``attention="triton"`` decodes with the Triton kernels (opt-in: not yet measured on a GPU).
-    ``min_shared_reads`` is the cost rule's threshold: a prefix shared by h running sequences is read
-    by one batched call only if (h - 1) x (length - 16) reaches it (the KV reads saved per step, less
-    the merge); shorter ones are copied once into each sequence's private tail (0: share everything
-    held by two sequences). ``page_size`` is the KV allocation unit in tokens (16 by default).
+    ``min_shared_reads`` is the cost rule's threshold: pages shared by h running sequences are read
+    by one batched call only if (h - 1) x (tokens - 16) reaches it (the KV reads saved per step, less
+    the merge); otherwise each sequence reads them itself, in place: shared pages are never copied
+    (0: one batched call for everything held by two sequences). ``page_size`` is the KV allocation unit
+    in tokens (16 by default); only whole pages are shared and cached.
     ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
     config.json or a model directory) with random weights: for throughput benchmarks without downloads.
     ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.distributed``): this one is
@@ -125,6 +127,7 @@ class LLM:
             parallel=self.parallel,
             **engine_options,
         )
+        self.loop = EngineLoop(self.engine)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1); generating after
@@ -194,7 +197,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
-        self.engine.tree.evict_all()
+        self.engine.reset_prefix_cache()
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
@@ -202,34 +205,30 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
-        engine = self.engine
+        loop, engine = self.loop, self.engine
         reqs = []
         try:
             for (text, ids), p in zip(items, params, strict=True):
-                reqs.append(engine.add_request(ids, p, prompt=text))
+                reqs.append(loop.add(ids, p, prompt=text))
         except (ValueError, TypeError) as e:
             for r in reqs:  # all or nothing: no half-added batch left behind in the engine
-                engine.abort(r.request_id)
+                loop.abort(r.request_id)
             if len(items) > 1 and isinstance(e, ValueError):
                 e.args = (f"prompt {len(reqs)}: {e}",)
             raise
-        index = {r.request_id: i for i, r in enumerate(reqs)}
-        results: list[RequestOutput | None] = [None] * len(reqs)
         bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated0 = time.perf_counter(), engine.stats.generated_tokens
+
+        def progress() -> None:
+            done = sum(r.finished for r in reqs)
+            bar.update(done - bar.n)
+            rate = (engine.stats.generated_tokens - generated0) / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+
         try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.request_id in index:
-                        results[index[out.request_id]] = out
-                        bar.update(1)
-                rate = (engine.stats.generated_tokens - generated0) / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+            results = loop.run(reqs, on_step=progress if use_tqdm else None)
         finally:
             bar.close()
-            for r in reqs:  # interrupted (an engine error, Ctrl-C): leave the engine clean for the next call
-                if results[index[r.request_id]] is None:
-                    engine.abort(r.request_id)
         errors = [r.error for r in results if r is not None and r.error]
         if errors:
             raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")

@@ -1,54 +1,29 @@
-"""The model runner: turns the scheduler's plan into one packed batch, runs the model once, samples.
+"""The model runner: runs a packed step through the model once and samples the next tokens.
 
-Every prefill chunk of every node and request, and every decoding sequence's pending token(s) (one for
-a decode step, several for a multi-token extend), go through one varlen forward: one call per linear
-layer per step, whatever the mix. Attention for the whole step is one ``step_attention`` call per layer
-over metadata built once per step:
-
-* **units** read a contiguous KV run with a matrix-matrix product for a contiguous range of tokens:
-  a shared tree node for the decoding sequences that hold it (DFS order makes them contiguous), or a
-  prefill chunk's ancestors and its own earlier part (and the chunk itself, causally);
-* **segments** read, per token, the KV it does not get from units: unshared path nodes in place and
-  the sequence's own pages, through their slot runs (no copy).
-Each layer first writes the step's new K/V into the pool, then attends, so a sequence may decode in the
-same step that computes the last chunk of its prompt.
+The step comes packed by ``packing.py`` (every work item's tokens in one varlen batch, its attention
+metadata built once); attention for the whole step is one ``step_attention`` call per layer. Sampling is
+one call for the batch, seeded per sequence, so a sequence's draws never depend on the rest of the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from hydragen.attention.step_attention import StepAttentionMeta, step_attention
+from hydragen.attention.step_attention import step_attention
 from hydragen.engine.isolation import map_rows, sample_rows
+from hydragen.engine.packing import PackedBatch, pack, triton_tables
 from hydragen.engine.sampler import SampleOutput, Sampler
-from hydragen.engine.scheduler import StepPlan
 from hydragen.engine.sequence import Sequence
-from hydragen.kv.manager import KVManager
-from hydragen.kv.pool import Runs, coalesce, slice_runs, slot_list, take_runs
-
-
-@dataclass
-class PackedBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T] where each token's K/V is written
-    meta: StepAttentionMeta
-    logit_rows: torch.Tensor  # [B] the token whose logits sample each decoding sequence's next token
-    num_prefill_tokens: int
-    # Triton decode (attention="triton"): the decode tokens' tables; ``meta`` then covers prefill only.
-    tree_plan: object | None = None
-    tail_lens: torch.Tensor | None = None
-    shared_items: int = 0  # shared runs read by ranges of decoding sequences
+from hydragen.engine.step_plan import StepPlan
+from hydragen.kv.pool import PagePool
 
 
 class ModelRunner:
     # Extra build_tree_plan arguments for the Triton path (chunk_tokens, block_m, ...); tests shrink them.
     plan_options: dict = {}
 
-    def __init__(self, model, cfg, kv: KVManager, device, attention: str = "auto"):
-        self.model, self.cfg, self.kv, self.device = model, cfg, kv, device
+    def __init__(self, model, cfg, pool: PagePool, device, attention: str = "auto"):
+        self.model, self.cfg, self.pool, self.device = model, cfg, pool, device
         self.use_triton = attention == "triton"
         # Engine names -> step_attention's: "fused" is the compiled CPU op (refused where it cannot run).
         self.attention = {"triton": "auto", "fused": "cpp"}.get(attention, attention)
@@ -56,7 +31,6 @@ class ModelRunner:
             from hydragen.attention.triton_kernels import check_device
 
             check_device(torch.device(device))  # fail here, not in the first decode step
-            kv.reserve_whole = True
         self.scale = cfg.head_dim**-0.5
         self.sampler = Sampler()
         if torch.device(device).type == "cpu":
@@ -65,98 +39,24 @@ class ModelRunner:
             from hydragen.native.build import load_ops
 
             load_ops()
-        self._sampling_key: tuple = ()
-        self._sampling: tuple = ()
 
-    # ---- the packed batch ------------------------------------------------------------------------
     def pack(self, plan: StepPlan) -> PackedBatch:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        units: list[tuple[int, int, int, int, int]] = []
-        segments: list[tuple[int, int, Runs, int]] = []
-        unit_of_run: dict[tuple[int, int], int] = {}
-        for ch in plan.prefill:
-            node, t0 = ch.node, len(ids)
-            n = ch.end - ch.start
-            ids += node.tokens[ch.start : ch.end]
-            pos += range(node.start_pos + ch.start, node.start_pos + ch.end)
-            own = slice_runs(node.runs, ch.start, ch.end)
-            slots += slot_list(own)
-            seen = [r for a in node.path()[:-1] for r in a.runs] + take_runs(node.runs, ch.start)
-            for lo, hi in coalesce(seen):
-                # Chunks packed back to back that read the same run (siblings under one cached system
-                # prompt) share one unit: the run is read once for all their rows.
-                last = unit_of_run.get((lo, hi))
-                if last is not None and units[last][3] == t0:
-                    units[last] = (lo, hi, units[last][2], t0 + n, 0)
-                else:
-                    unit_of_run[(lo, hi)] = len(units)
-                    units.append((lo, hi, t0, t0 + n, 0))
-            if len(own) == 1:
-                units.append((own[0][0], own[0][1], t0, t0 + n, 1))
-                segments.append((t0, t0 + n, [], 0))
-            else:
-                segments.append((t0, t0 + n, own, 1))
-        num_prefill = len(ids)
-        starts, logit_rows = [], []
-        for s in plan.decode:
-            t0, c, p = len(ids), s.computed, s.pending
-            starts.append(t0)
-            ids += s.context[c : c + p]
-            pos += range(c, c + p)
-            slots += self.kv.own_slots(s, c, c + p)
-            path = s.node.path() if s.node is not None else ()
-            runs = [r for n in path if n.start_pos >= s.cut and n.end_pos <= s.own_start for r in n.runs]
-            runs += take_runs(s.own_runs, c + p - s.own_start)
-            segments.append((t0, t0 + p, coalesce(runs), c - s.cut + 1))
-            logit_rows.append(t0 + p - 1)
-        starts.append(len(ids))
-        dev = self.device
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-        batch = PackedBatch(
-            as_tensor(ids), as_tensor(pos), as_tensor(slots), None, as_tensor(logit_rows), num_prefill
-        )
-        batch.shared_items = len(plan.items)
-        if self.use_triton and self._triton_decode(
-            batch, plan, segments[-len(plan.decode) :] if plan.decode else []
-        ):
-            segments = segments[: len(segments) - len(plan.decode)]
-            batch.meta = StepAttentionMeta.build(units, segments, num_prefill, dev)
-            return batch
-        units += [(lo, hi, starts[i], starts[j], 0) for lo, hi, i, j in plan.items]
-        batch.meta = StepAttentionMeta.build(units, segments, len(ids), dev)
+        """The plan as one packed batch; pure decode steps also get the Triton tables on that path."""
+        batch, _ = pack(plan, self.pool.page_size, self.device)
+        if self.use_triton:
+            c = self.cfg
+            tables = triton_tables(
+                plan, self.pool.page_size, self.device, c.num_heads // c.num_kv_heads, c.num_kv_heads,
+                self.plan_options,
+            )  # fmt: skip
+            if tables is not None:
+                batch.tree_plan, batch.tail_lens = tables
         return batch
-
-    def _triton_decode(self, batch: PackedBatch, plan: StepPlan, segments) -> bool:
-        """Tables for the Triton tree-decode kernels, when every decoding sequence feeds one token and
-        reads its private KV from one run (its own pages, reserved whole); else the step uses the CPU op."""
-        if (
-            not plan.decode
-            or any(s.pending != 1 for s in plan.decode)
-            or any(len(r) != 1 for _, _, r, _ in segments)
-        ):
-            return False
-        from hydragen.attention.tree_plan import build_tree_plan
-
-        hkv = self.cfg.num_kv_heads
-        starts = torch.tensor([r[0][0] for _, _, r, _ in segments], dtype=torch.long, device=self.device)
-        lens = [r[0][1] - r[0][0] for _, _, r, _ in segments]
-        batch.tree_plan = build_tree_plan(
-            plan.items,
-            starts,
-            group=self.cfg.num_heads // hkv,
-            num_kv_heads=hkv,
-            tail_cap=max(lens),
-            **self.plan_options,
-        )
-        batch.tail_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
-        return True
 
     # ---- running it ----------------------------------------------------------------------------------
     def forward(self, batch: PackedBatch) -> torch.Tensor | None:
         """Runs the model; returns logits [B, V] (fp32) at the decoding sequences' last tokens."""
-        pool, meta, impl = self.kv.pool, batch.meta, self.attention
+        pool, meta, impl = self.pool, batch.meta, self.attention
 
         def attend(layer, q, k, v):
             pool.write(layer, batch.slots, k, v)
@@ -164,12 +64,7 @@ class ModelRunner:
                 return torch.zeros_like(q)
             if batch.tree_plan is None:
                 return step_attention(q, pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
-            n = batch.num_prefill_tokens
-            out = torch.empty_like(q)
-            if n:
-                out[:n] = step_attention(q[:n], pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
-            out[n:] = self._triton_attention(layer, q[n:], batch)
-            return out
+            return self._triton_attention(layer, q, batch)
 
         hidden = self.model(batch.input_ids, batch.positions, attend)
         if batch.logit_rows.numel() == 0:
@@ -179,7 +74,7 @@ class ModelRunner:
     def _triton_attention(self, layer: int, q: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         from hydragen.attention.triton_kernels import tree_decode_attention  # optional dependency
 
-        pool = self.kv.pool
+        pool = self.pool
         return tree_decode_attention(
             q, pool.k[layer], pool.v[layer], batch.tree_plan, batch.tail_lens, self.scale
         )
@@ -193,10 +88,7 @@ class ModelRunner:
         The batch is sampled in one call; if that raises or gives an impossible token, the rows are run
         again one at a time and only the failing ones are reported (``engine/isolation.py``).
         """
-        key = tuple(id(s) for s in seqs)
-        if key != self._sampling_key:
-            self._sampling_key, self._sampling = key, self._sampling_tensors(seqs)
-        temp, top_k, top_p, seeds, min_p, flags = self._sampling
+        temp, top_k, top_p, seeds, min_p, flags = self._sampling_tensors(seqs)
         steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=self.device)
         row_args = (temp, top_k, top_p, seeds, steps)
         extra = (min_p, flags[3])

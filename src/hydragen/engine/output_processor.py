@@ -1,9 +1,11 @@
-"""The output processor: appends sampled tokens, detokenizes incrementally, checks stops, builds outputs.
+"""The output processor: appends tokens, detokenizes incrementally, checks stops, ends sequences, builds
+outputs. It alone writes a sequence's ``out`` state (tokens, text, logprobs, finish reason).
 
 Each sequence carries an incremental detokenizer and, with stop strings, a stop checker: a token costs
-O(1) amortized work, never a decode of the whole generation. ``Sequence.text`` only ever holds text that
-is final: no later token can change it and it cannot turn out to start a stop string, so streaming can
-send it as it grows.
+O(1) amortized work, never a decode of the whole generation. ``text`` only ever holds text that is final:
+no later token can change it and it cannot turn out to start a stop string, so streaming can send it as it
+grows. Tokens chosen without sampling (forced text) are checked token by token too, so a stop inside them
+ends the sequence at the token that completes it: tokens, text, usage and finish reason agree.
 """
 
 from __future__ import annotations
@@ -36,46 +38,65 @@ class OutputProcessor:
 
     def append(self, s: Sequence, token: int, logprobs: dict[int, float] | None = None) -> bool:
         """Add one sampled token; returns True when the sequence is finished."""
-        s.generated.append(token)
+        out = s.out
+        out.generated.append(token)
         if logprobs is not None:
-            s.logprobs = s.logprobs or []
-            s.logprobs.append(logprobs)
-        p = s.request.params
-        if not p.ignore_eos and token in self.eos_ids:
-            s.finish_reason, s.stop_reason = "stop", None
-        elif p.stop_token_ids and token in p.stop_token_ids:
-            s.finish_reason, s.stop_reason = "stop", token
-        else:
-            self._add_text(s, [token])
-        if s.finish_reason is None and (
-            len(s.generated) >= p.max_tokens or s.context_len >= self.max_context
-        ):
-            s.finish_reason = "length"
+            out.logprobs = out.logprobs or []
+            out.logprobs.append(logprobs)
+        self._check(s, token)
         return s.finished
 
-    def append_forced(self, s: Sequence, tokens: list[int]) -> None:
-        """Add tokens chosen without sampling (jump-forward, ``Engine.extend``): no distribution was sampled
-        for them, so their logprobs entries are ``{token: None}``. Stops are not checked on them."""
-        s.generated.extend(tokens)
-        s.forced += len(tokens)
-        if s.request.params.logprobs is not None:
-            s.logprobs = s.logprobs if s.logprobs is not None else []
-            s.logprobs.extend({t: None} for t in tokens)
-        self._add_text(s, tokens)
+    def append_forced(self, s: Sequence, tokens: list[int]) -> int:
+        """Add tokens chosen without sampling (jump-forward, ``Engine.extend``); their logprobs entries are
+        ``{token: None}``: no distribution was sampled for them. They are checked one by one like sampled
+        ones: a stop token, EOS or stop string among them ends the sequence there and the rest is dropped.
+        Returns how many were kept."""
+        out = s.out
+        kept = 0
+        for t in tokens:
+            if s.finished:
+                break
+            out.generated.append(t)
+            out.forced += 1
+            kept += 1
+            if s.params.logprobs is not None:
+                out.logprobs = out.logprobs if out.logprobs is not None else []
+                out.logprobs.append({t: None})
+            self._check(s, t)
+        return kept
+
+    def end(self, s: Sequence, reason: str) -> None:
+        """End an unfinished sequence for a reason of the engine's ("abort", "error", "stop" when a grammar
+        is complete)."""
+        if s.out.finish_reason is None:
+            s.out.finish_reason, s.out.stop_reason = reason, None
+
+    def _check(self, s: Sequence, token: int) -> None:
+        out, p = s.out, s.params
+        if not p.ignore_eos and token in self.eos_ids:
+            out.finish_reason, out.stop_reason = "stop", None
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            out.finish_reason, out.stop_reason = "stop", token
+        else:
+            self._add_text(s, [token])
+        if out.finish_reason is None and (
+            len(out.generated) >= p.max_tokens or s.context_len >= self.max_context
+        ):
+            out.finish_reason = "length"
 
     def _state(self, s: Sequence) -> _TextState | None:
         if self.tokenizer is None:
             return None
-        if s.detok is None:
-            stops = s.request.params.stop
-            s.detok = _TextState(
+        if s.out.detok is None:
+            stops = s.params.stop
+            s.out.detok = _TextState(
                 IncrementalDetokenizer(self.tokenizer), StopChecker(stops) if stops else None
             )
-        return s.detok
+        return s.out.detok
 
     def _add_text(self, s: Sequence, tokens: list[int]) -> None:
         state = self._state(s)
-        if state is not None and s.finish_reason is None:
+        if state is not None and s.out.finish_reason is None:
             try:
                 piece = state.detok.add(tokens)
             except Exception as e:
@@ -85,37 +106,38 @@ class OutputProcessor:
     @staticmethod
     def _feed(s: Sequence, state: _TextState, piece: str) -> None:
         if state.stops is None:
-            s.text += piece
+            s.out.text += piece
             return
         try:
             safe, hit = state.stops.feed(piece)
         except Exception as e:
             raise StageError("stop check", e) from e
-        s.text += safe
+        s.out.text += safe
         if hit is not None:
-            s.finish_reason, s.stop_reason = "stop", hit
+            s.out.finish_reason, s.out.stop_reason = "stop", hit
 
     def finish(self, s: Sequence) -> None:
         """Flush the held-back text of a finished sequence (a stop string found there still ends it)."""
         state = self._state(s)
-        if state is None or (s.finish_reason == "stop" and isinstance(s.stop_reason, str)):
+        out = s.out
+        if state is None or (out.finish_reason == "stop" and isinstance(out.stop_reason, str)):
             return
-        reason = s.finish_reason
-        s.finish_reason = None
+        reason = out.finish_reason
+        out.finish_reason = None
         try:
             piece = state.detok.flush()
         except Exception as e:
-            s.finish_reason = reason
+            out.finish_reason = reason
             raise StageError("detokenization", e) from e
         self._feed(s, state, piece)
-        if s.finish_reason is None:
-            s.finish_reason = reason
+        if out.finish_reason is None:
+            out.finish_reason = reason
             if state.stops is not None:
-                s.text += state.stops.flush()
+                out.text += state.stops.flush()
 
     def text_of(self, s: Sequence) -> str:
         """The completion text so far: final text only (stop strings cut, a final EOS/stop token left out)."""
-        return s.text
+        return s.out.text
 
     @staticmethod
     def output(r: Request) -> RequestOutput:

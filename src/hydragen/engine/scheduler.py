@@ -1,251 +1,366 @@
-"""The scheduler: who waits, who prefills what, who decodes, who is preempted. It decides; the KV
-manager moves pages; it never touches tensors.
+"""The scheduler: who waits, who runs, what each running sequence computes this step, who is preempted.
 
-Every step:
-1. **admit** waiting sequences, longest cached prefix first (the seeds' longest-shared-prefix-first,
-   which approximates depth-first order of the prefix tree), except that any sequence that has waited
-   ``max_wait_steps`` goes first; only what memory can hold is admitted, so admission is a promise;
-2. **prefill** at most ``prefill_budget`` uncached tokens, in chunks of at most ``prefill_chunk``, for
-   any number of nodes and requests: they all run in the step's one packed forward;
-3. **join**: sequences whose whole path is computed by the end of this step decode in this same step;
-   Running sequences about to extend the same tokens from the same context (the n samples of a request
-   forced through the same text by jump-forward) first move those tokens into the tree, so they are
-   prefilled once as a shared node (``share_extends``);
-4. **grow**: every decoding sequence gets pages for its next token(s); when memory runs out, the newest
-   sequence is **preempted** (its KV goes into the prefix tree; it resumes from there, recomputing only
-   what was evicted meanwhile).
+Every step it builds one frozen :class:`StepPlan`:
+
+1. **running sequences, oldest first**, each get their next tokens: a prefill chunk (at most
+   ``prefill_chunk``, within the step's ``prefill_budget``), one decode token, or a multi-token extend
+   (forced text), with the pages those positions need. When pages run short, idle cached pages are evicted,
+   then the newest running sequence is preempted (its computed pages stay cached; it resumes from them),
+   so the oldest one always makes progress;
+2. **siblings with one context**: the other samples of a request whose prompt ends this step, and samples
+   forced through the same text, do not compute it again: they sample from the leader's logits and take
+   its KV after the forward (``Fork``);
+3. **waiting sequences are admitted** (aged ones first, then the longest cached prefix first) while seats
+   and pages last: the pages of their whole context are taken at admission, exactly as they will be laid
+   out (cached full pages shared, the rest their own), so admission never over-promises;
+4. the work is put in depth-first order and the cost rule picks the shared runs (``sharing.py``).
+
+After the forward, ``commit`` records what was computed, publishes full pages to the prefix tree and
+carries out the forks.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from hydragen.engine.sequence import Sequence
-from hydragen.kv.manager import Item, KVManager
+from hydragen.engine.sequence import Sequence, Status
+from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS, order, plan_sharing
+from hydragen.engine.step_plan import Fork, StepPlan, Work
+from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import OutOfPages
-from hydragen.kv.radix import Node
+
+LPM_WINDOW = 128  # waiting sequences ranked by cached prefix per step (beyond it, arrival order)
 
 
-@dataclass
-class PrefillChunk:
-    node: Node
-    start: int  # token offsets inside the node
-    end: int
+@dataclass(frozen=True)
+class Sharing:
+    """What sequences may share. ``enabled=False`` is the no-sharing baseline (every sequence its own pages,
+    nothing cached between requests); ``limit`` shares only pages below that many tokens (the benchmarks'
+    one-level ablation)."""
+
+    enabled: bool = True
+    limit: int | None = None
+
+    def max_pages(self, page_size: int) -> int | None:
+        if not self.enabled:
+            return 0
+        return None if self.limit is None else self.limit // page_size
 
 
-@dataclass
-class StepPlan:
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    decode: list[Sequence] = field(default_factory=list)  # DFS order; each feeds its `pending` tokens
-    items: list[Item] = field(default_factory=list)  # shared runs read by ranges of `decode`
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
+class CannotFit(RuntimeError):
+    """A sequence needs more KV pages than the cache could ever give it."""
 
 
 class Scheduler:
     def __init__(
         self,
         kv: KVManager,
+        sharing: Sharing = Sharing(),
         *,
         max_num_seqs: int = 256,
         prefill_chunk: int = 512,
         prefill_budget: int = 2048,
         max_wait_steps: int = 64,
+        min_shared_reads: int = DEFAULT_MIN_SHARED_READS,
     ):
-        self.kv = kv
-        self.max_num_seqs, self.prefill_chunk, self.prefill_budget = (
-            max_num_seqs,
-            prefill_chunk,
-            prefill_budget,
-        )
+        self.kv, self.sharing = kv, sharing
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.max_wait_steps = max_wait_steps
+        self.min_shared_reads = min_shared_reads
         self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence] = []  # DFS order
+        self.running: list[Sequence] = []  # admission order
         self.step_count = 0
         self.preemptions = 0
-        self._joins = itertools.count()
-        self._order_dirty = False
-        self._plan_items: list[Item] = []
-        self.admitted: list[tuple[Sequence, int]] = []  # (sequence, cached tokens) admitted this step
-        self.failures: list[tuple[Sequence, Exception]] = []  # errors the engine attributes to requests
+        self._admissions = itertools.count()
+        self.admitted: list[tuple[Sequence, int]] = []  # (sequence, cached prompt tokens) this step
+        self.failures: list[tuple[Sequence, Exception]] = []  # sequences the engine must fail
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
 
     # ---- queues -------------------------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
         for s in seqs:
-            s.arrival_step = self.step_count
+            s.sched.arrival_step = self.step_count
         self.waiting.extend(seqs)
 
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
     def remove(self, seqs: list[Sequence]) -> None:
-        """Take sequences out of every queue (finished, failed or aborted); the caller frees their KV."""
+        """Take sequences out for good (finished, failed or aborted); their pages are released, computed
+        full pages kept in the prefix cache."""
         gone = {id(s) for s in seqs}
         if any(id(s) in gone for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
-        self.prefilling = [s for s in self.prefilling if id(s) not in gone]
-        before = len(self.running)
+        for s in seqs:
+            if s.sched.status is Status.RUNNING:
+                self._release(s)
+            s.sched.status = Status.DONE
         self.running = [s for s in self.running if id(s) not in gone]
-        if len(self.running) != before:
-            self._order_dirty = True
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self.step_count += 1
-        self.admitted = []
+        self.admitted, self.failures = [], []
+        self._budget = self.prefill_budget
+        work: list[Work] = []
+        forks: list[Fork] = []
+        followers = self._sibling_extends()
+        for s in list(self.running):  # oldest first; the loop may preempt newer ones
+            if s.sched.status is not Status.RUNNING or id(s) in followers:
+                continue
+            w = self._secure(s, lambda s=s: self._work(s))
+            if w is not None:
+                work.append(w)
+        for leader, group in self._group_followers(followers, work):
+            forks += self._forks(leader, group)
+        self._admit(work, forks)
+        live = lambda s: s.sched.status is Status.RUNNING  # noqa: E731  (a failure may have ended some)
+        work = [w for w in work if live(w.seq)]
+        forks = [f for f in forks if live(f.seq) and live(f.leader)]
+        ordered = order(work, self.page_size)
+        shared, cuts = (
+            plan_sharing(ordered, self.page_size, self.min_shared_reads) if self.sharing.enabled else ([], [])
+        )
+        return StepPlan(tuple(ordered), tuple(forks), tuple(shared), tuple(cuts or [0] * len(ordered)))
+
+    def commit(self, plan: StepPlan) -> None:
+        """After the forward: the work is computed; forks take their leader's KV; full pages are published."""
+        kv, sharing = self.kv, self.sharing.enabled
+        for w in plan.work:
+            t = w.seq.kv
+            before = t.computed
+            t.computed = w.end
+            if sharing:
+                kv.mark_computed(t, before)
         self.failures = []
-        self._share_extends()
-        self._admit()
-        plan = StepPlan()
-        for s in self._plan_prefill(plan):
+        for f in plan.forks:
             try:
-                self.kv.join(s)
-            except OutOfPages:  # its private copy does not fit yet: it stays prefilled and pinned
-                self.prefilling.append(s)
-                continue
-            except Exception as e:  # noqa: BLE001  the engine fails this sequence's request alone
-                self.failures.append((s, e))
-                continue
-            s.join_order = next(self._joins)
-            self.running.append(s)
-            self._order_dirty = True
-        self._grow()
-        decode = self.replan()
-        plan.decode, plan.items = decode.decode, decode.items
-        return plan
+                kv.fork(f.seq.kv, f.leader.kv, f.leader.kv.computed, f.shared_pages, list(f.reserved))
+            except Exception as e:  # noqa: BLE001  the forked sequence's request fails alone
+                kv.give_back([p for p in f.reserved if p not in f.seq.kv.pages])
+                self._fail(f.seq, e)
+        if sharing:
+            limit = self.sharing.max_pages(self.page_size)
+            for w in plan.work:
+                self._publish(w.seq, limit)
+            for f in plan.forks:
+                if f.seq.sched.status is Status.RUNNING:
+                    self._publish(f.seq, limit)
 
-    def replan(self) -> StepPlan:
-        """The decode part of a plan for the current running set (after some of it was failed)."""
-        if self._order_dirty:
-            self.running.sort(key=lambda s: s.order_key)
-            self._order_dirty = False
-            self._plan_items = self.kv.plan(self.running, all_nodes=self.kv.reserve_whole)
-        return StepPlan(decode=list(self.running), items=self._plan_items)
+    # ---- work for running sequences ------------------------------------------------------------------
+    def _work(self, s: Sequence) -> Work | None:
+        """The tokens ``s`` computes this step and the pages for them (raises OutOfPages)."""
+        t, kv = s.kv, self.kv
+        kv.catch_up(t)
+        if kv.waits(t):
+            return None  # its next page is being computed by another sequence
+        start, context_len = t.computed, s.context_len
+        pending = context_len - start
+        if pending <= 0:
+            return None
+        decoding = bool(s.generated) and start >= len(s.prompt_ids)
+        if pending == 1 or (decoding and pending <= self.prefill_chunk):
+            k = pending  # a decode step or a forced extend
+        else:
+            k = min(pending, self.prefill_chunk, self._budget)
+            if k <= 0:
+                return None
+        kv.grow(t, start + k)
+        if k != pending or not decoding:
+            self._budget -= k
+        return Work(
+            s, tuple(t.pages[: kv.pages_for(start + k)]), start, tuple(s.context[start : start + k]),
+            start + k == context_len,
+        )  # fmt: skip
 
-    def _share_extends(self) -> None:
-        """Groups of running sequences whose contexts agree up to their last token, with several tokens
-        pending (forced text), have those tokens prefilled once as a tree node they all hold: each goes
-        through the prefill path again (its computed KV handed to the tree, nothing recomputed), with
-        only its last token left to decode."""
-        kv = self.kv
-        if not kv.prefix_sharing or kv.share_limit is not None or kv.reserve_whole:
-            return
+    def _secure(self, s: Sequence, attempt):
+        """Run ``attempt`` (which may raise OutOfPages), preempting the newest running sequence (possibly
+        ``s`` itself) until it fits. Returns its result, or None when ``s`` was preempted or failed."""
+        while True:
+            try:
+                return attempt()
+            except OutOfPages:
+                victim = max(self.running, key=lambda x: x.sched.admitted)
+                if victim is s and len(self.running) == 1:
+                    self._fail(s, CannotFit(
+                        f"needs more KV pages than the cache holds ({self.kv.pool.num_pages} pages of "
+                        f"{self.page_size} tokens); lower max_tokens or raise kv_cache_tokens"
+                    ))  # fmt: skip
+                    return None
+                self.preempt(victim)
+                if victim is s:
+                    return None
+            except Exception as e:  # noqa: BLE001  this sequence's request fails alone, its pages freed
+                self._fail(s, e)
+                return None
+
+    def _fail(self, s: Sequence, error: Exception) -> None:
+        """End ``s``'s request now (the engine reports ``failures``); its pages are released at once."""
+        self.failures.append((s, error))
+        self.remove([x for x in s.request.seqs if x.sched.status is not Status.DONE])
+
+    def abandon(self, forks: list[Fork]) -> None:
+        """Forks that will not happen (their request failed in the forward): give back reserved pages."""
+        for f in forks:
+            self.kv.give_back(list(f.reserved))
+
+    # ---- siblings that share one context --------------------------------------------------------------
+    def _sibling_extends(self) -> dict[int, Sequence]:
+        """Running samples of one request forced through the same text from the same context: all but the
+        oldest follow it ({id(follower): leader}). Only multi-token extends: that is where it saves work."""
+        if not self.sharing.enabled:
+            return {}
         groups: dict[tuple, list[Sequence]] = {}
         for s in self.running:
-            if s.pending > 1:
-                groups.setdefault(tuple(s.context[:-1]), []).append(s)
-        moving = [s for g in groups.values() if len(g) > 1 for s in g]
-        if not moving:
-            return
-        gone = {id(s) for s in moving}
-        self.running = [s for s in self.running if id(s) not in gone]
-        self._order_dirty = True
-        for s in moving:
-            kv.leave(s)
-            s.pending = 1
-            kv.admit(s)
-            self.prefilling.append(s)
+            if s.pending > 1 and s.generated and s.computed >= len(s.prompt_ids):
+                key = (id(s.request), s.computed, tuple(s.generated))
+                groups.setdefault(key, []).append(s)
+        return {id(f): g[0] for g in groups.values() if len(g) > 1 for f in g[1:]}
 
-    def _admit(self) -> None:
-        """Waiting -> prefilling: aged sequences first, then the longest cached prefix, while memory lasts."""
-        room = self.max_num_seqs - len(self.running) - len(self.prefilling)
-        if room <= 0 or not self.waiting:
+    def _group_followers(self, followers: dict[int, Sequence], work: list[Work]):
+        """(leader, followers) for the leaders whose work this step reaches the end of their context; the
+        other followers simply wait a step."""
+        sampling = {id(w.seq) for w in work if w.sample}
+        groups: dict[int, tuple[Sequence, list[Sequence]]] = {}
+        for s in self.running:
+            leader = followers.get(id(s))
+            if leader is not None and id(leader) in sampling:
+                groups.setdefault(id(leader), (leader, []))[1].append(s)
+        return list(groups.values())
+
+    def _forks(self, leader: Sequence, group: list[Sequence]) -> list[Fork]:
+        """Reserve each follower's own pages for what it will copy from the leader (its full pages are
+        shared); a follower that does not fit waits a step (running followers) or in the queue."""
+        out = []
+        upto = leader.context_len
+        ps = self.page_size
+        limit = self.sharing.max_pages(ps)
+        shared = upto // ps if limit is None else min(limit, upto // ps)
+        need = self.kv.pages_for(upto) - shared
+        for s in group:
+            if need > self.kv.available:
+                break
+            self.kv.make_room(need)
+            reserved = tuple(self.kv.pool.take(need)) if need else ()
+            if s.sched.status is not Status.RUNNING:
+                self._start(s)
+            out.append(Fork(s, leader, shared, reserved))
+        return out
+
+    # ---- admission ------------------------------------------------------------------------------------
+    def _admit(self, work: list[Work], forks: list[Fork]) -> None:
+        """Waiting -> running: aged sequences first, then the longest cached prefix, while seats and pages
+        last. A sample whose sibling is still computing their prompt is not admitted: it forks from the
+        sibling in the step that finishes the prompt."""
+        seats = self.max_num_seqs - len(self.running)
+        if seats <= 0 or not self.waiting:
             return
-        aged = [s for s in self.waiting if self.step_count - s.arrival_step >= self.max_wait_steps]
-        rest = [s for s in self.waiting if self.step_count - s.arrival_step < self.max_wait_steps]
-        if self.kv.prefix_sharing and rest:
-            hits: dict[int, int] = {}
-            for s in rest:  # sequences of one request share a context: match it once
-                key = id(s.request) if not s.generated else id(s)
-                if key not in hits:
-                    hits[key] = self.kv.tree.match_len(s.context[: s.computed])
-            rest.sort(key=lambda s: -hits[id(s.request) if not s.generated else id(s)])
-        admitted: set[int] = set()
-        pages_promised = 0
-        # Samples of one request share their prompt: its uncached part is promised once.
-        started = {id(s.request) for s in self.prefilling + self.running if not s.generated}
-        for s in (aged + rest)[:room]:
-            shares_prompt = not s.generated and id(s.request) in started
-            need = self.kv.pool.pages_for(s.pending) if shares_prompt else self.kv.admission_pages(s)
-            if not self.kv.can_fit(pages_promised + need):
+        limit = self.sharing.max_pages(self.page_size)
+        leaders = {id(s.request): s for s in self.running if not s.generated and s.pending > 0}
+        sampling = {id(w.seq) for w in work if w.sample}
+        window = list(itertools.islice(self.waiting, LPM_WINDOW))
+        key = lambda s: id(s.request) if not s.generated else id(s)  # noqa: E731  (one match per prompt)
+        matches = {}
+        for s in window:
+            if key(s) not in matches:
+                # Never the last token: its forward gives the logits to sample from.
+                matches[key(s)] = self.kv.match(s.context[:-1], limit) if limit != 0 else []
+        aged = [s for s in window if self.step_count - s.sched.arrival_step >= self.max_wait_steps]
+        rest = [s for s in window if self.step_count - s.sched.arrival_step < self.max_wait_steps]
+        rest.sort(key=lambda s: -len(matches[key(s)]))
+        fork_groups: dict[int, list[Sequence]] = {}
+        for s in aged + rest:
+            if seats <= 0:
+                break
+            leader = leaders.get(id(s.request)) if not s.generated else None
+            if leader is not None:
+                if id(leader) in sampling:
+                    fork_groups.setdefault(id(leader), [leader]).append(s)
+                    seats -= 1
+                continue
+            nodes = matches[key(s)]
+            if any(self.kv.tree.nodes.get(n.page) is not n for n in nodes):  # evicted by an earlier admission
+                nodes = matches[key(s)] = self.kv.match(s.context[:-1], limit)
+            if not self._fits(s, nodes):
                 break  # keep the order: a later, smaller sequence does not overtake this one
-            pages_promised += need
-            self.admitted.append((s, self.kv.admit(s)))
-            if not s.generated:
-                started.add(id(s.request))
-            admitted.add(id(s))
-            self.prefilling.append(s)
-        if admitted:
-            self.waiting = deque(s for s in self.waiting if id(s) not in admitted)
-
-    def _plan_prefill(self, plan: StepPlan) -> list[Sequence]:
-        """Chunks of uncached nodes within the budget; returns the sequences ready to decode this step."""
-        budget, ready, still = self.prefill_budget, [], []
-        planned: dict[int, int] = {}  # id(node) -> tokens computed by the end of this step
-        out_of_memory = False
-        for s in self.prefilling:
-            tree = self.kv.tree_for(s)
-            path = s.node.path() if s.node is not None else []
-            for node in path:
-                done = planned.get(id(node), node.filled)
-                while done < len(node.tokens) and budget > 0 and not out_of_memory:
-                    try:
-                        self.kv.allocate_node(tree, node)
-                    except OutOfPages:
-                        out_of_memory = True
-                        break
-                    end = min(len(node.tokens), done + self.prefill_chunk, done + budget)
-                    plan.prefill.append(PrefillChunk(node, done, end))
-                    budget -= end - done
-                    done = end
-                planned[id(node)] = done
-            # A sequence decodes in the step that completes its path (each layer writes the step's K/V
-            # before attending), unless its join copies the path (sharing off, one-level ablation).
-            if not self.kv.join_copies:
-                complete = all(planned.get(id(n), n.filled) == len(n.tokens) for n in path)
-            else:
-                complete = all(n.has_kv for n in path)
-            (ready if complete else still).append(s)
-        self.prefilling = still
-        if out_of_memory and len(still) > 1 and not ready and not self.running and not plan.prefill:
-            # Out of memory with nothing running to free any: partial prefills would deadlock each
-            # other, so all but the oldest go back to wait (their partial KV becomes evictable).
-            self.requeue(still[1:])
-            self.prefilling = still[:1]
-        return ready
-
-    def _grow(self) -> None:
-        """Own pages for every decoding sequence's next tokens; preempt the newest when memory is short."""
-        i = 0
-        while i < len(self.running):
+            seats -= 1
             try:
-                self.kv.reserve(self.running[i])
-                i += 1
-            except OutOfPages:
-                if self.prefilling:
-                    self.requeue(self.prefilling)  # their pinned partial KV may be what is in the way
-                    self.prefilling = []
-                else:
-                    self.preempt(max(self.running, key=lambda x: x.join_order))
-                i = 0  # reserve() is a no-op for sequences that already have their pages
+                w = self._admit_one(s, nodes, limit)
+            except Exception as e:  # noqa: BLE001  its request fails alone, its pages freed
+                self._fail(s, e)
+                continue
+            if not s.generated:
+                leaders[id(s.request)] = s
+            if w is not None:
+                work.append(w)
+                if w.sample:
+                    sampling.add(id(s))
+        for leader, *group in fork_groups.values():
+            for f in self._forks(leader, group):
+                forks.append(f)
+                self.admitted.append((f.seq, len(f.seq.prompt_ids)))
+        started = {id(s) for s in self.running}
+        self.waiting = deque(s for s in self.waiting if id(s) not in started)
 
+    def _admit_one(self, s: Sequence, nodes, limit: int | None) -> Work | None:
+        """Start ``s`` on the cached pages it matched plus its own pages for the rest of its context (all
+        taken now: ``_fits`` counted them); returns its first work."""
+        self._start(s)
+        self.kv.hold(s.kv, nodes)
+        self.kv.grow(s.kv, s.context_len)
+        if self.sharing.enabled:
+            self._publish(s, limit, upto=s.context_len)
+        self.admitted.append((s, min(s.kv.computed, len(s.prompt_ids))))
+        return self._work(s)
+
+    def _fits(self, s: Sequence, nodes) -> bool:
+        """Exactly the pages admitting ``s`` takes: its whole context less the cached pages it shares,
+        plus the idle cached pages it revives (they stop being evictable)."""
+        revived = sum(1 for n in nodes if not self.kv.pool.refs[n.page])
+        need = self.kv.pages_for(s.context_len) - len(nodes)
+        return need + revived <= self.kv.available
+
+    def _start(self, s: Sequence) -> None:
+        """A place among the running (the newest). Its page table is set up by the caller, or by the fork
+        in ``commit``."""
+        s.sched.status = Status.RUNNING
+        s.sched.admitted = next(self._admissions)
+        self.running.append(s)
+        if s.request.first_scheduled is None:
+            s.request.first_scheduled = time.monotonic()
+
+    def _publish(self, s: Sequence, limit: int | None, upto: int | None = None) -> None:
+        t = s.kv
+        end = t.computed if upto is None else upto
+        if limit is not None:
+            end = min(end, limit * self.page_size)
+        if end // self.page_size > t.published:
+            self.kv.publish(t, s.context, end)
+
+    # ---- preemption ------------------------------------------------------------------------------------
     def preempt(self, s: Sequence) -> None:
-        """Give a running sequence's KV to the tree and send it back to wait (first in line)."""
+        """Send a running sequence back to wait (first in line): its computed full pages stay cached, so it
+        resumes by recomputing only what was evicted meanwhile."""
         self.preemptions += 1
-        s.preemptions += 1
+        s.sched.preemptions += 1
+        self._release(s)
         self.running.remove(s)
-        self._order_dirty = True
-        self.kv.leave(s)
-        s.arrival_step = self.step_count - self.max_wait_steps
+        s.sched.status = Status.WAITING
+        s.sched.arrival_step = self.step_count - self.max_wait_steps
         self.waiting.appendleft(s)
 
-    def requeue(self, seqs: list[Sequence]) -> None:
-        """Send prefilling sequences back to the front of the queue, unpinning their (partial) KV."""
-        for s in reversed(seqs):
-            self.kv.unpin(s)
-            self.waiting.appendleft(s)
+    def _release(self, s: Sequence) -> None:
+        """Release ``s``'s pages; a sequence waiting on pages ``s`` was to compute is preempted first
+        (nobody else would write them)."""
+        others = [x for x in self.running if x is not s and x.sched.status is Status.RUNNING]
+        for j in self.kv.dependents(s.kv, [x.kv for x in others]):
+            if others[j].sched.status is Status.RUNNING:
+                self.preempt(others[j])
+        self.kv.release(s.kv, s.context if self.sharing.enabled else None)

@@ -1,12 +1,21 @@
-"""Request and Sequence state, shared by the scheduler, KV manager, runner and output processor."""
+"""Requests and their sequences. A sequence's state comes in parts, each written by one module only:
+
+* ``out`` (:class:`OutputState`): generated tokens, text, logprobs, why it ended: the output processor;
+* ``kv`` (:class:`hydragen.kv.manager.PageTable`): its pages and how much of its context has KV: the KV
+  manager, on the scheduler's request;
+* ``sched`` (:class:`SchedState`): where it is in the queues and when it got there: the scheduler;
+* ``grammar``: its structured-output state: the structured-outputs controller.
+
+Everything else reads them through the read-only properties below.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from hydragen.engine.sampling_params import SamplingParams
-from hydragen.kv.pool import Runs
-from hydragen.kv.radix import Node
+from hydragen.kv.manager import PageTable
 
 
 @dataclass(eq=False)
@@ -16,11 +25,10 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
-    error: str | None = None
-    private_tree: object | None = None  # sharing off: the request's own throwaway tree
     arrival_time: float = 0.0
-    first_scheduled: float | None = None  # time.monotonic() when the scheduler first took a sequence
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted (the scheduler)
+    first_scheduled: float | None = None  # time.monotonic() when it first got a slot (the scheduler)
+    error: str | None = None  # why it failed (the engine)
 
     @property
     def finished(self) -> bool:
@@ -28,68 +36,103 @@ class Request:
 
 
 @dataclass(eq=False)
-class Sequence:
-    """One sample of a request.
+class OutputState:
+    """Owned by the output processor."""
 
-    Its context is prompt + generated. The last ``pending`` context tokens have no KV yet: they are the
-    next forward's input (1 for a decode step; more for a multi-token extend). Positions below ``cut``
-    are read from shared tree nodes by batched calls; positions from ``cut`` up are read per sequence:
-    unshared path nodes in place, then the sequence's own pages (``own_runs``, from ``own_start``).
-    """
+    generated: list[int] = field(default_factory=list)
+    forced: int = 0  # generated tokens appended without sampling (jump-forward, extend())
+    logprobs: list[dict[int, float | None]] | None = None
+    text: str = ""  # final text only: no later token changes it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None
+    detok: object | None = None  # incremental detokenizer and stop checker
+
+
+class Status(Enum):
+    WAITING = "waiting"  # no pages: in the queue
+    RUNNING = "running"  # holds a page table; computes its context a chunk per step
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class SchedState:
+    """Owned by the scheduler."""
+
+    status: Status = Status.WAITING
+    arrival_step: int = 0  # step when it (re-)entered the queue (aging)
+    admitted: int = 0  # admission order among running sequences: preemption takes the newest first
+    preemptions: int = 0
+    counted: bool = False  # its prompt's cache hit was counted (not again after a preemption)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request. Its context is prompt + generated; ``kv.computed`` leading positions of
+    it hold KV, and the rest (``pending``) is what the next forwards compute."""
 
     request: Request
     index: int
     seed: int
-    node: Node | None = None  # tree node where the prefilled context ends (pinned while admitted)
-    cut: int = 0
-    own_start: int = 0  # position held by own_runs[0]
-    own_runs: Runs = field(default_factory=list)  # slot runs this sequence holds (whole pages)
-    pending: int = 1
-    generated: list[int] = field(default_factory=list)
-    forced: int = 0  # generated tokens appended by extend() rather than sampled
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    text: str = ""
-    arrival_step: int = 0  # engine step when it (re-)entered the waiting queue
-    join_order: int = 0  # when it joined the running batch (preemption takes the newest first)
-    counted: bool = False  # prompt statistics recorded (not again after a preemption)
-    preemptions: int = 0
-    detok: object | None = None  # the output processor's incremental decoding state
-    grammar: object | None = None  # structured outputs: the sequence's GrammarState
+    out: OutputState = field(default_factory=OutputState)
+    kv: PageTable = field(default_factory=PageTable)
+    sched: SchedState = field(default_factory=SchedState)
+    grammar: object | None = None
+
+    # ---- read-only views -------------------------------------------------------------------------
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     @property
     def prompt_ids(self) -> list[int]:
         return self.request.prompt_ids
 
     @property
+    def generated(self) -> list[int]:
+        return self.out.generated
+
+    @property
+    def logprobs(self):
+        return self.out.logprobs
+
+    @property
+    def text(self) -> str:
+        return self.out.text
+
+    @property
+    def forced(self) -> int:
+        return self.out.forced
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.out.finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.out.stop_reason
+
+    @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.out.finish_reason is not None
+
+    @property
+    def context(self) -> list[int]:
+        return self.request.prompt_ids + self.out.generated
+
+    @property
+    def context_len(self) -> int:
+        return len(self.request.prompt_ids) + len(self.out.generated)
+
+    @property
+    def computed(self) -> int:
+        return self.kv.computed
+
+    @property
+    def pending(self) -> int:
+        """Context tokens without KV yet: the next forward's input (1 when decoding)."""
+        return self.context_len - self.kv.computed
 
     @property
     def max_len(self) -> int:
         """Longest this sequence can get: prompt + max_tokens."""
-        return len(self.prompt_ids) + self.request.params.max_tokens
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.generated
-
-    @property
-    def context_len(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
-
-    @property
-    def computed(self) -> int:
-        """Context tokens whose KV exists."""
-        return self.context_len - self.pending
-
-    @property
-    def tail_len(self) -> int:
-        """Computed tokens read per sequence (not through shared nodes)."""
-        return self.computed - self.cut
-
-    @property
-    def order_key(self) -> tuple:
-        """Sorting by the computed context gives depth-first order of the prefix tree."""
-        return (self.context[: self.computed], self.request.request_id, self.index)
+        return len(self.request.prompt_ids) + self.request.params.max_tokens

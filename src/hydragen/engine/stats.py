@@ -1,28 +1,39 @@
-"""What the engine counts while it runs: tokens by kind, time by step kind, KV peak, preemptions.
+"""What the engine counts while it runs (tokens by kind, time by step kind, KV peak, preemptions), and the
+snapshot it publishes after every step for readers on other threads (the server's /metrics).
 
-The benchmarks read these to report prefix-cache hit rates, forced-token shares and memory use.
+A step is a *decode* step when every work item only decodes or extends (it samples, and starts past its
+prompt), a *prefill* step when none does, and *mixed* otherwise; its time and tokens go to that kind.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass
 class EngineStats:
-    prompt_tokens: int = 0  # sum over sequences of prompt length
-    prefill_tokens: int = 0  # prompt tokens actually run through the model
-    cache_hit_tokens: int = 0  # prompt tokens found already cached when a sequence was scheduled
-    generated_tokens: int = 0  # sampled tokens
+    prompt_tokens: int = 0  # sum over admitted sequences of prompt length
+    prefill_tokens: int = 0  # prompt positions actually run through the model
+    cache_hit_tokens: int = 0  # prompt tokens found already cached when a sequence was admitted
+    generated_tokens: int = 0  # tokens appended (sampled, and forced ones)
     forced_tokens: int = 0  # tokens appended by jump-forward (or extend()) without sampling
     forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decode and extends)
-    decode_steps: int = 0
-    decode_seconds: float = 0.0  # steps that only decoded
-    prefill_seconds: float = 0.0  # steps that also prefilled
+    decode_steps: int = 0  # steps of decode work only
+    decode_seconds: float = 0.0
+    decode_step_tokens: int = 0  # tokens sampled in decode steps
+    prefill_steps: int = 0  # steps of prefill work only
+    prefill_seconds: float = 0.0
+    mixed_steps: int = 0
+    mixed_seconds: float = 0.0
     per_sequence_kv_tokens: int = 0  # KV tokens the finished sequences would hold as private copies
     peak_kv_tokens: int = 0  # most KV slots in use at once (whole pages: the memory really taken)
     preemptions: int = 0
     requests_finished: int = 0
+
+    @property
+    def steps(self) -> int:
+        """Forward steps of any kind."""
+        return self.decode_steps + self.prefill_steps + self.mixed_steps
 
     @property
     def shared_prompt_tokens(self) -> int:
@@ -30,5 +41,59 @@ class EngineStats:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens whose prefill was skipped / prompt tokens: the prefix-cache hit rate."""
-        return self.shared_prompt_tokens / max(self.prompt_tokens, 1)
+        """Prompt tokens found cached / prompt tokens: the prefix-cache hit rate."""
+        return self.cache_hit_tokens / max(self.prompt_tokens, 1)
+
+    def count_step(self, plan, seconds: float) -> None:
+        decoding = prefilling = 0
+        for w in plan.work:
+            prompt = len(w.seq.prompt_ids)
+            self.forward_tokens += len(w.tokens)
+            self.prefill_tokens += max(0, min(w.end, prompt) - w.start)
+            if w.sample and w.start >= prompt:
+                decoding += 1
+            else:
+                prefilling += 1
+        sampled = sum(w.sample for w in plan.work) + len(plan.forks)
+        if decoding and not prefilling:
+            self.decode_steps += 1
+            self.decode_seconds += seconds
+            self.decode_step_tokens += sampled
+        elif prefilling and not decoding:
+            self.prefill_steps += 1
+            self.prefill_seconds += seconds
+        else:
+            self.mixed_steps += 1
+            self.mixed_seconds += seconds
+
+    def copy(self) -> EngineStats:
+        return replace(self)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after a step, built by the engine thread; other threads read only this."""
+
+    running: int  # sequences holding pages
+    waiting: int
+    pages_used: int
+    pages_cached: int
+    pages_total: int
+    page_size: int
+    stats: EngineStats
+
+    @classmethod
+    def of(cls, engine) -> EngineSnapshot:
+        sched, usage = engine.scheduler, engine.kv.usage()
+        return cls(
+            len(sched.running),
+            len(sched.waiting),
+            usage["used"],
+            usage["cached"],
+            usage["total"],
+            engine.pool.page_size,
+            engine.stats.copy(),
+        )

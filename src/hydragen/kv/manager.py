@@ -1,275 +1,246 @@
-"""The KV manager: owns every page and every pin (pool, radix tree, sequences' own pages, cost rule).
+"""The KV manager: every page's fate (held, cached, idle, free) and every sequence's page table.
 
-Where memory goes:
-* a tree node holds the pages of its tokens; running sequences pin their path;
-* a running sequence holds its *own* pages for the context past its path node (the last prompt token,
-  generated tokens); with sharing off it holds a private copy of its whole context;
-* a sequence that leaves hands its own pages to the tree (its context becomes a cached prefix), so a
-  finished, preempted or aborted sequence loses nothing that a later request could reuse.
-Allocation evicts least-recently-used unpinned prefixes when free pages run short, and succeeds whenever
-free plus evictable pages cover it, however scattered they are.
+A **page table** lists the pages holding one context's KV, page i holding positions [i * P, (i + 1) * P)
+for page size P; ``computed`` is how many leading positions hold KV. Its full pages may be shared with
+other tables (same page id, counted in ``pool.refs``); its last, partial page is always its own, since
+it is where the context grows.
+
+Pages move between four states, and only through this module:
+
+* **held**: in at least one page table (``refs > 0``);
+* **cached**: in the prefix tree (full pages only); cached and held are independent;
+* **idle**: cached and not held: kept for reuse, evicted least recently used when pages run short;
+* **free**: in the allocator.
+
+The scheduler decides *what* to share (its policy: everything, nothing, or pages below a limit); this
+module only offers the mechanisms, and never changes a table behind the scheduler's back: tables change
+between steps, never between a step's plan and the end of its forward.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from hydragen.engine.sequence import Sequence
-from hydragen.kv.pool import (
-    OutOfPages,
-    PagePool,
-    Runs,
-    append_runs,
-    runs_len,
-    slot_list,
-    split_runs,
-    take_runs,
-)
-from hydragen.kv.radix import Node, RadixTree
-
-# The cost rule: a group of nodes held by h running sequences is read by one batched call when
-# (h - 1) x (tokens - MERGE_ROW_TOKENS) >= min_shared_reads: the KV-token reads it saves per step, less
-# the LSE merge of each extra query row (worth about MERGE_ROW_TOKENS reads), must pay for the extra
-# work. Below it the group is read per sequence, in place (no copy). Fitted on a 2-core CPU
-# (docs/performance.md, "cost rule").
-DEFAULT_MIN_SHARED_READS = 2048
-MERGE_ROW_TOKENS = 16
-
-# (slot_lo, slot_hi, i, j): a shared KV run read by the contiguous running sequences [i, j).
-Item = tuple[int, int, int, int]
+from hydragen.kv.pool import OutOfPages, PagePool
+from hydragen.kv.radix import PageNode, PrefixTree
 
 
-def sharing_pays(
-    holders: int, tokens: int, min_shared_reads: int, merge_row_tokens: int = MERGE_ROW_TOKENS
-) -> bool:
-    """The cost rule for one group of nodes (0 turns it off: everything held by two is shared).
-    ``merge_row_tokens`` is the calibration's free parameter (``bench cost-rule`` fits it)."""
-    return min_shared_reads == 0 or (holders - 1) * (tokens - merge_row_tokens) >= min_shared_reads
+@dataclass(eq=False)
+class PageTable:
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0  # leading positions whose KV is written
+    published: int = 0  # leading pages that are prefix-tree nodes on this table's path
+    own_from: int = 0  # pages before it came from the tree (others write them); from it on, this table writes
 
 
 class KVManager:
-    def __init__(
-        self,
-        pool: PagePool,
-        prefix_sharing: bool,
-        min_shared_reads: int = DEFAULT_MIN_SHARED_READS,
-        share_limit: int | None = None,
-    ):
+    def __init__(self, pool: PagePool):
         self.pool = pool
-        self.tree = RadixTree(pool)
-        self.prefix_sharing = prefix_sharing
-        self.min_shared_reads = min_shared_reads
-        # Ablation knob (bench tree's one-level mode): share at most this many leading context tokens.
-        self.share_limit = share_limit
-        # Triton decode: a sequence's own pages are reserved for its whole length at once (one run).
-        self.reserve_whole = False
+        self.page_size = pool.page_size
+        self.tree = PrefixTree(pool.page_size)
+        self.idle = 0  # cached pages nobody holds
+        self.hits = 0  # pages found in the tree by match()
 
+    # ---- accounting ---------------------------------------------------------------------------
     @property
-    def join_copies(self) -> bool:
-        """Whether join() copies path KV (which must then be computed before the joining step)."""
-        return not self.prefix_sharing or self.share_limit is not None
-
-    # ---- pages --------------------------------------------------------------------------------
-    def can_fit(self, pages: int) -> bool:
-        return self.pool.allocator.free >= pages or (
-            self.pool.allocator.free + self.tree.evictable_pages() >= pages
-        )
-
-    def _make_room(self, pages: int) -> None:
-        if self.pool.allocator.free >= pages:
-            return
-        if self.pool.allocator.free + self.tree.evictable_pages() < pages:
-            raise OutOfPages(f"need {pages} KV pages: {self.pool.allocator.free} free, the rest is in use")
-        self.tree.evict(pages)
-        if self.pool.allocator.free < pages:
-            raise OutOfPages(f"need {pages} KV pages, {self.pool.allocator.free} free after eviction")
-
-    def allocate(self, tokens: int) -> Runs:
-        """Slot runs (whole pages) for ``tokens`` slots, evicting cached prefixes if needed."""
-        self._make_room(self.pool.pages_for(tokens))
-        return self.pool.allocate(tokens)
+    def available(self) -> int:
+        """Pages an allocation can get: free ones plus idle cached ones (all evictable)."""
+        return self.pool.free_pages + self.idle
 
     def usage(self) -> dict:
-        """Pages in use, pages the prefix cache holds, total: after all requests end, used == cached."""
-        cached = set()
-        stack = [self.tree.root]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            cached |= self.pool.pages(n.runs)
-        return {"used": self.pool.used_pages, "cached": len(cached), "total": self.pool.num_pages}
+        """Pages in use (held or cached), cached, total: after every request ends, used == cached."""
+        return {"used": self.pool.used_pages, "cached": len(self.tree), "total": self.pool.num_pages}
 
-    # ---- a sequence's life ------------------------------------------------------------------------
-    def tree_for(self, s: Sequence) -> RadixTree:
-        if self.prefix_sharing:
-            return self.tree
-        if s.request.private_tree is None:
-            s.request.private_tree = RadixTree(self.pool)
-        return s.request.private_tree
+    def pages_for(self, tokens: int) -> int:
+        return self.pool.pages_for(tokens)
 
-    def admit(self, s: Sequence) -> int:
-        """Pin the tree path for the sequence's computed context; returns how much of it was cached."""
-        tree = self.tree_for(s)
-        context = s.context[: s.computed]
-        hit = tree.match_len(context)
-        s.node = tree.insert(context)
-        if self.share_limit is not None:  # a node boundary at the limit, so the part above can be shared
-            for n in s.node.path():
-                tree.split_at(n, self.share_limit)
-        tree.pin(s.node, 1)
-        return hit
-
-    def admission_pages(self, s: Sequence) -> int:
-        """Pages a waiting sequence needs to start: its uncached context and its first own page."""
-        cached = self.tree_for(s).match_len(s.context[: s.computed]) if self.prefix_sharing else 0
-        return self.pool.pages_for(max(s.computed - cached, 0)) + self.pool.pages_for(s.pending)
-
-    def allocate_node(self, tree: RadixTree, node: Node) -> None:
-        if not node.allocated:
-            tree.assign_kv(node, take_runs(self.allocate(len(node.tokens)), len(node.tokens)), filled=0)
-
-    def unpin(self, s: Sequence) -> None:
-        if s.node is not None:
-            self.tree_for(s).pin(s.node, -1)
-            s.node = None
-
-    def join(self, s: Sequence) -> None:
-        """A prefilled sequence starts decoding; its own pages come from ``reserve``.
-
-        Sharing off, its own pages get a private copy of the whole computed context (the baseline), and
-        the request's private tree is dropped once every sequence of it has its copy. Raises OutOfPages
-        (nothing changed) when the copy does not fit.
-        """
-        end = s.node.end_pos if s.node is not None else 0
-        s.own_runs = []
-        if self.prefix_sharing:
-            # share_limit (one-level ablation): the context past the limit is a private copy.
-            s.own_start = end if self.share_limit is None else min(end, self.share_limit)
-        else:
-            s.own_start = 0
-        if s.own_start < end:
-            try:
-                self.reserve(s)
-            except OutOfPages:
-                s.own_runs, s.own_start = [], 0
-                raise
-            self._copy_path(s, end)
-        if not self.prefix_sharing:
-            self.unpin(s)
-        req = s.request
-        if req.private_tree is not None and all(x.node is None for x in req.seqs if not x.finished):
-            req.private_tree.clear()
-            req.private_tree = None
-
-    def _copy_path(self, s: Sequence, end: int) -> None:
-        """Copy the path's KV for positions [own_start, end) into the sequence's own pages."""
-        if s.own_start >= end:
+    # ---- taking pages -------------------------------------------------------------------------------
+    def make_room(self, pages: int) -> None:
+        """Evict idle pages until ``pages`` are free; raises OutOfPages (nothing evicted) if it cannot."""
+        short = pages - self.pool.free_pages
+        if short <= 0:
             return
-        src = [slot for n in s.node.path() if n.start_pos >= s.own_start for slot in slot_list(n.runs)]
-        dst = slot_list(take_runs(s.own_runs, end - s.own_start))
-        dev = self.pool.k.device
-        self.pool.copy_slots(torch.tensor(dst, device=dev), torch.tensor(src, device=dev))
+        if short > self.idle:
+            raise OutOfPages(f"need {pages} KV pages: {self.pool.free_pages} free and {self.idle} idle")
+        gone = self.tree.evict(short, self.pool.refs)
+        self.idle -= len(gone)
+        self.pool.free(gone)
+        if self.pool.free_pages < pages:  # the idle count and the tree disagree: a bug, never a silent hang
+            raise RuntimeError(f"evicted {len(gone)} of {short} idle KV pages: prefix tree inconsistent")
 
-    def reserve(self, s: Sequence, extra: int = 0) -> None:
-        """Own pages for the whole context (and ``extra`` more tokens). Raises OutOfPages."""
-        if self.reserve_whole and not s.own_runs:
-            extra = max(extra, s.max_len - s.context_len)
-        need = s.context_len + extra - s.own_start - runs_len(s.own_runs)
+    def grow(self, table: PageTable, tokens: int) -> None:
+        """Pages for positions [0, tokens) of ``table``; raises OutOfPages (table unchanged)."""
+        need = self.pages_for(tokens) - len(table.pages)
         if need > 0:
-            self._make_room(self.pool.pages_for(need))
-            append_runs(s.own_runs, self.pool.extend(s.own_runs, need))
+            self.make_room(need)
+            table.pages += self.pool.take(need, after=table.pages[-1] if table.pages else None)
 
-    def own_slots(self, s: Sequence, start: int, end: int) -> list[int]:
-        """Slots of context positions [start, end) in the sequence's own pages."""
-        a, b = start - s.own_start, end - s.own_start
-        return slot_list(split_runs(split_runs(s.own_runs, b)[0], a)[1])
+    def hold(self, table: PageTable, nodes: list[PageNode]) -> None:
+        """Start an empty table on pages of the tree (a prefix match): they stop being idle. Pages still in
+        flight are written by whoever published them; ``catch_up`` moves past them once they are."""
+        assert not table.pages, "hold() starts a table"
+        pages = [n.page for n in nodes]
+        self._retain(pages)
+        self.tree.touch(pages)
+        table.pages = pages
+        table.published = table.own_from = len(pages)
+        table.computed = 0
+        self.catch_up(table)
+        self.hits += table.computed // self.page_size
 
-    def leave(self, s: Sequence) -> None:
-        """Release a running sequence: its computed context becomes a cached prefix (sharing on), the
-        own pages the tree does not take are freed, its path is unpinned."""
-        handed: Runs = []
-        if self.prefix_sharing and s.node is not None and s.computed > s.own_start:
-            leaf = self.tree.insert(s.context[: s.computed])
-            if (
-                leaf.parent is not None
-                and not leaf.allocated
-                and leaf.start_pos >= s.own_start
-                and all(n.has_kv for n in leaf.path()[:-1])
-            ):
-                own = take_runs(s.own_runs, s.computed - s.own_start)
-                handed = split_runs(own, leaf.start_pos - s.own_start)[1]
-                self.tree.assign_kv(leaf, handed)
-                self.tree.pin(leaf, 0)  # refresh its LRU time
-        keep = self.pool.pages(handed)
-        self.pool.release(self.pool.pages(s.own_runs) - keep)
-        s.own_runs, s.own_start, s.cut = [], 0, 0
-        self.unpin(s)
+    def catch_up(self, table: PageTable) -> None:
+        """Advance ``computed`` over held tree pages that their writers have computed meanwhile."""
+        ps, nodes = self.page_size, self.tree.nodes
+        while table.computed < table.own_from * ps and nodes[table.pages[table.computed // ps]].computed:
+            table.computed += ps
 
-    # ---- the decode plan --------------------------------------------------------------------------
-    def plan(self, seqs: list[Sequence], all_nodes: bool = False) -> list[Item]:
-        """Set each running sequence's cut by the cost rule; return the shared items (DFS-ordered seqs).
+    def waits(self, table: PageTable) -> bool:
+        """Whether the table's next position is in a page another table is still computing."""
+        return table.computed < table.own_from * self.page_size
 
-        Consecutive path nodes held by the same number of sequences form a group, read by the same
-        contiguous range of sequences. A group is read by one batched call when ``sharing_pays``;
-        groups above the deepest group that pays are shared too (a cut is a prefix). Everything below
-        the cut is read per sequence, in place. ``all_nodes`` reads every path node as an item, even a
-        node held by one sequence (the Triton decode kernels read private KV only from one run).
-        """
-        if not self.prefix_sharing:
-            for s in seqs:
-                s.cut = 0
+    def match(self, tokens: list[int], max_pages: int | None = None) -> list[PageNode]:
+        return self.tree.match(tokens, max_pages)
+
+    def _retain(self, pages: list[int]) -> None:
+        refs = self.pool.refs
+        self.idle -= sum(1 for p in pages if not refs[p] and p in self.tree)
+        self.pool.retain(pages)
+
+    # ---- publishing and releasing --------------------------------------------------------------------
+    def publish(self, table: PageTable, tokens: list[int], upto: int) -> None:
+        """Put the table's full pages below position ``upto`` into the prefix tree, computed or not (their
+        tokens must be known). A computed page whose tokens are already cached and computed on the same path
+        is swapped for the cached one (same KV), so each prefix is stored once; a collision with a page
+        still in flight stops publishing (this table keeps its own copy, uncached)."""
+        full = min(upto, len(tokens), len(table.pages) * self.page_size) // self.page_size
+        tree = self.tree
+        parent = tree.root if table.published == 0 else tree.nodes[table.pages[table.published - 1]]
+        for i in range(table.published, full):
+            mine = table.pages[i]
+            computed = (i + 1) * self.page_size <= table.computed
+            node = tree.add(parent, mine, tree.key(tokens, i), computed)
+            if node.page != mine:
+                if not (computed and node.computed):
+                    return
+                self._retain([node.page])
+                self._drop([mine])
+                table.pages[i] = node.page
+            table.published = i + 1
+            parent = node
+
+    def mark_computed(self, table: PageTable, before: int) -> None:
+        """After a forward moved ``computed`` from ``before``: its own published pages now full of KV."""
+        nodes = self.tree.nodes
+        for i in range(before // self.page_size, min(table.published, table.computed // self.page_size)):
+            nodes[table.pages[i]].computed = True
+
+    def dependents(self, table: PageTable, others: list[PageTable]) -> list[int]:
+        """Indices of ``others`` waiting on a page ``table`` published but has not computed yet."""
+        ps = self.page_size
+        mine = set(table.pages[max(table.computed // ps, table.own_from) : table.published])
+        if not mine:
             return []
-        holders: dict[int, int] = {}
-        for s in seqs:
-            if s.node is not None:
-                for n in s.node.path():
-                    holders[id(n)] = holders.get(id(n), 0) + 1
-        if all_nodes:
-            for s in seqs:
-                s.cut = s.node.end_pos if s.node is not None else 0
-            return _items(seqs)
-        for s in seqs:
-            cut, group_holders, group_tokens = 0, 0, 0
-            for n in s.node.path() if s.node is not None else ():
-                h = holders[id(n)]
-                if h < 2 or (self.share_limit is not None and n.end_pos > self.share_limit):
-                    break
-                if h != group_holders:
-                    group_holders, group_tokens = h, 0
-                group_tokens += len(n.tokens)
-                if sharing_pays(h, group_tokens, self.min_shared_reads):
-                    cut = n.end_pos
-            s.cut = cut
-        return _items(seqs)
+        return [
+            j
+            for j, o in enumerate(others)
+            if o is not table and mine.intersection(o.pages[o.computed // ps : o.own_from])
+        ]
 
+    def release(self, table: PageTable, tokens: list[int] | None) -> None:
+        """Drop a table: its full computed pages go into the tree first when ``tokens`` is given (sharing
+        on), so a later request can reuse them; the pages nobody else holds become idle or free. Pages it
+        published but did not compute leave the tree (the caller first releases any table waiting on them)."""
+        if tokens is not None:
+            self.publish(table, tokens, table.computed)
+        self._unpublish_uncomputed(table)
+        self.tree.touch(table.pages[: table.published])
+        self._drop(table.pages)
+        table.pages, table.computed, table.published, table.own_from = [], 0, 0, 0
 
-def _items(seqs: list[Sequence]) -> list[Item]:
-    """(slot_lo, slot_hi, i, j) for every shared node run read by the contiguous sequences [i, j).
+    def _unpublish_uncomputed(self, table: PageTable) -> None:
+        nodes, refs = self.tree.nodes, self.pool.refs
+        while table.published > table.own_from and not nodes[table.pages[table.published - 1]].computed:
+            node = nodes[table.pages[table.published - 1]]
+            if node.children or refs[node.page] > 1:
+                raise RuntimeError("a page in flight is released while another table waits on it")
+            parent = node.parent
+            self.tree.remove(node)
+            table.published -= 1
+            if parent.parent is not None and not parent.children and not refs[parent.page]:
+                self.tree.went_idle(parent.page)
 
-    Consecutive runs read by the same range whose slots touch are fused, so a chain of short nodes on
-    consecutive pages costs one unit.
-    """
-    spans: dict[int, list] = {}  # id(node) -> [node, first, last]
-    order = []
-    for idx, s in enumerate(seqs):
-        if s.node is None:
-            continue
-        for node in s.node.path():
-            if node.end_pos > s.cut:
-                break
-            span = spans.get(id(node))
-            if span is None or span[2] != idx - 1:
-                span = [node, idx, idx]
-                spans[id(node)] = span
-                order.append(span)
-            else:
-                span[2] = idx
-    items: list[Item] = []
-    for node, i, last in order:
-        for lo, hi in node.runs:
-            prev = items[-1] if items else None
-            if prev and prev[2:] == (i, last + 1) and prev[1] == lo:
-                items[-1] = (prev[0], hi, i, last + 1)
-            else:
-                items.append((lo, hi, i, last + 1))
-    return items
+    def evict_idle(self) -> int:
+        """Evict every idle cached page (``reset_prefix_cache``); returns how many."""
+        gone = self.tree.clear_idle(self.pool.refs)
+        self.idle -= len(gone)
+        self.pool.free(gone)
+        return len(gone)
+
+    def give_back(self, pages: list[int]) -> None:
+        """Release pages taken outside any table (a fork's reservation that was not used)."""
+        self._drop(pages)
+
+    def _drop(self, pages: list[int]) -> None:
+        dropped = self.pool.release(pages)
+        cached = [p for p in dropped if p in self.tree]
+        for p in cached:
+            self.tree.went_idle(p)
+        self.idle += len(cached)
+        self.pool.free([p for p in dropped if p not in self.tree])
+
+    # ---- forks and copies ----------------------------------------------------------------------------
+    def fork(self, dst: PageTable, src: PageTable, upto: int, shared_pages: int, reserved: list[int]) -> None:
+        """Make ``dst`` hold ``src``'s KV for positions [0, upto): its first ``shared_pages`` pages shared
+        with ``src``, the rest copied into ``reserved`` (pages the scheduler took for it, held once). What
+        ``dst`` held before is released."""
+        ps = self.page_size
+        end = self.pages_for(upto)
+        if len(reserved) != end - shared_pages:
+            raise RuntimeError(f"fork needs {end - shared_pages} reserved pages, got {len(reserved)}")
+        shared = src.pages[:shared_pages]
+        if shared_pages < end:
+            dst_slots, src_slots = [], []
+            for page, i in zip(reserved, range(shared_pages, end), strict=True):
+                n = min(ps, upto - i * ps)
+                dst_slots += range(page * ps, page * ps + n)
+                src_slots += range(src.pages[i] * ps, src.pages[i] * ps + n)
+            dev = self.pool.k.device
+            self.pool.copy_slots(
+                torch.tensor(dst_slots, device=dev, dtype=torch.long),
+                torch.tensor(src_slots, device=dev, dtype=torch.long),
+            )
+        self._retain(shared)
+        old = dst.pages
+        dst.pages = shared + list(reserved)
+        dst.computed = upto
+        dst.published = min(shared_pages, src.published)
+        dst.own_from = shared_pages
+        self._drop(old)
+
+    # ---- checks -----------------------------------------------------------------------------------------
+    def check(self, tables: list[PageTable]) -> None:
+        """Assert every invariant (tests): each page is free, held or cached; its refcount equals the tables
+        holding it; the idle count is right; tree nodes are full pages on their tables' paths."""
+        pool, tree = self.pool, self.tree
+        holders = [0] * pool.num_pages
+        for t in tables:
+            for p in t.pages:
+                holders[p] += 1
+            assert t.computed <= len(t.pages) * self.page_size, "computed past the table's pages"
+            for i in range(t.published):
+                node = tree.nodes.get(t.pages[i])
+                assert node is not None and node.depth == i, "a published page is not in the tree"
+                assert node.parent.page == (t.pages[i - 1] if i else -1), "a page table is off its tree path"
+        assert holders == pool.refs, "page refcounts differ from the page tables holding them"
+        free = set()
+        for start, length in zip(pool.allocator._starts, pool.allocator._lengths, strict=True):
+            free.update(range(start, start + length))
+        assert len(free) == pool.allocator.free
+        for p in range(pool.num_pages):
+            free_, held, cached = p in free, holders[p] > 0, p in tree
+            assert free_ != (held or cached), f"page {p}: free={free_} held={held} cached={cached}"
+        assert self.idle == sum(1 for p in tree.nodes if not holders[p]), "idle count is off"
+        for node in tree.nodes.values():
+            assert node.parent.children.get(node.key) is node

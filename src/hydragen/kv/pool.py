@@ -1,14 +1,13 @@
-"""Paged KV storage: fixed-size pages of token slots, handed out as runs, shared through refcounts.
+"""Paged KV storage: fixed-size pages of token slots, handed out by page, shared through refcounts.
 
-k/v are ``[layers, num_pages * page_size, Hkv, D]``: slot ``s`` lives in page ``s // page_size``. Pages
-are the unit of allocation, so an allocation succeeds whenever enough pages are free, however they are
-scattered. The allocator still prefers consecutive pages (best-fit over free extents) because a run of
-consecutive pages is a run of consecutive slots: one zero-copy view that a fused kernel reads directly.
+k/v are ``[layers, num_pages * page_size, Hkv, D]``: slot ``s`` lives in page ``s // page_size``. Pages are
+the unit of allocation, so an allocation succeeds whenever enough pages are free, however scattered they
+are. The allocator still prefers consecutive pages (best fit over free extents, and growth right after a
+holder's last page) because consecutive pages are consecutive slots: one zero-copy view a fused kernel
+reads directly.
 
-Holders (tree nodes, sequence tails) own *slot runs* ``[(lo, hi), ...]``. Splitting a tree node at a
-token inside a page leaves both halves touching that page, so pages are reference counted by holders:
-a holder counts once on every page it touches, and a page returns to the free list when no holder
-touches it any more.
+``refs[p]`` counts the page tables that hold page p. A page nobody holds is either free (in the
+allocator) or kept by the prefix cache, which decides that (``kv/manager.py``); the pool only counts.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-Runs = list[tuple[int, int]]
+PageRuns = list[tuple[int, int]]  # [(first_page, end_page), ...]
 
 
 class OutOfPages(RuntimeError):
@@ -37,7 +36,7 @@ class PageAllocator:
     def largest_run(self) -> int:
         return max(self._lengths, default=0)
 
-    def alloc(self, n: int) -> Runs:
+    def alloc(self, n: int) -> PageRuns:
         """n pages as runs [(first, end), ...]: one run when an extent fits, else the largest extents."""
         if n <= 0:
             raise ValueError(f"allocation size must be positive, got {n}")
@@ -47,7 +46,7 @@ class PageAllocator:
         if fits:
             i = min(fits, key=lambda j: (self._lengths[j], self._starts[j]))
             return [self._take(i, n)]
-        runs: Runs = []
+        runs: PageRuns = []
         while n:
             i = max(range(len(self._lengths)), key=lambda j: (self._lengths[j], -self._starts[j]))
             take = min(n, self._lengths[i])
@@ -57,7 +56,7 @@ class PageAllocator:
         return runs
 
     def alloc_at(self, page: int, n: int) -> bool:
-        """Take pages [page, page + n) if they are all free (lets a tail grow without breaking its run)."""
+        """Take pages [page, page + n) if they are all free (lets a holder grow without breaking its run)."""
         i = bisect.bisect_right(self._starts, page) - 1
         if i < 0 or self._starts[i] + self._lengths[i] < page + n:
             return False
@@ -85,6 +84,10 @@ class PageAllocator:
 
     def release(self, start: int, n: int = 1) -> None:
         i = bisect.bisect_left(self._starts, start)
+        if (i < len(self._starts) and self._starts[i] < start + n) or (
+            i > 0 and self._starts[i - 1] + self._lengths[i - 1] > start
+        ):
+            raise RuntimeError(f"KV pages [{start}, {start + n}) released while already free")
         self._starts.insert(i, start)
         self._lengths.insert(i, n)
         self.free += n
@@ -120,64 +123,59 @@ class PagePool:
         self.refs = [0] * num_pages
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
         self.peak_used = 0
-        # How often a growing holder got the page right after its last one (its run stays one view).
-        self.stats_contiguous_growth = 0
-        self.stats_split_growth = 0
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
     @property
+    def free_pages(self) -> int:
+        return self.allocator.free
+
+    @property
     def used_pages(self) -> int:
+        """Pages out of the allocator: held by page tables or kept by the prefix cache."""
         return self.num_pages - self.allocator.free
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def allocate(self, tokens: int) -> Runs:
-        """Fresh pages for ``tokens`` slots (held once); returns the slot runs covering whole pages."""
-        ps = self.page_size
-        page_runs = self.allocator.alloc(self.pages_for(tokens))
-        for a, b in page_runs:
-            for p in range(a, b):
-                self.refs[p] = 1
+    def take(self, n: int, after: int | None = None) -> list[int]:
+        """n fresh pages, each held once; right after page ``after`` when those are free (the holder's run
+        then stays one view), else best fit. Raises OutOfPages when fewer than n are free."""
+        if n <= 0:
+            return []
+        if after is not None and after + 1 + n <= self.num_pages and self.allocator.alloc_at(after + 1, n):
+            pages = list(range(after + 1, after + 1 + n))
+        else:
+            pages = [p for a, b in self.allocator.alloc(n) for p in range(a, b)]
+        for p in pages:
+            self.refs[p] = 1
         self.peak_used = max(self.peak_used, self.used_pages)
-        return [(a * ps, b * ps) for a, b in page_runs]
-
-    def extend(self, runs: Runs, tokens: int) -> Runs:
-        """Fresh pages for ``tokens`` more slots after ``runs``, consecutive with its last page when free."""
-        n = self.pages_for(tokens)
-        if runs and runs[-1][1] % self.page_size == 0:
-            nxt = runs[-1][1] // self.page_size
-            if nxt + n <= self.num_pages and self.allocator.alloc_at(nxt, n):
-                for p in range(nxt, nxt + n):
-                    self.refs[p] = 1
-                self.peak_used = max(self.peak_used, self.used_pages)
-                self.stats_contiguous_growth += 1
-                return [(nxt * self.page_size, (nxt + n) * self.page_size)]
-        self.stats_split_growth += bool(runs)
-        return self.allocate(tokens)
-
-    def pages(self, runs: Runs) -> set[int]:
-        """Pages touched by slot runs."""
-        ps, out = self.page_size, set()
-        for lo, hi in runs:
-            if hi > lo:
-                out.update(range(lo // ps, (hi - 1) // ps + 1))
-        return out
+        return pages
 
     def retain(self, pages: Iterable[int]) -> None:
         for p in pages:
             self.refs[p] += 1
 
-    def release(self, pages: Iterable[int]) -> None:
+    def release(self, pages: Iterable[int]) -> list[int]:
+        """Drop one hold on each page; returns the pages nobody holds any more (the caller frees or keeps
+        them: the pool does not know which ones the prefix cache wants)."""
+        dropped = []
         for p in pages:
             self.refs[p] -= 1
             if self.refs[p] == 0:
-                self.allocator.release(p)
+                dropped.append(p)
             elif self.refs[p] < 0:
                 raise RuntimeError(f"KV page {p} released more often than held")
+        return dropped
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Give unheld pages back to the allocator."""
+        for p in pages:
+            if self.refs[p]:
+                raise RuntimeError(f"KV page {p} freed while held {self.refs[p]} time(s)")
+            self.allocator.release(p)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V [T, Hkv, D] of one layer at ``slots`` [T]."""
@@ -185,63 +183,18 @@ class PagePool:
         self.v[layer].index_copy_(0, slots, v)
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy K/V of slots ``src`` into ``dst`` in every layer (the no-sharing baseline's copies)."""
+        """Copy K/V of slots ``src`` into ``dst`` in every layer (a page's computed part handed to another
+        holder; the no-sharing baseline's private copies)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
 
-# ---- slot runs ------------------------------------------------------------------------------------
-def runs_len(runs: Runs) -> int:
-    return sum(b - a for a, b in runs)
-
-
-def take_runs(runs: Runs, n: int) -> Runs:
-    """The first n slots of ``runs``."""
-    return split_runs(runs, n)[0]
-
-
-def split_runs(runs: Runs, n: int) -> tuple[Runs, Runs]:
-    """(first n slots, the rest) of ``runs``."""
-    head: Runs = []
-    rest: Runs = []
-    left = n
-    for a, b in runs:
-        if left >= b - a:
-            head.append((a, b))
-            left -= b - a
-        elif left > 0:
-            head.append((a, a + left))
-            rest.append((a + left, b))
-            left = 0
+def page_runs(pages: Iterable[int]) -> PageRuns:
+    """Consecutive pages merged into runs [(first, end), ...], in order."""
+    out: PageRuns = []
+    for p in pages:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
         else:
-            rest.append((a, b))
-    return head, rest
-
-
-def slice_runs(runs: Runs, start: int, end: int) -> Runs:
-    """Slots [start, end) of the concatenation of ``runs``."""
-    return split_runs(split_runs(runs, end)[0], start)[1]
-
-
-def append_runs(runs: Runs, more: Runs) -> None:
-    """Extend ``runs`` in place, merging a run that continues the last one."""
-    for a, b in more:
-        if b <= a:
-            continue
-        if runs and runs[-1][1] == a:
-            runs[-1] = (runs[-1][0], b)
-        else:
-            runs.append((a, b))
-
-
-def coalesce(runs: Runs) -> Runs:
-    out: Runs = []
-    append_runs(out, runs)
-    return out
-
-
-def slot_list(runs: Runs) -> list[int]:
-    out: list[int] = []
-    for a, b in runs:
-        out.extend(range(a, b))
+            out.append((p, p + 1))
     return out

@@ -1,9 +1,17 @@
-"""Token radix tree over cached KV: discovers shared prefixes, stores each once, evicts LRU leaves.
+"""The prefix index: a radix tree whose edges are whole KV pages, so sharing is found from token ids.
 
-Each node holds a run of tokens and, once prefill starts, the slot runs that store their KV (pages of
-the pool, ideally consecutive). Splitting a node at token k splits its slot runs at k, so no KV moves;
-a page cut in two is then held by both halves. Running sequences pin the nodes on their path with
-reference counts; only unpinned leaves are evicted, least recently used first.
+Each node is one full page: its ``page_size`` token ids (the edge label), the pool page holding their KV,
+and its parent, the page before it in every context through it. A path from the root is a cached prefix
+of whole pages; two contexts that agree on their first k pages meet the same k nodes, and their page
+tables hold the same k pages. Nothing is ever split inside a page: a page is immutable once full.
+
+A node is *computed* once its KV is written. A node can be in the tree before that (prompt pages are
+known when a request is admitted, and another request with the same prefix can then wait for them
+instead of computing them again); such a node is only ever written by the sequence that published it.
+
+Eviction is least recently used, leaves first: the tree keeps no hold on pages, so a cached page nobody
+holds is *idle*, and every descendant of an idle page is idle too (a context that holds a page holds every
+page before it). The tree evicts idle leaves until enough pages are freed.
 """
 
 from __future__ import annotations
@@ -12,184 +20,104 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from hydragen.kv.pool import PagePool, Runs, split_runs
-
-_clock = itertools.count()
+_clock = itertools.count(1)
 
 
 @dataclass(eq=False)
-class Node:
-    tokens: list[int]
-    parent: Node | None
-    start_pos: int  # absolute position of tokens[0] in every sequence through this node
-    runs: Runs = field(default_factory=list)  # slot runs covering len(tokens) slots; [] until allocated
-    filled: int = 0  # tokens whose KV is computed (prefill may take several chunks)
-    children: dict[int, Node] = field(default_factory=dict)
-    refs: int = 0
+class PageNode:
+    page: int  # pool page (-1 for the root)
+    key: tuple[int, ...]  # the page's token ids
+    parent: PageNode | None
+    depth: int  # the page's index in every page table through it
+    children: dict[tuple[int, ...], PageNode] = field(default_factory=dict)
+    computed: bool = False
     last_used: int = 0
 
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + len(self.tokens)
 
-    @property
-    def allocated(self) -> bool:
-        return bool(self.runs)
+class PrefixTree:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.root = PageNode(-1, (), None, -1, computed=True)
+        self.nodes: dict[int, PageNode] = {}  # page -> node
+        self._idle: list[tuple[int, int, int, PageNode]] = []  # (last_used, -depth, tie, node) heap
 
-    @property
-    def has_kv(self) -> bool:
-        return self.allocated and self.filled == len(self.tokens)
+    def __contains__(self, page: int) -> bool:
+        return page in self.nodes
 
-    def path(self) -> list[Node]:
-        """Ancestors from the root's first child down to self (the root itself excluded)."""
-        nodes, n = [], self
-        while n.parent is not None:
-            nodes.append(n)
-            n = n.parent
-        return nodes[::-1]
+    def __len__(self) -> int:
+        return len(self.nodes)
 
+    def key(self, tokens: list[int], index: int) -> tuple[int, ...]:
+        return tuple(tokens[index * self.page_size : (index + 1) * self.page_size])
 
-class RadixTree:
-    def __init__(self, pool: PagePool | None = None):
-        self.root = Node(tokens=[], parent=None, start_pos=0)
-        self.pool = pool
-        self.cached_tokens = 0  # tokens whose KV slots the tree holds
-
-    def insert(self, tokens: list[int]) -> Node:
-        """Make ``tokens`` a path of the tree (splitting where needed) and return its last node.
-
-        New nodes have no KV yet; the caller allocates and prefills them parent-first.
-        """
-        node, n = self.root, 0
-        while n < len(tokens):
-            child = node.children.get(tokens[n])
-            if child is None:
-                new = Node(tokens=list(tokens[n:]), parent=node, start_pos=n)
-                node.children[tokens[n]] = new
-                return new
-            k = _common(child.tokens, tokens, n)
-            if k < len(child.tokens):
-                child = self._split(child, k)
-            node, n = child, n + k
-        return node
-
-    def _split(self, node: Node, k: int) -> Node:
-        """Cut ``node`` after k tokens; returns the new upper half, which takes node's place."""
-        upper_runs, lower_runs = split_runs(node.runs, k) if node.runs else ([], [])
-        upper = Node(
-            tokens=node.tokens[:k],
-            parent=node.parent,
-            start_pos=node.start_pos,
-            runs=upper_runs,
-            filled=min(node.filled, k),
-            refs=node.refs,
-            last_used=node.last_used,
-        )
-        if self.pool is not None and node.runs:
-            # A page cut in two is held by both halves.
-            self.pool.retain(self.pool.pages(upper_runs) & self.pool.pages(lower_runs))
-        node.parent.children[upper.tokens[0]] = upper
-        node.tokens = node.tokens[k:]
-        node.start_pos += k
-        node.filled = max(0, node.filled - k)
-        node.runs = lower_runs
-        node.parent = upper
-        upper.children[node.tokens[0]] = node
-        return upper
-
-    def split_at(self, node: Node, position: int) -> None:
-        """Make a node boundary fall at absolute ``position`` inside ``node`` (its KV does not move)."""
-        if node.start_pos < position < node.end_pos:
-            self._split(node, position - node.start_pos)
-
-    def assign_kv(self, node: Node, runs: Runs, filled: int | None = None) -> None:
-        """Give ``node`` the slot runs (already held for it); ``filled`` tokens already hold KV."""
-        node.runs = runs
-        node.filled = len(node.tokens) if filled is None else filled
-        self.cached_tokens += len(node.tokens)
-
-    def match_len(self, tokens: list[int]) -> int:
-        """Length of the longest cached prefix of ``tokens``, without modifying the tree."""
-        node, n = self.root, 0
-        while n < len(tokens):
-            child = node.children.get(tokens[n])
-            if child is None:
+    def match(self, tokens: list[int], max_pages: int | None = None) -> list[PageNode]:
+        """Nodes of the longest cached prefix of ``tokens`` in whole pages (computed or in flight)."""
+        limit = len(tokens) // self.page_size
+        if max_pages is not None:
+            limit = min(limit, max_pages)
+        out, node = [], self.root
+        for i in range(limit):
+            node = node.children.get(self.key(tokens, i))
+            if node is None:
                 break
-            k = _common(child.tokens, tokens, n)
-            n += min(k, child.filled if child.allocated else 0)
-            if k < len(child.tokens) or not child.has_kv:
-                break
-            node = child
-        return n
-
-    def pin(self, node: Node, delta: int) -> None:
-        """Add ``delta`` references along the path to ``node`` and refresh its LRU time."""
-        now = next(_clock)
-        while node is not None and node.parent is not None:
-            node.refs += delta
-            node.last_used = now
-            node = node.parent
-
-    def remove(self, node: Node) -> None:
-        """Detach a leaf and release its pages."""
-        assert not node.children, "only leaves can be removed"
-        del node.parent.children[node.tokens[0]]
-        if node.runs:
-            self.cached_tokens -= len(node.tokens)
-            if self.pool is not None:
-                self.pool.release(self.pool.pages(node.runs))
-        node.runs, node.filled = [], 0
-
-    def evict(self, free_pages_wanted: int) -> int:
-        """Remove unpinned leaves, LRU first, until the pool has ``free_pages_wanted`` free pages (or
-        nothing is left to evict). Returns the tokens removed."""
-        heap = [(n.last_used, id(n), n) for n in self.leaves() if n.refs == 0]
-        heapq.heapify(heap)
-        removed = 0
-        while heap and (self.pool is None or self.pool.allocator.free < free_pages_wanted):
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            removed += len(leaf.tokens) if leaf.runs else 0
-            self.remove(leaf)
-            if parent.parent is not None and not parent.children and parent.refs == 0:
-                heapq.heappush(heap, (parent.last_used, id(parent), parent))
-        return removed
-
-    def evict_all(self) -> int:
-        """Remove every unpinned prefix (reset_prefix_cache). Returns the tokens removed."""
-        return self.evict(self.pool.num_pages + 1 if self.pool is not None else 0)
-
-    def evictable_pages(self) -> int:
-        """Pages that evicting every unpinned node would free (pins cover whole paths)."""
-        if self.pool is None:
-            return 0
-        free, kept, stack = set(), set(), [self.root]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n.parent is not None and n.runs:
-                (free if n.refs == 0 else kept).update(self.pool.pages(n.runs))
-        return len(free - kept)
-
-    def leaves(self) -> list[Node]:
-        out, stack = [], [self.root]
-        while stack:
-            n = stack.pop()
-            if n.children:
-                stack.extend(n.children.values())
-            elif n.parent is not None:
-                out.append(n)
+            out.append(node)
         return out
 
-    def clear(self) -> None:
-        while self.root.children:
-            for leaf in self.leaves():
-                self.remove(leaf)
+    def add(self, parent: PageNode, page: int, key: tuple[int, ...], computed: bool) -> PageNode:
+        """The child of ``parent`` with ``key``: the existing one (a page already holding those tokens, which
+        the caller may switch to), or a new node for ``page``."""
+        node = parent.children.get(key)
+        if node is not None:
+            return node
+        if page in self.nodes:
+            raise RuntimeError(f"KV page {page} is already in the prefix tree")
+        node = PageNode(page, key, parent, parent.depth + 1, computed=computed, last_used=next(_clock))
+        parent.children[key] = node
+        self.nodes[page] = node
+        return node
 
+    def remove(self, node: PageNode) -> None:
+        """Drop a leaf (evicted, or never computed by its writer)."""
+        if node.children:
+            raise RuntimeError("only a leaf of the prefix tree can be removed")
+        del node.parent.children[node.key]
+        del self.nodes[node.page]
 
-def _common(node_tokens: list[int], tokens: list[int], offset: int) -> int:
-    n = min(len(node_tokens), len(tokens) - offset)
-    i = 0
-    while i < n and node_tokens[i] == tokens[offset + i]:
-        i += 1
-    return i
+    def touch(self, pages: list[int]) -> None:
+        """Mark pages as just used (LRU); deeper pages get older times so a path is evicted from its end."""
+        now = next(_clock)
+        for p in pages:
+            node = self.nodes.get(p)
+            if node is not None:
+                node.last_used = now
+
+    def went_idle(self, page: int) -> None:
+        """A cached page nobody holds: a candidate for eviction."""
+        node = self.nodes[page]
+        heapq.heappush(self._idle, (node.last_used, -node.depth, next(_clock), node))
+
+    def evict(self, wanted: int, refs: list[int]) -> list[int]:
+        """Remove up to ``wanted`` idle pages, least recently used leaves first; returns their pages."""
+        out: list[int] = []
+        while self._idle and len(out) < wanted:
+            last_used, _, _, node = heapq.heappop(self._idle)
+            if (
+                self.nodes.get(node.page) is not node
+                or refs[node.page]
+                or node.children
+                or last_used != node.last_used
+            ):
+                continue  # held again, already gone, not a leaf yet, or a stale entry
+            parent = node.parent
+            self.remove(node)
+            out.append(node.page)
+            if parent.parent is not None and not parent.children and not refs[parent.page]:
+                self.went_idle(parent.page)
+        return out
+
+    def clear_idle(self, refs: list[int]) -> list[int]:
+        """Evict every idle page (``reset_prefix_cache``)."""
+        for page, node in list(self.nodes.items()):
+            if not refs[page] and not node.children:
+                self.went_idle(page)
+        return self.evict(len(self.nodes), refs)

@@ -8,12 +8,14 @@ build says so on stderr, with the folder.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,14 +28,36 @@ _META = "hydragen_tokenizer.json"  # extra eos ids from the GGUF metadata, kept 
 
 
 class Tokenizer:
-    """The few tokenizer operations the engine needs, with every end-of-sequence id gathered in one set."""
+    """The few tokenizer operations the engine needs, with every end-of-sequence id gathered in one set.
+
+    Safe to call from any number of threads: a fast tokenizer is not (concurrent calls fail with "Already
+    borrowed"), so each thread works on its own copy, made on its first call from a pristine one. The
+    server's request threads then never wait for the engine thread, nor it for them.
+    """
 
     def __init__(self, hf_tokenizer: Any, extra_eos_ids: Iterable[int | None] = ()) -> None:
-        self._tok = hf_tokenizer
+        self._first = hf_tokenizer  # the loading thread's copy
+        self._owner = threading.get_ident()
+        self._pristine = copy.deepcopy(hf_tokenizer)  # never used to encode: what other threads copy
+        self._copy_lock = threading.Lock()
+        self._local = threading.local()
         eos = {int(i) for i in extra_eos_ids if i is not None}
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self._eos = frozenset(eos)
+
+    @property
+    def _tok(self) -> Any:
+        """This thread's fast tokenizer."""
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            if threading.get_ident() == self._owner:
+                tok = self._first
+            else:
+                with self._copy_lock:
+                    tok = copy.deepcopy(self._pristine)
+            self._local.tok = tok
+        return tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))

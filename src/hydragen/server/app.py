@@ -66,24 +66,29 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
 
     @app.get("/metrics")
     async def prometheus():
-        e = llm.engine
-        st, kv = e.stats, e.kv_usage()
+        snap = llm.engine.snapshot  # published by the engine thread after every step; never the live state
+        st = snap.stats
         rows = [
-            ("hydragen_requests_running", "gauge", "sequences in the decode batch", e.num_running),
             (
-                "hydragen_requests_waiting",
+                "hydragen_requests_running",
                 "gauge",
-                "sequences waiting or prefilling",
-                len(e.waiting) + len(e.prefilling),
+                "sequences holding KV pages (decoding or prefilling)",
+                snap.running,
             ),
+            ("hydragen_requests_waiting", "gauge", "sequences waiting for admission", snap.waiting),
             (
                 "hydragen_kv_pages_used",
                 "gauge",
-                f"KV pages in use ({e.pool.page_size} tokens a page)",
-                kv["used"],
+                f"KV pages in use, held or cached ({snap.page_size} tokens a page)",
+                snap.pages_used,
             ),
-            ("hydragen_kv_pages_free", "gauge", "free KV pages", kv["total"] - kv["used"]),
-            ("hydragen_prefix_cache_tokens", "gauge", "tokens held by the prefix tree", kv["cached"]),
+            ("hydragen_kv_pages_free", "gauge", "free KV pages", snap.pages_total - snap.pages_used),
+            (
+                "hydragen_prefix_cache_tokens",
+                "gauge",
+                "tokens held by the prefix tree (whole pages)",
+                snap.pages_cached * snap.page_size,
+            ),
             ("hydragen_prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens", st.hit_rate),
             (
                 "hydragen_generation_tokens_per_second",

@@ -67,6 +67,7 @@ class AsyncEngine:
     def __init__(self, llm, metrics: LatencyMetrics | None = None):
         self.llm = llm
         self.engine = llm.engine
+        self.loop = llm.loop
         self.metrics = metrics or LatencyMetrics()
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -76,9 +77,12 @@ class AsyncEngine:
         self.failure: str | None = None  # set when the engine loop failed: it takes no more requests
         self.draining = False  # shutting down: in-flight requests finish, new ones are refused
         self.started = time.time()
-        self.tokens_per_second = 0.0
         self._thread = threading.Thread(target=self._run, name="hydragen-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 0.0 if self.failure is not None or self.loop.idle else self.loop.tokens_per_second
 
     # ---- called from the event loop ---------------------------------------------------------------
     def unavailable(self) -> APIError | None:
@@ -141,27 +145,17 @@ class AsyncEngine:
             self._reject_queued()
 
     def _loop(self) -> None:
-        window: list[tuple[float, int]] = []
         while not self._stop:
             self._drain_commands()
-            if self.failure is not None or not self.engine.has_unfinished():
-                self.tokens_per_second = 0.0
+            if self.failure is not None or self.loop.idle:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            before = self.engine.stats.generated_tokens
             try:
-                self.engine.step()
+                self.loop.step()  # every tracked request's update goes out through _updated
             except Exception as e:  # not attributable to a request: the engine's state is suspect
                 traceback.print_exc()
                 self._die(failure_message("engine step", e))
-                continue
-            now = time.time()
-            window.append((now, self.engine.stats.generated_tokens - before))
-            window = [(t, n) for t, n in window if now - t < 5.0]
-            span = max(now - window[0][0], 1e-3) if len(window) > 1 else 1.0
-            self.tokens_per_second = sum(n for _, n in window) / span
-            self._publish()
 
     def _die(self, message: str) -> None:
         log.error("engine failed, ending %d request(s) in flight: %s", len(self._tracked), message)
@@ -171,7 +165,7 @@ class AsyncEngine:
             tr.times.finished = time.monotonic()
             self._send(tr, Update([], True, error))
             with contextlib.suppress(Exception):  # best effort: the engine is already failed
-                self.engine.abort(rid)
+                self.loop.abort(rid)
         self._tracked.clear()
 
     def _drain_commands(self) -> None:
@@ -195,7 +189,7 @@ class AsyncEngine:
         """Abort in the engine unless it has already failed; a failing abort fails the engine."""
         if self.failure is None:
             try:
-                self.engine.abort(request_id)
+                self.loop.abort(request_id)
             except Exception as e:
                 traceback.print_exc()
                 self._die(failure_message("abort", e))
@@ -207,7 +201,7 @@ class AsyncEngine:
         self._ids += 1
         rid = f"req-{self._ids}"
         try:
-            req = self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=rid)
+            req = self.loop.add(prompt_ids, params, prompt=prompt, request_id=rid, on_update=self._updated)
         except (ValueError, TypeError) as e:
             loop.call_soon_threadsafe(_set_exception, accepted, e)
             return
@@ -234,30 +228,28 @@ class AsyncEngine:
                 with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                     loop.call_soon_threadsafe(_set_exception, accepted, error)
 
-    def _publish(self) -> None:
+    def _updated(self, req: Request, output) -> None:
+        """The step loop's callback after each step: send the request's new text and tokens."""
+        rid = req.request_id
+        tr = self._tracked.get(rid)
+        if tr is None:
+            return
         now = time.monotonic()
-        for rid, tr in list(self._tracked.items()):
-            try:
-                upd = self._update_for(tr, now)
-            except Exception as e:  # building this request's update failed: it alone ends
-                traceback.print_exc()
-                upd = Update([], True, request_failed(failure_message("output building", e)))
-                tr.times.finished = now
-                try:
-                    self.engine.abort(rid)
-                except Exception as e:
-                    traceback.print_exc()
-                    self._send(tr, upd)
-                    del self._tracked[rid]
-                    self._die(failure_message("abort", e))
-                    return
-            if upd is not None:
-                self._send(tr, upd)
-            if upd is not None and upd.finished:
-                del self._tracked[rid]
-                if upd.error is not None:
-                    self.metrics.failed += 1
-                self.metrics.observe(tr.times)
+        try:
+            upd = self._update_for(tr, now)
+        except Exception as e:  # building this request's update failed: it alone ends
+            traceback.print_exc()
+            upd = Update([], True, request_failed(failure_message("output building", e)))
+            tr.times.finished = now
+            self._abort_in_engine(rid)
+        if upd is not None:
+            self._send(tr, upd)
+        if upd is not None and upd.finished:
+            self._tracked.pop(rid, None)
+            self.loop.forget(rid)
+            if upd.error is not None:
+                self.metrics.failed += 1
+            self.metrics.observe(tr.times)
 
     def _update_for(self, tr: _Tracked, now: float) -> Update | None:
         req = tr.request

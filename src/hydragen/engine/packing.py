@@ -1,0 +1,136 @@
+"""A frozen step plan as one packed batch: token ids, positions, KV slots and the attention metadata.
+
+Every work item's tokens go into one varlen batch, in the plan's depth-first order, so the items that share
+pages are neighbours and each shared run is read for a contiguous range of query tokens:
+
+* a **shared run** (pages held by several items, chosen by the cost rule) is one non-causal unit over its
+  slot runs for all those items' tokens: one matrix product reads it once;
+* the rest of an item's context, from its cut, is read per item, in place through its pages: one segment
+  for a decode token or a short extend; for a long prefill chunk, non-causal units over the context before
+  the chunk and a causal unit over the chunk itself (matrix products again).
+
+Each layer writes the step's new K/V into the pool before attending, so a chunk sees its own keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hydragen.attention.step_attention import StepAttentionMeta
+from hydragen.engine.step_plan import StepPlan
+
+UNIT_TOKENS = 16  # items with at least this many tokens read their context by matrix products (units)
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] where each token's K/V is written
+    meta: StepAttentionMeta
+    logit_rows: torch.Tensor  # [R] the tokens whose logits are sampled (one per sampling work item)
+    num_prefill_tokens: int  # tokens of items that do not sample (prompt chunks before the last)
+    # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables.
+    tree_plan: object | None = None
+    tail_lens: torch.Tensor | None = None
+    shared_items: int = 0  # shared runs read by ranges of items
+
+
+def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, int]]:
+    """Slot runs holding positions [first, end) of a context stored in ``pages`` (consecutive pages merge)."""
+    out: list[tuple[int, int]] = []
+    pos = first
+    while pos < end:
+        i = pos // page_size
+        lo = pages[i] * page_size + pos % page_size
+        take = min(end - pos, page_size - pos % page_size)
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], lo + take)
+        else:
+            out.append((lo, lo + take))
+        pos += take
+    return out
+
+
+def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]]:
+    """The packed batch of ``plan``, and per work item its first token's index in it."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    units: list[tuple[int, int, int, int, int]] = []
+    segments: list[tuple[int, int, list[tuple[int, int]], int]] = []
+    logit_rows: list[int] = []
+    starts: list[int] = []
+    not_sampling = 0
+    cuts = plan.cuts or (0,) * len(plan.work)
+    for w, cut in zip(plan.work, cuts, strict=True):
+        t0, k = len(ids), len(w.tokens)
+        starts.append(t0)
+        ids += w.tokens
+        pos += range(w.start, w.end)
+        own = slot_runs(w.pages, page_size, w.start, w.end)
+        for lo, hi in own:
+            slots += range(lo, hi)
+        context = slot_runs(w.pages, page_size, cut * page_size, w.start)
+        if k >= UNIT_TOKENS:
+            units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
+            if len(own) == 1:
+                units.append((own[0][0], own[0][1], t0, t0 + k, 1))
+                segments.append((t0, t0 + k, [], 0))
+            else:
+                segments.append((t0, t0 + k, own, 1))
+        else:
+            segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1))
+        if w.sample:
+            logit_rows.append(t0 + k - 1)
+        else:
+            not_sampling += k
+    starts.append(len(ids))
+    for run in plan.shared:
+        first = plan.work[run.lo]
+        for lo, hi in slot_runs(first.pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
+            units.append((lo, hi, starts[run.lo], starts[run.hi], 0))
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    batch = PackedBatch(
+        as_tensor(ids),
+        as_tensor(pos),
+        as_tensor(slots),
+        StepAttentionMeta.build(units, segments, len(ids), device),
+        as_tensor(logit_rows),
+        not_sampling,
+        shared_items=len(plan.shared),
+    )
+    return batch, starts[:-1]
+
+
+def triton_tables(plan: StepPlan, page_size: int, device, group: int, num_kv_heads: int, options: dict):
+    """The Triton tree-decode tables (``tree_plan.py``) for a step where every item decodes one token:
+    shared runs as slot ranges read by item ranges, and each item's tail (from its cut) as a page table.
+    None for any other step (it takes the general path)."""
+    if not plan.work or any(len(w.tokens) != 1 for w in plan.work):
+        return None
+    from hydragen.attention.tree_plan import build_tree_plan
+
+    items = []
+    for run in plan.shared:
+        first = plan.work[run.lo]
+        for lo, hi in slot_runs(first.pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
+            items.append((lo, hi, run.lo, run.hi))
+    cuts = plan.cuts or (0,) * len(plan.work)
+    tails = [w.pages[cut:] for w, cut in zip(plan.work, cuts, strict=True)]
+    lens = [w.end - cut * page_size for w, cut in zip(plan.work, cuts, strict=True)]
+    table = torch.zeros(len(tails), max(map(len, tails)), dtype=torch.int32)
+    for i, pages in enumerate(tails):
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    tree = build_tree_plan(
+        items,
+        table.to(device),
+        page_size,
+        group=group,
+        num_kv_heads=num_kv_heads,
+        tail_cap=max(lens),
+        **options,
+    )
+    return tree, torch.tensor(lens, dtype=torch.long, device=device)
