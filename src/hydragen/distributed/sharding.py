@@ -25,30 +25,39 @@ class TPSplitError(ValueError):
 
 
 def check_split(cfg: ModelConfig, world: int) -> None:
-    """Raise TPSplitError naming the reason when ``cfg`` cannot run on ``world`` tensor-parallel ranks."""
+    """Raise TPSplitError naming the reason, and the sizes that work, when ``cfg`` cannot run on ``world``
+    tensor-parallel ranks."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise TPSplitError(f"tensor_parallel_size must be a positive integer, got {world!r}")
+    why = _split_problem(cfg, world)
+    if why is not None:
+        sizes = [n for n in range(1, cfg.num_heads + 1) if _split_problem(cfg, n) is None]
+        raise TPSplitError(f"{why} (sizes that work for this model: {', '.join(map(str, sizes))})")
+
+
+def _split_problem(cfg: ModelConfig, world: int) -> str | None:
     heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     if heads % world:
-        raise TPSplitError(
+        return (
             f"cannot split {heads} attention heads over {world} ranks: tensor_parallel_size must divide "
             "the number of attention heads"
         )
     if kv >= world and kv % world:
-        raise TPSplitError(
+        return (
             f"cannot split {kv} KV heads over {world} ranks: with at least as many KV heads as ranks, "
             "tensor_parallel_size must divide the number of KV heads"
         )
     if kv < world and world % kv:
-        raise TPSplitError(
+        return (
             f"cannot replicate {kv} KV heads over {world} ranks: with fewer KV heads than ranks, "
             "tensor_parallel_size must be a multiple of the number of KV heads"
         )
     if inter % world:
-        raise TPSplitError(
+        return (
             f"cannot split the MLP's {inter} columns over {world} ranks: tensor_parallel_size must divide "
             "intermediate_size"
         )
+    return None
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,7 @@ class Engine:
         self.stats = EngineStats()
         self.last_plan = StepPlan()
         self.snapshot = EngineSnapshot.of(self)
+        self.threads = None  # a cpu_threads.ThreadGovernor, when the caller wants the thread count managed
         self._ids = itertools.count()
 
     # ---- views ----------------------------------------------------------------------------------
@@ -258,6 +259,8 @@ class Engine:
         detokenization or output) ends that request with ``RequestOutput.error`` set; the others go on
         untouched. Anything else raises (the caller fails everything in flight).
         """
+        if self.threads is not None:
+            self.threads.check()  # cheap: measures the other load every few seconds at most
         t0 = time.perf_counter()
         done: list[RequestOutput] = []
         if self.ended:
