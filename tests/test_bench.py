@@ -147,42 +147,32 @@ def test_tree_quick(tiny_models, tmp_path):
     assert matched[0]["kv_tokens_model"] <= kv_tokens_needed("onelevel", 40, 2, 16, 3, 4)
     assert all(r["same_seqs"] == 1.0 for r in rows if r["mode"] != "tree")
     assert all(r["decode_tok_s"] > 0 and r["preemptions"] == 0 for r in rows)
-    assert all(0.0 <= r["run_splits"] <= 1.0 for r in rows)
     peak = {(r["mode"], r["problems"]): r["peak_kv_mib"] for r in rows}
     assert peak[("tree", 2)] < peak[("onelevel", 2)] < peak[("nosharing", 2)]
     assert (tmp_path / "tree_throughput_vs_batch.png").read_bytes()[:8] == PNG
 
 
 def test_tree_onelevel_reads_only_the_fewshot_block_shared(tiny_models):
-    """share_limit: the problem node is copied into each sample's tail, the few-shot node stays shared."""
+    """One-level sharing (the scheduler's Sharing(limit=F)): each sample holds its own copy of its problem's
+    pages, only the few-shot pages stay shared; full sharing also shares each problem among its samples."""
     from hydragen import LLM, SamplingParams
+    from hydragen.engine.scheduler import Sharing
 
-    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
-    prompts = tree_prompts(llm.config.vocab_size, 40, 2, 16)
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096, page_size=8)  # 40 few-shot tokens = 5 pages
+    prompts = tree_prompts(llm.config.vocab_size, 40, 2, 16)  # 56 tokens each: 7 pages
     assert prompts[0][:40] == prompts[1][:40] and prompts[0][40] != prompts[1][40]
     eng = llm.engine
-    for limit, shared_items in ((None, 3), (40, 1)):
-        eng.share_limit = limit
+    for limit, runs, cut in ((None, [(0, 5, 0, 4), (5, 7, 0, 2), (5, 7, 2, 4)], 7), (40, [(0, 5, 0, 4)], 5)):
+        eng.scheduler.sharing = Sharing(limit=limit)
         llm.reset_prefix_cache()
         for ids in prompts:
             eng.add_request(ids, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
-        while eng.batch is None:
+        while len(eng.last_plan.work) != 4:
             eng.step()
-        assert len(eng.batch.items) == shared_items
-        assert max(s.cut for s in eng.batch.seqs) == (
-            55 if limit is None else 40
-        )  # last prompt token is private
+        assert sorted(eng.batch.shared) == runs
+        assert eng.last_plan.cuts == (cut,) * 4
         while eng.has_unfinished():
             eng.step()
-    # One problem: its whole prompt is one node; the limit still shares the few-shot part (a split there).
-    eng.share_limit = 40
-    llm.reset_prefix_cache()
-    eng.add_request(prompts[0], SamplingParams(n=3, max_tokens=3, ignore_eos=True))
-    while eng.batch is None:
-        eng.step()
-    assert len(eng.batch.items) == 1 and {s.cut for s in eng.batch.seqs} == {40}
-    while eng.has_unfinished():
-        eng.step()
 
 
 def test_floor_counts_model_and_shared_attention_once():

@@ -55,18 +55,22 @@ def test_greedy_matches_transformers(tiny_models, references, name, sharing):
 
 
 def test_prefill_once_per_tree_node(tiny_models):
-    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096)
-    llm.generate(PROMPTS, SamplingParams(n=3, temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    """One-token pages make the prefix tree a token tree: every distinct prefix of the prompts (but their
+    last tokens) is computed once, whichever request computes it first, and each request's last prompt
+    token once for its n samples (they sample from the same logits). Sharing off, each request computes
+    its own prompt once and its samples copy it."""
+    params = SamplingParams(n=3, temperature=0, max_tokens=2, ignore_eos=True)
+    llm = LLM(tiny_models["llama"], kv_cache_tokens=4096, page_size=1)
+    llm.generate(PROMPTS, params, use_tqdm=False)
     st = llm.engine.stats
-    # Unique tokens of the tree over prompt[:-1], plus the last prompt token once per sequence.
     unique = set()
     for p in PROMPTS:
         unique.update(tuple(p[: i + 1]) for i in range(len(p) - 1))
-    assert st.prefill_tokens == len(unique) + 3 * len(PROMPTS)
+    assert st.prefill_tokens == len(unique) + len(PROMPTS)
     assert st.prompt_tokens == 3 * sum(len(p) for p in PROMPTS)
-    off = LLM(tiny_models["llama"], prefix_sharing=False, kv_cache_tokens=4096)
-    off.generate(PROMPTS, SamplingParams(n=3, temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    assert off.engine.stats.prefill_tokens == sum(len(p) - 1 for p in PROMPTS) + 3 * len(PROMPTS)
+    off = LLM(tiny_models["llama"], prefix_sharing=False, kv_cache_tokens=4096, page_size=1)
+    off.generate(PROMPTS, params, use_tqdm=False)
+    assert off.engine.stats.prefill_tokens == sum(len(p) for p in PROMPTS)
 
 
 def test_shared_nodes_are_batched_not_copied(tiny_models):
@@ -77,13 +81,14 @@ def test_shared_nodes_are_batched_not_copied(tiny_models):
     eng = llm.engine
     for p in PROMPTS[:3]:
         eng.add_request(p, SamplingParams(n=4, temperature=0, max_tokens=3, ignore_eos=True))
-    eng.step()
-    batch = eng.batch
-    assert len(batch.seqs) == 12
-    stem_items = [it for it in batch.items if it[3] - it[2] == 12]
-    assert stem_items, f"no plan item covers all 12 sequences: {batch.items}"
-    # Private tails hold only the last prompt token + generated ones (nothing of the shared prompt).
-    assert max(s.tail_len for s in batch.seqs) == 1
+    eng.step()  # the three prompts; each request's 4 samples fork from it
+    eng.step()  # all 12 decode
+    plan = eng.last_plan
+    assert len(plan.work) == 12
+    stem = [r for r in plan.shared if (r.lo, r.hi) == (0, 12)]
+    assert stem and stem[0].page_hi * 2 >= len(STEM), f"no shared run covers all 12 sequences: {plan.shared}"
+    # Each sequence reads per sequence only its last, partial page (nothing of the shared prompt).
+    assert max(w.start - cut * 2 for w, cut in zip(plan.work, plan.cuts, strict=True)) <= 2
     assert eng.stats.peak_kv_tokens < 12 * len(PROMPTS[0])
 
 

@@ -304,3 +304,77 @@ def test_health_answers_while_huge_prompts_are_parsed_and_tokenized(server, monk
     assert [r.status_code for r in results] == [400] * 3
     assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in results)
     assert encode.arrived == 1  # the text past the bound and the token ids were never tokenized
+
+
+def test_sequential_requests_keep_their_own_sampling_settings(server, embedded_llm):
+    """One request after another, alternating greedy and seeded sampling with different top_p / top_k:
+    each answer equals the offline answer for its own settings (never a finished request's settings)."""
+    url, _ = server
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=1.2, top_p=0.9, seed=3),
+        dict(temperature=0.7, top_k=5, seed=4),
+    ]
+    prompt = "Once upon a time"
+    offline = [
+        embedded_llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, **k), use_tqdm=False)[0]
+        for k in kinds
+    ]
+    for i in range(12):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, **kinds[i % 3]}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == offline[i % 3].outputs[0].text, i
+
+
+def test_32_streaming_clients_on_both_endpoints(server, client, embedded_llm):
+    """32 concurrent streams, half chat and half completions: tokenizing on the server's threads beside the
+    engine's detokenizing, every stream equals the offline output."""
+    questions = [f"In one sentence, what is book number {i} about?" for i in range(32)]
+
+    def ask(i: int) -> str:
+        if i % 2:
+            stream = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": questions[i]}],
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+            )
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        stream = client.completions.create(
+            model=MODEL, prompt=questions[i], max_tokens=10, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, range(32)))
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    for i, answer in enumerate(answers):
+        if i % 2:
+            conv = [{"role": "user", "content": questions[i]}]
+            want = embedded_llm.chat(conv, greedy, use_tqdm=False)[0].outputs[0].text
+        else:
+            want = embedded_llm.generate(questions[i], greedy, use_tqdm=False)[0].outputs[0].text
+        assert answer == want, i
+
+
+def test_metrics_read_the_engine_snapshot(server, monkeypatch):
+    """/metrics reads what the engine thread published after its last step, never the live engine: the
+    KV manager's usage is only ever asked for from the engine thread."""
+    url, llm = server
+    callers = []
+    real = llm.engine.kv.usage
+
+    def usage():
+        callers.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(llm.engine.kv, "usage", usage)
+    body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                assert metric(url, "hydragen_kv_pages_used") >= 0
+    assert metric(url, "hydragen_kv_pages_used") > 0
+    assert callers and set(callers) == {"hydragen-engine"}

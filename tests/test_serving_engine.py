@@ -1,14 +1,33 @@
 """The step engine as a server drives it: persistent prefix cache, chunked prefill, eviction, preemption,
-aging. Tiny random models keep it exact and fast; outputs are compared with a fresh engine run alone."""
+aging, the cost rule. Tiny random models keep it exact and fast; outputs are compared with a fresh engine
+run alone. The prefix cache holds whole pages (16 tokens here), so a hit covers the whole pages two
+contexts share and the rest of the prompt is computed."""
 
 from __future__ import annotations
 
 import pytest
 
 from hydragen import LLM, SamplingParams
+from hydragen.engine.sequence import Status
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 SYSTEM = [20 + (7 * i) % 200 for i in range(300)]  # a long shared "system prompt" (vocab is 256)
+PAGE = 16
+
+
+def whole_pages(tokens: int) -> int:
+    """Tokens in the whole pages of ``tokens``: what the prefix cache can hold of them."""
+    return tokens // PAGE * PAGE
+
+
+def wait_for_decode(engine, seqs: int) -> None:
+    """Step until a step decodes ``seqs`` sequences and nothing else."""
+    for _ in range(500):
+        engine.step()
+        work = engine.last_plan.work
+        if len(work) == seqs and all(len(w.tokens) == 1 for w in work):
+            return
+    raise AssertionError("no pure decode step")
 
 
 def run_all(engine, max_steps: int = 10_000) -> int:
@@ -40,12 +59,13 @@ def test_second_request_skips_cached_system_prompt_and_batches_with_the_first(pa
     before = eng.stats.prefill_tokens
     second = eng.add_request(SYSTEM + [8, 9], SamplingParams(max_tokens=8, **GREEDY))
     eng.step()
-    # Only the new suffix (one token before the last) plus the last token were computed.
-    assert eng.stats.prefill_tokens - before == 2
-    assert second.cached_tokens == len(SYSTEM)
-    # Both running sequences read the shared system prompt through one plan item.
+    # Only what is past the shared whole pages was computed (the last prompt token always is).
+    cached = whole_pages(len(SYSTEM))
+    assert eng.stats.prefill_tokens - before == len(SYSTEM) + 2 - cached
+    assert second.cached_tokens == cached
+    # Both running sequences read the shared system prompt's pages through one shared run.
     assert len(eng.batch.seqs) == 2
-    assert any(i == 0 and j == 2 and end - start >= len(SYSTEM) for start, end, i, j in eng.batch.items)
+    assert (0, cached // PAGE, 0, 2) in eng.batch.shared
     run_all(eng)
     assert first.seqs[0].generated == alone(path, SYSTEM + [5, 6, 7], 20)
     assert second.seqs[0].generated == alone(path, SYSTEM + [8, 9], 8)
@@ -57,10 +77,11 @@ def test_generated_tokens_are_cached_for_the_next_turn(path):
     follow_up = SYSTEM[:50] + out.outputs[0].token_ids + [3, 4]
     before = llm.engine.stats.prefill_tokens
     out2 = llm.generate([follow_up], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)[0]
-    # Everything but the two new tokens (minus the fed last token, plus one for the last generated
-    # token whose KV was never computed) came from the cache.
-    assert llm.engine.stats.prefill_tokens - before <= 3
-    assert out2.cached_prompt_tokens >= 50 + 11
+    # The whole pages of the first turn's computed context (its prompt and 11 of its 12 tokens: the last
+    # one was never fed back) came from the cache; the rest of the new prompt was computed.
+    cached = whole_pages(50 + 11)
+    assert out2.cached_prompt_tokens == cached
+    assert llm.engine.stats.prefill_tokens - before == len(follow_up) - cached
     assert out2.outputs[0].token_ids == alone(path, follow_up, 5)
 
 
@@ -70,14 +91,14 @@ def test_hit_rate_accounting(path):
     llm.generate([SYSTEM + [2]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     st = llm.engine.stats
     assert st.prompt_tokens == 2 * (len(SYSTEM) + 1)
-    assert st.cache_hit_tokens == len(SYSTEM)
-    assert st.hit_rate == pytest.approx(len(SYSTEM) / (2 * (len(SYSTEM) + 1)))
+    assert st.cache_hit_tokens == whole_pages(len(SYSTEM))
+    assert st.hit_rate == pytest.approx(whole_pages(len(SYSTEM)) / (2 * (len(SYSTEM) + 1)))
 
 
 def test_chunked_prefill_does_not_stall_running_sequences(path):
     llm = LLM(path, kv_cache_tokens=8192)
     eng = llm.engine
-    eng.prefill_budget = eng.prefill_chunk = 64
+    eng.scheduler.prefill_budget = eng.scheduler.prefill_chunk = 64
     running = eng.add_request([7, 8, 9], SamplingParams(max_tokens=40, **GREEDY))
     eng.step()
     long_prompt = [30 + (11 * i) % 220 for i in range(400)]
@@ -130,7 +151,7 @@ def test_seeded_sampling_survives_preemption(path):
 def test_aging_bounds_how_long_a_cold_request_waits(path):
     llm = LLM(path, kv_cache_tokens=16384, max_num_seqs=4)
     eng = llm.engine
-    eng.max_wait_steps = 8
+    eng.scheduler.max_wait_steps = 8
     hot = SYSTEM[:100]
     eng.add_request(hot + [1], SamplingParams(max_tokens=2, **GREEDY))
     run_all(eng)  # the hot prefix is cached now
@@ -140,14 +161,14 @@ def test_aging_bounds_how_long_a_cold_request_waits(path):
     for k in range(200):  # a steady flood of hot requests that always look better to the scheduler
         eng.add_request(hot + [2 + k % 50], SamplingParams(max_tokens=3, **GREEDY))
         eng.step()
-        if admitted_at is None and cold.seqs[0].node is not None:
+        if admitted_at is None and cold.seqs[0].sched.status is not Status.WAITING:
             admitted_at = eng.step_count
         if cold.finished:
             break
     assert cold.finished
     # Aged after max_wait_steps; then it takes the next free slot, which opens within max_tokens (3)
     # steps because every running request is that short.
-    assert admitted_at is not None and admitted_at - arrived <= eng.max_wait_steps + 4
+    assert admitted_at is not None and admitted_at - arrived <= eng.scheduler.max_wait_steps + 4
 
 
 def test_abort_frees_pages(path):
@@ -163,40 +184,38 @@ def test_abort_frees_pages(path):
     assert all(s.finish_reason == "abort" for s in req.seqs)
 
 
-def test_cost_rule_copies_groups_that_do_not_save_enough_reads(path, share_every_common_node):
-    """A group of nodes held by h sequences is read as shared only when (h - 1) x tokens reaches the
-    threshold; otherwise it is copied into the tails. Either way the tokens are the same."""
+def test_cost_rule_shares_only_groups_that_save_enough_reads(path, share_every_common_node):
+    """Pages held by h sequences are read by one batched call only when (h - 1) x (tokens - 16) reaches
+    the threshold; otherwise each sequence reads them in place. Either way the tokens are the same."""
     real_default = share_every_common_node
-    assert real_default > 855  # the default (tests otherwise run with 0) copies this prompt
     params = SamplingParams(n=4, max_tokens=6, **GREEDY)
-    prompt = SYSTEM + [5, 6]  # one group of 301 tokens held by 4 sequences: 3 x (301 - 16) = 855
+    prompt = SYSTEM + [5, 6]  # 18 whole pages (288 tokens) held by the 4 samples: 3 x (288 - 16) = 816
+    assert real_default > 816  # the default reads this prompt per sequence
     ref = LLM(path, kv_cache_tokens=8192, min_shared_reads=0)
     expected = ref.generate([prompt], params, use_tqdm=False)[0]
-    for threshold, shared in [(0, True), (855, True), (856, False), (real_default, False)]:
+    for threshold, shared in [(0, True), (816, True), (817, False), (real_default, False)]:
         llm = LLM(path, kv_cache_tokens=8192, min_shared_reads=threshold)
         eng = llm.engine
         req = eng.add_request(prompt, params)
-        while eng.batch is None:
-            eng.step()
-        assert bool(eng.batch.items) == shared, threshold
-        assert all(s.cut == (len(prompt) - 1 if shared else 0) for s in eng.batch.seqs)
+        wait_for_decode(eng, 4)
+        assert bool(eng.batch.shared) == shared, threshold
+        assert eng.last_plan.cuts == ((18 if shared else 0),) * 4
         run_all(eng)
         assert [s.generated for s in req.seqs] == [c.token_ids for c in expected.outputs]
 
-    # Nested: a short group (the 2 or 3 tokens after SYSTEM[:100], held by 2) under a long one (held
-    # by 4: 3 x 84 = 252 >= 150). The long one is shared; the short ones are copied into the tails.
+    # Nested: a page held by each request's 2 samples (1 x (16 - 16) = 0 < 150) under 6 pages held by all
+    # 4 (3 x (96 - 16) = 240 >= 150). The 6 pages are shared; each sample reads its request's page itself.
     llm = LLM(path, kv_cache_tokens=8192, min_shared_reads=150)
     eng = llm.engine
     two = SamplingParams(n=2, max_tokens=4, **GREEDY)
-    a = eng.add_request(SYSTEM[:100] + [1, 2, 3], two)
-    b = eng.add_request(SYSTEM[:100] + [9, 8, 7, 6], two)
-    while eng.batch is None or len(eng.batch.seqs) < 4:
-        eng.step()
-    assert {s.cut for s in eng.batch.seqs} == {100}
-    assert [(i, j) for _, _, i, j in eng.batch.items] == [(0, 4)]
+    prompts = [SYSTEM[:96] + list(range(30, 50)), SYSTEM[:96] + list(range(60, 80))]
+    reqs = [eng.add_request(p, two) for p in prompts]
+    wait_for_decode(eng, 4)
+    assert eng.last_plan.cuts == (6, 6, 6, 6)
+    assert [(r.page_lo, r.page_hi, r.lo, r.hi) for r in eng.last_plan.shared] == [(0, 6, 0, 4)]
     run_all(eng)
-    for req, prompt in [(a, SYSTEM[:100] + [1, 2, 3]), (b, SYSTEM[:100] + [9, 8, 7, 6])]:
-        assert req.seqs[0].generated == alone(path, prompt, 4)
+    for req, prompt in zip(reqs, prompts, strict=True):
+        assert [s.generated for s in req.seqs] == [alone(path, prompt, 4)] * 2
 
 
 def test_min_shared_reads_is_validated(path):
@@ -214,9 +233,8 @@ def test_cost_rule_never_costs_memory(path, share_every_common_node):
         llm = LLM(path, kv_cache_tokens=480, min_shared_reads=threshold)
         eng = llm.engine
         req = eng.add_request(prompt, params)
-        while eng.batch is None:
-            eng.step()
-        assert bool(eng.batch.items) == (threshold == 0)
+        wait_for_decode(eng, 4)
+        assert bool(eng.batch.shared) == (threshold == 0)
         run_all(eng)
         assert req.error is None and eng.stats.preemptions == 0
         assert [s.generated for s in req.seqs] == [alone(path, prompt, 6)] * 4

@@ -150,3 +150,19 @@ def test_hf_directory(ref, tmp_path) -> None:
 def test_missing_path(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "nope")
+
+
+def test_threads_may_share_one_tokenizer(cold) -> None:
+    """The server tokenizes on worker threads while the engine thread detokenizes: every thread gets the
+    single-threaded results (a fast tokenizer shared as is fails with "Already borrowed")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [t * 40 for t in TEXTS if t] + ["a long prompt " * 500]
+    want = [(cold.encode(t), cold.decode(cold.encode(t)), cold.apply_chat_template(CHAT)) for t in texts]
+
+    def work(i: int):
+        return [(cold.encode(t), cold.decode(cold.encode(t)), cold.apply_chat_template(CHAT)) for t in texts]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(work, range(32)))
+    assert all(r == want for r in results)

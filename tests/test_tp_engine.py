@@ -76,6 +76,28 @@ def test_prefix_cache_hits_across_requests_under_tp(llama_pair) -> None:
     )
 
 
+def test_memory_pressure_under_tp_gives_unpressured_tokens(tiny_models) -> None:
+    """Two ranks, a small pool and two dozen mixed prompts at once: preemption, eviction and chunked
+    prefill all happen, and every request finishes with the tokens of an unpressured single-process run
+    (a plan that pointed at evicted pages used to fail a worker, and then every request)."""
+    import random
+
+    rng = random.Random(5)
+    stems = [[rng.randrange(20, 250) for _ in range(60)] for _ in range(3)]
+    prompts = [
+        rng.choice(stems)[: rng.randrange(1, 60)]
+        + [rng.randrange(20, 250) for _ in range(rng.randrange(1, 30))]
+        for _ in range(24)
+    ]
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(tiny_models["qwen2"], kv_cache_tokens=65536).generate(prompts, params, use_tqdm=False)
+    with LLM(tiny_models["qwen2"], kv_cache_tokens=16 * 10, tensor_parallel_size=2) as llm:
+        llm.engine.scheduler.prefill_chunk = llm.engine.scheduler.prefill_budget = 32
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.stats.preemptions > 0
+    assert _tokens(got) == _tokens(want)
+
+
 def test_workers_are_gone_after_close(tiny_models) -> None:
     llm = LLM(tiny_models["mistral"], kv_cache_tokens=2048, tensor_parallel_size=2, prefix_sharing=False)
     pids = [p.pid for p in llm.parallel.procs]

@@ -66,6 +66,25 @@ def reference(q, k, v, runs: list[list[tuple[int, int]]], scale: float):
     return torch.stack(outs), torch.stack(lses)
 
 
+def paged_tails(lengths, first_slot: int, slots: int, page: int, seed: int = 0):
+    """Tails of ``lengths`` tokens on shuffled pages of [first_slot, slots): (page table int32 [B, P] on
+    DEV, each tail's slot runs). Tails are read through their tables, so scattered pages are the test."""
+    g = torch.Generator().manual_seed(seed)
+    free = (first_slot // page + torch.randperm(slots // page - first_slot // page, generator=g)).tolist()
+    need = [-(-n // page) for n in lengths]
+    table = torch.zeros(len(lengths), max(max(need), 1), dtype=torch.int32)
+    runs = []
+    for b, n in enumerate(lengths):
+        pages = [free.pop() for _ in range(need[b])]
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        rs: list[tuple[int, int]] = []
+        for i in range(n):
+            slot = pages[i // page] * page + i % page
+            rs = rs[:-1] + [(rs[-1][0], slot + 1)] if rs and rs[-1][1] == slot else rs + [(slot, slot + 1)]
+        runs.append(rs)
+    return table.to(DEV), runs
+
+
 def check(out, lse, ref_out, ref_lse, dtype):
     empty = torch.isneginf(ref_lse)
     assert not torch.isnan(lse).any()
@@ -81,23 +100,31 @@ HEADS = [(4, 2, 16), (4, 1, 20), (2, 2, 32)]  # (Hq, Hkv, D): GQA, MQA with D no
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
 def test_tail_kernel_ragged(tk, hq, hkv, d, dtype):
     k, v = make_pool(300, hkv, d, dtype)
-    lens = torch.tensor([5, 0, 37, 1, 70], device=DEV)
-    starts = torch.tensor([0, 80, 100, 150, 200], device=DEV)
+    lengths = [5, 0, 37, 1, 70]
+    lens = torch.tensor(lengths, device=DEV)
+    pages, runs = paged_tails(lengths, 0, 300, 4)
     q = torch.randn(5, hq, d).to(dtype).to(DEV)
     nan = float("nan")  # poisoned outputs: every element must be written
     out = torch.full((5, 1, hq, d), nan, device=DEV)
     lse = torch.full((5, 1, hq), nan, device=DEV)
-    out, lse = tk.tail_attention(q, k, v, starts, lens, 0.3, block_n=16, out=out, lse=lse)
-    runs = [[(int(s), int(s + n))] for s, n in zip(starts, lens, strict=True)]
+    out, lse = tk.tail_attention(q, k, v, pages, 4, lens, 0.3, block_n=16, out=out, lse=lse)
     check(out[:, 0], lse[:, 0], *reference(q, k, v, runs, 0.3), dtype)
-    # Split-KV: split s of sequence b is its own partial over keys [32 s, 32 s + 32) of the tail.
-    out, lse = tk.tail_attention(q, k, v, starts, lens, 0.3, split_len=32, num_splits=3, block_n=16)
+    # Split-KV: split s of sequence b is its own partial over tail positions [32 s, 32 s + 32).
+    out, lse = tk.tail_attention(q, k, v, pages, 4, lens, 0.3, split_len=32, num_splits=3, block_n=16)
     for sp in range(3):
-        split_runs = []
-        for s, n in zip(starts.tolist(), lens.tolist(), strict=True):
-            lo, hi = s + 32 * sp, min(s + n, s + 32 * sp + 32)
-            split_runs.append([(lo, hi)] if hi > lo else [])
+        split_runs = [[r for r in _positions(rs, 32 * sp, 32 * sp + 32)] for rs in runs]
         check(out[:, sp], lse[:, sp], *reference(q, k, v, split_runs, 0.3), dtype)
+
+
+def _positions(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The slot runs holding positions [lo, hi) of the concatenation of ``runs``."""
+    out, pos = [], 0
+    for a, b in runs:
+        s, e = max(a, a + lo - pos), min(b, a + hi - pos)
+        if s < e:
+            out.append((s, e))
+        pos += b - a
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -108,7 +135,7 @@ def test_shared_kernel_chunks_and_tiles(tk, dtype):
     q = torch.randn(7, hq, d).to(dtype).to(DEV)
     items = [(10, 60, 0, 7), (70, 75, 2, 4)]
     plan = build_tree_plan(
-        items, torch.zeros(7, dtype=torch.long, device=DEV), group=4, num_kv_heads=1, tail_cap=1,
+        items, torch.zeros(7, 1, dtype=torch.int32, device=DEV), 4, group=4, num_kv_heads=1, tail_cap=1,
         chunk_tokens=16, block_m=16,
     )  # fmt: skip
     assert plan.num_units == 4 * 2 + 1  # 50 tokens in 4 chunks x 7 sequences in 2 tiles, + 1
@@ -157,12 +184,12 @@ def tree_case(hq, hkv, d, dtype, seed=0):
     """
     k, v = make_pool(400, hkv, d, dtype, seed)
     items = [(0, 40, 0, 5), (40, 52, 0, 3), (52, 55, 0, 1), (60, 70, 3, 5)]
-    tails = [(100, 3), (150, 9), (200, 0), (250, 20), (300, 1), (350, 33)]
-    runs = [[(s, e) for s, e, i, j in items if i <= b < j] + [(t, t + n)] for b, (t, n) in enumerate(tails)]
-    starts = torch.tensor([t for t, _ in tails], device=DEV)
-    lens = torch.tensor([n for _, n in tails], device=DEV)
+    lengths = [3, 9, 0, 20, 1, 33]
+    pages, tails = paged_tails(lengths, 80, 400, 4, seed)  # tails on scattered pages past the nodes
+    runs = [[(s, e) for s, e, i, j in items if i <= b < j] + tails[b] for b in range(6)]
+    lens = torch.tensor(lengths, device=DEV)
     q = torch.randn(6, hq, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEV)
-    return q, k, v, items, starts, lens, runs
+    return q, k, v, items, pages, lens, runs
 
 
 TREE_CASES = [  # (heads, dtype, tail split): None fuses the merge into the tail kernel, 8 splits the tails
@@ -176,9 +203,9 @@ TREE_CASES = [  # (heads, dtype, tail split): None fuses the merge into the tail
 @pytest.mark.parametrize("heads,dtype,tail_split_len", TREE_CASES)
 def test_tree_decode_nested_nodes(tk, heads, dtype, tail_split_len):
     hq, hkv, d = heads
-    q, k, v, items, starts, lens, runs = tree_case(hq, hkv, d, dtype)
+    q, k, v, items, pages, lens, runs = tree_case(hq, hkv, d, dtype)
     plan = build_tree_plan(
-        items, starts, group=hq // hkv, num_kv_heads=hkv, tail_cap=40, chunk_tokens=16, block_m=16,
+        items, pages, 4, group=hq // hkv, num_kv_heads=hkv, tail_cap=40, chunk_tokens=16, block_m=16,
         tail_split_len=tail_split_len,
     )  # fmt: skip
     assert plan.tail_splits == (1 if tail_split_len is None else 5)
@@ -189,8 +216,8 @@ def test_tree_decode_nested_nodes(tk, heads, dtype, tail_split_len):
 
 def test_padding_units_do_nothing(tk):
     """Tables may live in fixed-capacity buffers: zero rows past the real units must be no-ops."""
-    q, k, v, items, starts, lens, runs = tree_case(4, 2, 16, torch.float32, seed=3)
-    plan = build_tree_plan(items, starts, group=2, num_kv_heads=2, tail_cap=40, chunk_tokens=16, block_m=16)
+    q, k, v, items, pages, lens, runs = tree_case(4, 2, 16, torch.float32, seed=3)
+    plan = build_tree_plan(items, pages, 4, group=2, num_kv_heads=2, tail_cap=40, chunk_tokens=16, block_m=16)
     want = tk.tree_decode_attention(q, k, v, plan, lens, 0.2, block_n=16)
     plan.units = torch.cat([plan.units, torch.zeros(5, 5, dtype=torch.long, device=DEV)])
     assert torch.equal(tk.tree_decode_attention(q, k, v, plan, lens, 0.2, block_n=16), want)
@@ -198,13 +225,13 @@ def test_padding_units_do_nothing(tk):
 
 def test_plan_balances_long_nodes():
     """With no chunk size given, a long node is split only until the programs fill the target."""
-    starts = torch.zeros(4, dtype=torch.long)
+    pages = torch.zeros(4, 1, dtype=torch.int32)
     items = [(0, 4096, 0, 4)]
-    one = build_tree_plan(items, starts, group=8, num_kv_heads=1, tail_cap=64, target_programs=1)
-    many = build_tree_plan(items, starts, group=8, num_kv_heads=1, tail_cap=64, target_programs=10)
+    one = build_tree_plan(items, pages, 16, group=8, num_kv_heads=1, tail_cap=64, target_programs=1)
+    many = build_tree_plan(items, pages, 16, group=8, num_kv_heads=1, tail_cap=64, target_programs=10)
     assert one.num_units == 4 and many.num_units == 16  # chunks of 1024, then of 256 (the floor)
     assert many.tail_splits == 1  # a 64-token tail is never split below 256 tokens a split
-    long_tails = build_tree_plan(items, starts, group=8, num_kv_heads=1, tail_cap=1024, target_programs=10)
+    long_tails = build_tree_plan(items, pages, 16, group=8, num_kv_heads=1, tail_cap=1024, target_programs=10)
     assert long_tails.tail_splits == 3 and long_tails.tail_split_len == 342  # 4 rows x 3 splits >= 10
     spans = sorted((lo, hi) for lo, hi, *_ in many.units.tolist())
     assert spans[0][0] == 0 and spans[-1][1] == 4096
@@ -222,7 +249,8 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
     params = SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     path = tiny_models["llama"]
     baseline = "auto"
-    ref = LLM(path, device=DEV, attention=baseline, kv_cache_tokens=2048)
+    # 4-token pages: the shared stem and each prompt's own whole pages are nested shared runs.
+    ref = LLM(path, device=DEV, attention=baseline, kv_cache_tokens=2048, page_size=4)
     want = ref.generate(PROMPTS, params, use_tqdm=False)
     monkeypatch.setattr(ModelRunner, "plan_options", options)
     seen = []  # (shared items, work units) of every Triton call: the shared path must really run
@@ -234,7 +262,7 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
         return out
 
     monkeypatch.setattr(ModelRunner, "_triton_attention", spy)
-    llm = LLM(path, device=DEV, attention="triton", kv_cache_tokens=2048)
+    llm = LLM(path, device=DEV, attention="triton", kv_cache_tokens=2048, page_size=4)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert seen and max(items for items, _ in seen) >= 2  # stem + per-prompt nodes: nested sharing
     assert max(units for _, units in seen) >= (4 if options else 2)
@@ -295,17 +323,15 @@ def test_real_shapes_tree_decode(tk, tail_split_len):
     dtype = torch.bfloat16
     k, v = make_pool(prefix + 64 + b * 256, hkv, d, dtype)
     items = [(0, prefix, 0, b), (prefix, prefix + 64, 0, b // 2)]  # plus a nested node over half the batch
-    lens = torch.randint(0, 256, (b,), device=DEV)
-    starts = prefix + 64 + 256 * torch.arange(b, device=DEV)
+    lengths = torch.randint(0, 256, (b,)).tolist()
+    pages, tails = paged_tails(lengths, prefix + 64, prefix + 64 + b * 256, 16)
+    lens = torch.tensor(lengths, device=DEV)
     plan = build_tree_plan(
-        items, starts, group=hq // hkv, num_kv_heads=hkv, tail_cap=256, tail_split_len=tail_split_len
+        items, pages, 16, group=hq // hkv, num_kv_heads=hkv, tail_cap=256, tail_split_len=tail_split_len
     )
     q = torch.randn(b, hq, d, device=DEV).to(dtype)
     out, lse = tk.tree_decode_attention(q, k, v, plan, lens, d**-0.5, return_lse=True)
-    runs = [
-        [(s, e) for s, e, i, j in items if i <= x < j] + [(int(starts[x]), int(starts[x] + lens[x]))]
-        for x in range(b)
-    ]
+    runs = [[(s, e) for s, e, i, j in items if i <= x < j] + tails[x] for x in range(b)]
     check(out, lse, *reference(q, k, v, runs, d**-0.5), dtype)
 
 
@@ -313,10 +339,8 @@ def test_real_shapes_tree_decode(tk, tail_split_len):
 def test_real_shapes_tail_kernel(tk):
     hq, hkv, d, b = 8, 1, 128, 64
     k, v = make_pool(b * 512, hkv, d, torch.bfloat16)
-    lens = torch.randint(0, 512, (b,), device=DEV)
-    lens[0] = 0
-    starts = 512 * torch.arange(b, device=DEV)
+    lengths = [0] + torch.randint(0, 512, (b - 1,)).tolist()
+    pages, runs = paged_tails(lengths, 0, b * 512, 16)
     q = torch.randn(b, hq, d, device=DEV).to(torch.bfloat16)
-    out, lse = tk.tail_attention(q, k, v, starts, lens, d**-0.5)
-    runs = [[(int(starts[x]), int(starts[x] + lens[x]))] for x in range(b)]
+    out, lse = tk.tail_attention(q, k, v, pages, 16, torch.tensor(lengths, device=DEV), d**-0.5)
     check(out[:, 0], lse[:, 0], *reference(q, k, v, runs, d**-0.5), torch.bfloat16)

@@ -37,7 +37,9 @@ def synthetic_prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(length)]
 
 
-def _engine_llm(model, mode: str, kv_tokens: int, random_weights: bool, device: str, dtype: str):
+def _engine_llm(
+    model, mode: str, kv_tokens: int, random_weights: bool, device: str, dtype: str, page_size: int = 16
+):
     from hydragen import LLM
 
     return LLM(
@@ -48,6 +50,7 @@ def _engine_llm(model, mode: str, kv_tokens: int, random_weights: bool, device: 
         attention="none" if mode == "noattn" else "auto",
         kv_cache_tokens=kv_tokens,
         random_weights=random_weights,
+        page_size=page_size,
     )
 
 
@@ -135,6 +138,7 @@ def run(
     device: str = "cpu",
     dtype: str = "float32",
     quick: bool = False,
+    page_size: int = 16,
 ) -> list[dict]:
     """Run every mode over the sweep points; write e2e.{json,md} and the two plots under ``out``."""
     bad = [m for m in modes if m not in MODES]
@@ -154,7 +158,7 @@ def run(
     cfg = None
     for mode in modes:
         runner, timer, vocab, why = _runner(
-            mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n
+            mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n, page_size
         )
         if runner is None:
             skipped[mode] = why
@@ -235,7 +239,7 @@ def run(
     return rows
 
 
-def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n):
+def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n, page_size=16):
     """(runner, timer, vocab size, why not): runner None, with the reason, when a peer is not installed or
     does not apply."""
 
@@ -262,7 +266,7 @@ def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer
         return peer, llamacpp_peer.timer, peer.vocab, ""
     longest = max(max(p for p, _ in points), 64)  # the warm-up prompt is 64 tokens
     kv = max(max(n for _, n in points), 2) * (longest + new_tokens + 2) + longest + 64
-    llm = _engine_llm(model, mode, kv, random_weights, device, dtype)
+    llm = _engine_llm(model, mode, kv, random_weights, device, dtype, page_size)
     touch_kv_pool(llm)
     time_engine(llm, synthetic_prompt(llm.config.vocab_size, 64), 2, 2)  # warm-up
     return llm, time_engine, llm.config.vocab_size, ""
@@ -383,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="hydragen's sampling temperature (1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="hydragen's nucleus mass (1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="hydragen's top-k (0 = off)")
+    p.add_argument("--page-size", type=int, default=16, help="hydragen's KV page size in tokens (16)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     a = p.parse_args(argv)
@@ -406,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         device=a.device,
         dtype=dtype,
         quick=a.quick,
+        page_size=a.page_size,
     )
 
 

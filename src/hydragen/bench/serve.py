@@ -191,13 +191,18 @@ def run(args) -> list[dict]:
         proc = None
         url = args.url
         if url is None:
-            proc, url = start_server(args.model, extra + ["--max-num-seqs", str(args.max_num_seqs)])
+            extra = extra + ["--max-num-seqs", str(args.max_num_seqs)]
+            if getattr(args, "page_size", None) is not None:
+                extra += ["--page-size", str(args.page_size)]
+            proc, url = start_server(args.model, extra)
         try:
             print(f"[serve] {label}: {len(convs)} requests at {args.rate}/s against {url}", file=sys.stderr)
             results, wall = asyncio.run(
                 run_load(url, args.served_model_name or "bench", convs, args.output_len, args.rate)
             )
             hit = _metric(url, "hydragen_prefix_cache_hit_rate")
+            peak_pages = _metric(url, "hydragen_kv_pages_peak")
+            page_size = _metric(url, "hydragen_kv_page_size")
         finally:
             if proc is not None:
                 proc.terminate()
@@ -218,6 +223,8 @@ def run(args) -> list[dict]:
                 tpot_p90=_pct(tpot, 90),
                 tpot_p99=_pct(tpot, 99),
                 hit_rate=hit,
+                peak_kv_pages=peak_pages,
+                page_size=page_size,
                 wall_s=wall,
             )
         )
@@ -233,6 +240,8 @@ def run(args) -> list[dict]:
         "tpot_p90",
         "tpot_p99",
         "hit_rate",
+        "peak_kv_pages",
+        "page_size",
         "wall_s",
     ]
     title = (
@@ -304,6 +313,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (0: all at once; 1)"
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=None, help="KV page size of the servers started")
     p.add_argument("--no-baseline", action="store_true", help="skip the cache-off run")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", default="bench-out")

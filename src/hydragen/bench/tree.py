@@ -89,6 +89,7 @@ def run(
     max_batch: int = 1024,
     random_weights: bool = False,
     quick: bool = False,
+    page_size: int = 16,
 ) -> list[dict]:
     """Sweep problems per batch for every mode, then tree sharing at the batch one-level's memory holds."""
     from hydragen import LLM
@@ -121,6 +122,7 @@ def run(
             kv_cache_tokens=2 * kv + most * k * 8 + 1024,
             max_num_seqs=most * k,
             random_weights=random_weights,
+            page_size=page_size,
         )
         touch_kv_pool(llm)
         if mode == "onelevel":
@@ -166,7 +168,13 @@ def run(
         "preemptions",
     ]
     params = dict(
-        fewshot=F, problem_len=L, samples=k, new_tokens=T, problem_counts=counts, memory_matched=k_mem
+        fewshot=F,
+        problem_len=L,
+        samples=k,
+        new_tokens=T,
+        problem_counts=counts,
+        memory_matched=k_mem,
+        page_size=page_size,
     )
     md = write_table(
         rows,
@@ -238,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="T, tokens per sample (32)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--max-batch", type=int, default=1024, help="cap on the memory-matched batch (1024)")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (16)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     a = p.parse_args(argv)
@@ -257,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         a.max_batch,
         random_weights=a.random_weights is not None,
         quick=a.quick,
+        page_size=a.page_size,
     )
 
 

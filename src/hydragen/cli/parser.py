@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--max-num-seqs", type=int, default=256, help="most sequences decoded at once (default 256)"
     )
+    v.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="KV page size in tokens: the unit of allocation, sharing and caching (default 16)",
+    )
     v.add_argument("--no-sharing", action="store_true", help="baseline: no prefix cache, no shared attention")
     v.add_argument(
         "--no-jump-forward",

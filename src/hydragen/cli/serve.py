@@ -36,6 +36,8 @@ def run_serve(args: argparse.Namespace) -> int:
         problems.append(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     if args.max_num_seqs < 1:
         problems.append(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.page_size < 1:
+        problems.append(f"--page-size must be >= 1, got {args.page_size}")
     if args.threads is not None and args.threads < 1:
         problems.append(f"--threads must be at least 1, got {args.threads}")
     try:
@@ -70,6 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             kv_cache_tokens=args.kv_cache_tokens,
             max_num_seqs=args.max_num_seqs,
+            page_size=args.page_size,
             prefix_sharing=not args.no_sharing,
             tensor_parallel_size=tp,
             jump_forward=not args.no_jump_forward,

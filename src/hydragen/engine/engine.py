@@ -150,9 +150,17 @@ class Engine:
     def tokenizer(self):
         return self.outputs.tokenizer
 
+    @tokenizer.setter
+    def tokenizer(self, tok) -> None:  # tests swap in a faulty one
+        self.outputs.tokenizer = tok
+
     @property
     def model(self):
         return self.runner.model
+
+    @model.setter
+    def model(self, model) -> None:
+        self.runner.model = model
 
     def sequence_kv_need(self, prompt_len: int, max_tokens: int) -> int:
         """KV slots (whole pages) one sequence needs to be sure to finish when it runs alone: every context
@@ -340,6 +348,8 @@ class Engine:
 
     def _count_admissions(self) -> None:
         for s, hit in self.scheduler.admitted:
+            if hit is None:
+                hit = s.request.cached_tokens  # a fork: its leader's hit (admitted before it)
             if not s.sched.counted:
                 s.sched.counted = True
                 self.stats.cache_hit_tokens += hit

@@ -76,7 +76,8 @@ class Scheduler:
         self.step_count = 0
         self.preemptions = 0
         self._admissions = itertools.count()
-        self.admitted: list[tuple[Sequence, int]] = []  # (sequence, cached prompt tokens) this step
+        # (sequence, prompt tokens found cached; None for a fork: what its leader found) admitted this step
+        self.admitted: list[tuple[Sequence, int | None]] = []
         self.failures: list[tuple[Sequence, Exception]] = []  # sequences the engine must fail
 
     @property
@@ -176,7 +177,7 @@ class Scheduler:
         if k != pending or not decoding:
             self._budget -= k
         return Work(
-            s, tuple(t.pages[: kv.pages_for(start + k)]), start, tuple(s.context[start : start + k]),
+            s, tuple(t.pages[: kv.pages_for(start + k)]), start, tuple(s.tokens(start, start + k)),
             start + k == context_len,
         )  # fmt: skip
 
@@ -305,7 +306,7 @@ class Scheduler:
         for leader, *group in fork_groups.values():
             for f in self._forks(leader, group):
                 forks.append(f)
-                self.admitted.append((f.seq, len(f.seq.prompt_ids)))
+                self.admitted.append((f.seq, None))  # found in the cache what its leader found
         started = {id(s) for s in self.running}
         self.waiting = deque(s for s in self.waiting if id(s) not in started)
 

@@ -119,6 +119,16 @@ class Sequence:
     def context(self) -> list[int]:
         return self.request.prompt_ids + self.out.generated
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """context[start:end], without building the whole context."""
+        prompt = self.request.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        gen = self.out.generated
+        if start >= len(prompt):
+            return gen[start - len(prompt) : end - len(prompt)]
+        return prompt[start:] + gen[: end - len(prompt)]
+
     @property
     def context_len(self) -> int:
         return len(self.request.prompt_ids) + len(self.out.generated)

@@ -80,6 +80,7 @@ class EngineSnapshot:
     running: int  # sequences holding pages
     waiting: int
     pages_used: int
+    pages_peak: int  # most pages in use at once since the start
     pages_cached: int
     pages_total: int
     page_size: int
@@ -92,6 +93,7 @@ class EngineSnapshot:
             len(sched.running),
             len(sched.waiting),
             usage["used"],
+            engine.pool.peak_used,
             usage["cached"],
             usage["total"],
             engine.pool.page_size,

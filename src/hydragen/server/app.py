@@ -83,6 +83,8 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
                 snap.pages_used,
             ),
             ("hydragen_kv_pages_free", "gauge", "free KV pages", snap.pages_total - snap.pages_used),
+            ("hydragen_kv_pages_peak", "gauge", "most KV pages in use at once since start", snap.pages_peak),
+            ("hydragen_kv_page_size", "gauge", "tokens a KV page holds", snap.page_size),
             (
                 "hydragen_prefix_cache_tokens",
                 "gauge",
