@@ -231,7 +231,7 @@ def test_llamacpp_peer_shares_the_prompt_cells(tmp_path):
 
 def test_cost_rule_quick(tmp_path):
     from hydragen import cli
-    from hydragen.engine.engine import sharing_pays
+    from hydragen.engine.sharing import sharing_pays
 
     argv = ["bench", "cost-rule", "--quick", "--threshold", "2048", "--out", str(tmp_path)]
     assert cli.main(argv) == 0

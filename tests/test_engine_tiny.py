@@ -81,10 +81,12 @@ def test_shared_nodes_are_batched_not_copied(tiny_models):
     eng = llm.engine
     for p in PROMPTS[:3]:
         eng.add_request(p, SamplingParams(n=4, temperature=0, max_tokens=3, ignore_eos=True))
-    eng.step()  # the three prompts; each request's 4 samples fork from it
-    eng.step()  # all 12 decode
+    for _ in range(6):  # the prompts (those sharing another's pages wait for them), the samples' forks
+        eng.step()
+        if len(eng.last_plan.work) == 12:
+            break
     plan = eng.last_plan
-    assert len(plan.work) == 12
+    assert len(plan.work) == 12 and all(len(w.tokens) == 1 for w in plan.work)  # all 12 decode
     stem = [r for r in plan.shared if (r.lo, r.hi) == (0, 12)]
     assert stem and stem[0].page_hi * 2 >= len(STEM), f"no shared run covers all 12 sequences: {plan.shared}"
     # Each sequence reads per sequence only its last, partial page (nothing of the shared prompt).

@@ -58,13 +58,15 @@ def mixed_prompts(seed: int, count: int = 24) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_1_one_forward_per_step_under_pressure(path, seed):
+@pytest.mark.parametrize("seed, default_rule", [(0, False), (1, False), (2, True)])
+def test_1_one_forward_per_step_under_pressure(path, seed, default_rule, share_every_common_node):
     """A small pool, chunked prefill and a few dozen mixed prompts: every step runs exactly one forward
-    (nothing it planned went missing), and every output equals an unpressured run's."""
+    (nothing it planned went missing), and every output equals an unpressured run's. The suite shares
+    every page held by two sequences; one case runs the cost rule's production default instead."""
     prompts = mixed_prompts(seed)
     params = SamplingParams(n=2, max_tokens=12, **GREEDY)
-    llm = LLM(path, kv_cache_tokens=16 * 12, page_size=16, max_num_seqs=16)
+    rule = dict(min_shared_reads=share_every_common_node) if default_rule else {}
+    llm = LLM(path, kv_cache_tokens=16 * 12, page_size=16, max_num_seqs=16, **rule)
     eng = llm.engine
     eng.scheduler.prefill_chunk = eng.scheduler.prefill_budget = 32
     forwards = []
@@ -85,14 +87,15 @@ def test_1_one_forward_per_step_under_pressure(path, seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_2_forced_extends_aborts_and_preemption_change_no_token(path, seed):
+def test_2_forced_extends_aborts_and_preemption_change_no_token(path, seed, share_every_common_node):
     """Extending sequences with the very tokens they would have produced changes nothing, whatever is
     preempted, aborted or cached around them in the same steps: outputs equal plain greedy decoding."""
     rng = random.Random(seed)
     prompts = mixed_prompts(seed + 10, 16)
     params = SamplingParams(n=3, max_tokens=20, **GREEDY)
     want = LLM(path, kv_cache_tokens=65536).generate(prompts, params, use_tqdm=False)
-    llm = LLM(path, kv_cache_tokens=16 * 10, page_size=16, max_num_seqs=12)
+    rule = dict(min_shared_reads=share_every_common_node) if seed else {}  # seed 1: the production default
+    llm = LLM(path, kv_cache_tokens=16 * 10, page_size=16, max_num_seqs=12, **rule)
     eng = llm.engine
     reqs = [eng.add_request(p, params) for p in prompts]
     victims = set(rng.sample(range(len(prompts)), 3))
@@ -206,12 +209,14 @@ def test_7a_extend_past_the_context_is_refused(path):
     llm = LLM(path, kv_cache_tokens=4096)
     eng = llm.engine
     context = llm.config.max_position_embeddings
-    req = eng.add_request([3] * (context - 10), SamplingParams(max_tokens=9, **GREEDY))
-    eng.step()
+    req = eng.add_request([3] * (context - 10), SamplingParams(max_tokens=20, **GREEDY))
+    eng.step()  # 503 tokens now
     with pytest.raises(ValueError, match="context"):
-        eng.extend(req.request_id, 0, [4] * 8)  # 502 + 8 would leave no room to sample
+        eng.extend(req.request_id, 0, [4] * 9)  # 512: no room left to sample after it
+    eng.extend(req.request_id, 0, [4] * 8)  # 511: one token left to sample
     run(eng)
-    assert req.error is None and len(req.seqs[0].generated) == 9
+    assert req.error is None and len(req.seqs[0].generated) == 10
+    assert req.seqs[0].finish_reason == "length"
 
 
 def test_7b_a_stop_string_inside_forced_text_ends_it_everywhere(tiny_chat_dir):

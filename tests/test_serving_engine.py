@@ -127,9 +127,10 @@ def test_eviction_under_a_small_pool_keeps_every_request_correct(path):
 
 def test_preemption_completes_every_request(path):
     # 16 running sequences need up to 3 pages each (4 prompt + 40 tokens): 43 pages force preemption.
+    # (Distinct prompts: the greedy samples of one prompt would be identical, and share their pages.)
     llm = LLM(path, kv_cache_tokens=700, max_num_seqs=16)
-    prompts = [[i, i + 1, i + 2, i + 3] for i in range(40, 52)]
-    params = SamplingParams(n=2, max_tokens=40, **GREEDY)
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(40, 64)]
+    params = SamplingParams(n=1, max_tokens=40, **GREEDY)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.stats.preemptions > 0
     ref = LLM(path, kv_cache_tokens=16384).generate(prompts, params, use_tqdm=False)
@@ -138,9 +139,9 @@ def test_preemption_completes_every_request(path):
 
 
 def test_seeded_sampling_survives_preemption(path):
-    params = SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    params = SamplingParams(n=2, max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
     prompts = [[i, i + 1, i + 2] for i in range(60, 70)]
-    # 12 running sequences need up to 3 pages each (3 prompt + 30 tokens): 25 pages force preemption.
+    # 12 running sequences need up to 3 pages each (3 prompt + 40 tokens): 25 pages force preemption.
     small = LLM(path, kv_cache_tokens=400, max_num_seqs=12)
     outs = small.generate(prompts, params, use_tqdm=False)
     ref = LLM(path, kv_cache_tokens=16384).generate(prompts, params, use_tqdm=False)

@@ -24,7 +24,7 @@ import torch
 from hydragen.attention.step_attention import StepAttentionMeta, step_attention
 from hydragen.bench.common import machine_description, say_quick, write_table
 from hydragen.bench.plots import Panel, plot
-from hydragen.engine.engine import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS, sharing_pays
+from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS, sharing_pays
 
 RESULT_NAME = "cost_rule"  # cost_rule.json, cost_rule.md
 SHAPES = {"gqa": (9, 3, 64), "paper": (8, 1, 128)}  # (Hq, Hkv, D)

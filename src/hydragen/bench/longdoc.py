@@ -361,7 +361,7 @@ def run(
             )
         # Warm-up on two prompts longer than one prefill chunk (every kernel shape the timed runs use);
         # the timed runs then start from an empty cache.
-        warm = prompt_ids[0][: llm.engine.prefill_chunk + 64]
+        warm = prompt_ids[0][: llm.engine.scheduler.prefill_chunk + 64]
         llm.generate([warm, warm + [warm[-1]]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         print(
             f"[longdoc] sharing {mode}: loaded and warmed up in {time.perf_counter() - t0:.1f}s",

@@ -155,6 +155,14 @@ class Engine:
         self.outputs.tokenizer = tok
 
     @property
+    def eos_ids(self) -> set[int]:
+        return self.outputs.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.outputs.eos_ids = set(ids)
+
+    @property
     def model(self):
         return self.runner.model
 
@@ -325,7 +333,8 @@ class Engine:
             except Exception as e:
                 req = plan.work[indices[0]].seq.request
                 failed.add(id(req))
-                failures[req] = failure_message("forward", e)
+                prefill = any(not plan.work[i].sample or len(plan.work[i].tokens) > 1 for i in indices)
+                failures[req] = failure_message("prefill" if prefill else "decode", e)
                 continue
             sampling = [i for i in indices if plan.work[i].sample]
             for i, row in zip(sampling, range(len(sampling)), strict=True):

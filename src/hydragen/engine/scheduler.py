@@ -286,9 +286,9 @@ class Scheduler:
                     fork_groups.setdefault(id(leader), [leader]).append(s)
                     seats -= 1
                 continue
-            nodes = matches[key(s)]
-            if any(self.kv.tree.nodes.get(n.page) is not n for n in nodes):  # evicted by an earlier admission
-                nodes = matches[key(s)] = self.kv.match(s.context[:-1], limit)
+            # Matched again now: an earlier admission may have published pages (in flight) it can wait for,
+            # or evicted pages it matched before.
+            nodes = self.kv.match(s.context[:-1], limit) if limit != 0 else []
             if not self._fits(s, nodes):
                 break  # keep the order: a later, smaller sequence does not overtake this one
             seats -= 1
