@@ -223,6 +223,7 @@ class Engine:
         for s in req.seqs:
             self.outputs.end(s, "abort")
         self.scheduler.remove(req.seqs)
+        self.snapshot = EngineSnapshot.of(self)  # no step may follow: /metrics sees the abort now
         return True
 
     def fail(self, req: Request, message: str) -> None:

@@ -23,5 +23,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    cached_prompt_tokens: int = 0  # prompt tokens served from KV already cached before this request
+    cached_prompt_tokens: int = 0  # prompt tokens on shared pages: cached, or computed by another request
     error: str | None = None  # set when the request could not be completed (e.g. out of KV memory)

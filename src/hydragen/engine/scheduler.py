@@ -97,13 +97,14 @@ class Scheduler:
         """Take sequences out for good (finished, failed or aborted); their pages are released, computed
         full pages kept in the prefix cache."""
         gone = {id(s) for s in seqs}
+        held = [s for s in seqs if s.sched.status is Status.RUNNING]
+        for s in seqs:  # done before any release: a release preempts the running sequences that wait on it,
+            s.sched.status = Status.DONE  # and must not send one of these back to the queue
+        self.running = [s for s in self.running if id(s) not in gone]
         if any(id(s) in gone for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
-        for s in seqs:
-            if s.sched.status is Status.RUNNING:
-                self._release(s)
-            s.sched.status = Status.DONE
-        self.running = [s for s in self.running if id(s) not in gone]
+        for s in sorted(held, key=lambda s: -s.sched.admitted):  # newest first: one that waits on pages
+            self._release(s)  # another of them computes is admitted after it and lets go of them first
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -318,7 +319,9 @@ class Scheduler:
         self.kv.grow(s.kv, s.context_len)
         if self.sharing.enabled:
             self._publish(s, limit, upto=s.context_len)
-        self.admitted.append((s, min(s.kv.computed, len(s.prompt_ids))))
+        # Its hit: the prompt tokens on pages it shares, cached or still being computed by another request
+        # (it waits for those instead of computing them).
+        self.admitted.append((s, min(s.kv.own_from * self.page_size, len(s.prompt_ids))))
         return self._work(s)
 
     def _fits(self, s: Sequence, nodes) -> bool:
