@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 class EngineStats:
     prompt_tokens: int = 0  # sum over admitted sequences of prompt length
     prefill_tokens: int = 0  # prompt positions actually run through the model
-    cache_hit_tokens: int = 0  # prompt tokens on shared pages (cached or in flight) when a sequence was admitted
+    cache_hit_tokens: int = 0  # prompt tokens on shared pages (cached or in flight) at admission
     generated_tokens: int = 0  # tokens appended (sampled, and forced ones)
     forced_tokens: int = 0  # tokens appended by jump-forward (or extend()) without sampling
     forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decode and extends)
