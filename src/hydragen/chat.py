@@ -75,8 +75,7 @@ class Chat:
             f", {threads.describe()}" if threads is not None else ""
         )
         self._note(
-            f"{loaded}. Type a message; /help lists the commands, Ctrl-C stops a reply, "
-            "Ctrl-D leaves."
+            f"{loaded}. Type a message; /help lists the commands, Ctrl-C stops a reply, Ctrl-D leaves."
             if self.interactive
             else f"{loaded}; one user turn per input line."
         )

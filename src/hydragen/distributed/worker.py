@@ -41,9 +41,7 @@ def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
                 pool = PagePool(
                     cfg.num_layers, num_pages, page_size, local.num_kv_heads, cfg.head_dim, dtype, device
                 )
-                runner = ModelRunner(
-                    model, cfg, pool, device, commands.ATTENTION_CODES[code]
-                )
+                runner = ModelRunner(model, cfg, pool, device, commands.ATTENTION_CODES[code])
             elif command == commands.COPY:
                 runner.pool.copy_slots(*commands.unpack_copy(payload, device))
             elif command == commands.STEP:
