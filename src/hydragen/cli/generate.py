@@ -146,6 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
         kv_for(args.max_model_len, args.n),
         prefix_sharing=not args.no_sharing,
         jump_forward=not args.no_jump_forward,
+        literal_json_schema=args.literal_json_schema,
     )
     ids = _prompt_ids(llm, args, text)
     if len(ids) >= context:

@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a constraint: sample forced text token by token instead of jumping over it",
     )
     g.add_argument(
+        "--literal-json-schema",
+        action="store_true",
+        help="read JSON Schemas literally: an object without additionalProperties may get any extra keys "
+        "(default: only the properties it names, as vLLM/SGLang with XGrammar)",
+    )
+    g.add_argument(
         "--no-sharing",
         action="store_true",
         help="baseline: every sequence keeps its own full copy of the prompt's KV",
@@ -160,6 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-jump-forward",
         action="store_true",
         help="structured outputs: sample forced text token by token instead of jumping over it (measurement)",
+    )
+    v.add_argument(
+        "--tool-format",
+        choices=["hermes", "llama3_json", "generic"],
+        default=None,
+        help="how tool calls are written (default: detected from the chat template; generic for a "
+        "template without tools)",
+    )
+    v.add_argument(
+        "--literal-json-schema",
+        action="store_true",
+        help="read JSON Schemas literally: an object without additionalProperties may get any extra keys "
+        "(default: only the properties it names, as vLLM/SGLang with XGrammar)",
     )
     v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
