@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -299,3 +300,49 @@ def test_required_and_named_calls_are_always_valid(llms, kind):
         ended += reply.finish_reason == "tool_calls"
     # a random model may keep adding parallel calls until max_tokens; single calls always end
     assert ended >= sum(not p for _, _, p in meta)
+
+
+# ---- hydragen chat --tools ------------------------------------------------------------------------------
+def test_chat_shows_calls_and_asks_for_results(llms):
+    """Piped: the question, then one line per call result. The named function is always called: the call
+    is shown readably (no markup on screen), its result goes back into the conversation, and the model
+    is asked again (here it calls again, and the input ends)."""
+    import io
+
+    from hydragen.chat import Chat
+    from hydragen.chat_tools import ChatTools
+
+    llm = llms["qwen2"]
+    out, err = io.StringIO(), io.StringIO()
+    tools = ChatTools(llm, TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    chat = Chat(
+        llm,
+        SamplingParams(temperature=0, max_tokens=1),
+        4096,
+        max_tokens=100,
+        tools=tools,
+        stdin=io.StringIO("Weather in Paris?\nsunny, 21 C\n"),
+        stdout=out,
+        stderr=err,
+    )
+    assert chat.run(0.0) == 0
+    shown = out.getvalue()
+    assert shown.count("-> get_weather(city=") == 2 and "<tool_call>" not in shown
+    prompts = [int(n) for n in re.findall(r"prompt (\d+) tokens", err.getvalue())]
+    result_tokens = len(llm.tokenizer.encode("sunny, 21 C", add_special_tokens=False))
+    assert len(prompts) == 2 and prompts[1] > prompts[0] + result_tokens  # the call and its result
+
+
+def test_chat_tools_file_is_checked_before_loading(tmp_path, capsys, monkeypatch):
+    import hydragen
+    from hydragen.cli import main
+
+    monkeypatch.setattr(hydragen, "LLM", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    bad = tmp_path / "tools.json"
+    bad.write_text("{not json")
+    assert main(["chat", "--tools", str(bad)]) == 2
+    assert f"--tools {bad}" in capsys.readouterr().err
+    bad.write_text('{"functions": []}')
+    assert main(["chat", "--tools", str(bad)]) == 2
+    assert main(["chat", "--tool-choice", "required"]) == 2
+    assert "--tool-choice needs --tools" in capsys.readouterr().err

@@ -138,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling_args(c, temperature=0.7)
     _add_model_args(c)
+    c.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="JSON file of functions the model may call (OpenAI's tools list); calls are shown and their "
+        "results asked for",
+    )
+    c.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="with --tools: auto (default), required, none, or a function's name",
+    )
     c.add_argument("-q", "--quiet", action="store_true", help="no banner and no per-turn statistics")
     c.set_defaults(func=run_chat)
 
