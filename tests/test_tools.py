@@ -346,3 +346,29 @@ def test_chat_tools_file_is_checked_before_loading(tmp_path, capsys, monkeypatch
     assert main(["chat", "--tools", str(bad)]) == 2
     assert main(["chat", "--tool-choice", "required"]) == 2
     assert "--tool-choice needs --tools" in capsys.readouterr().err
+
+
+# ---- the benchmarks' measuring code, at toy size -------------------------------------------------
+def test_bench_tool_workloads_run(llms, tmp_path):
+    """`bench structured --workload tools` (jump vs token by token), `bench tools` (cost, the no-stall
+    measurement) and `bench schema-defaults`, on a tiny model: every part runs and reports what it says."""
+    from hydragen.bench import schema_defaults, tool_calls, tools
+
+    llm = llms["qwen2"]
+    speed = {r["mode"]: r for r in tool_calls.speed_rows(llm, [2], 2, 1, 48, 1)["rows"]}
+    assert speed["jump"]["forced_fraction"] > 0 == speed["no_jump"]["forced_fraction"]
+    assert speed["jump"]["decode_steps"] < speed["no_jump"]["decode_steps"]
+    cost = tools.cost(llm, 0, 16, 5)
+    assert len(cost) == 5 and all(r["masks"] > 0 for r in cost)
+    stall, timelines = tools.no_stall(llm, 1, 5, 20)
+    assert [r["case"] for r in stall] == [f"compiled on the {p}" for p in timelines]
+    assert all(len(t["arrivals"]) >= 10 for t in timelines.values())
+    rows = schema_defaults.run(llm, ["flat_person", "nested_address"], 2, 40, 0)
+    assert {r["reading"] for r in rows} == {
+        "peers' default (named properties only)",
+        "literal (any extra keys)",
+    }
+    assert all(r["extra_keys"] == 0 for r in rows if r["reading"].startswith("peers"))
+    paths = tools.plots({"rows": cost + stall, "timelines": timelines}, tmp_path)
+    paths += schema_defaults.plots({"rows": rows}, tmp_path)
+    assert len(paths) == 3 and all(p.stat().st_size > 0 for p in paths)

@@ -25,6 +25,28 @@ def machine_description() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+def git_commit() -> str | None:
+    """The source tree's git commit (with "+dirty" for uncommitted changes), or None outside a checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def matmul_rate(n: int = 2048, dtype=torch.float32, device="cpu", repeats: int = 5) -> float:
     """Measured dense matmul rate in FLOP/s: the compute ceiling for arithmetic floors."""
     a = torch.randn(n, n, dtype=dtype, device=device)
@@ -65,7 +87,13 @@ def write_table(
     that could not be measured (NaN) shows as "n/a", explained under the table.
     """
     out.mkdir(parents=True, exist_ok=True)
-    data = {"machine": machine_description(), "quick": quick, "params": params or {}, "rows": rows}
+    data = {
+        "machine": machine_description(),
+        "commit": git_commit(),
+        "quick": quick,
+        "params": params or {},
+        "rows": rows,
+    }
     (out / f"{name}.json").write_text(json.dumps(data, indent=2))
     lines = [f"## {title}", ""]
     if quick:

@@ -102,3 +102,136 @@ def call_problems(reply: ToolReply, tools: list[dict], named: str | None = None)
         except (json.JSONDecodeError, jsonschema.ValidationError) as e:
             problems.append(f"{call.name}({call.arguments}): {str(e).splitlines()[0]}")
     return problems
+
+
+def _fn(name: str, description: str, props: dict, required: list[str]) -> dict:
+    params = {"type": "object", "properties": props, "required": required}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
+
+
+_STR = {"type": "string"}
+REAL_TOOLS = [
+    _fn(
+        "get_weather",
+        "The current weather in a city",
+        {"city": _STR, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        ["city"],
+    ),
+    _fn(
+        "search_web",
+        "Search the web",
+        {"query": _STR, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+        ["query"],
+    ),
+    _fn("get_stock_price", "The latest price of a stock", {"ticker": _STR}, ["ticker"]),
+    _fn(
+        "send_email", "Send an email", {"to": _STR, "subject": _STR, "body": _STR}, ["to", "subject", "body"]
+    ),
+    _fn(
+        "create_event",
+        "Add an event to the calendar",
+        {"title": _STR, "date": _STR, "duration_minutes": {"type": "integer", "minimum": 5, "maximum": 600}},
+        ["title", "date"],
+    ),
+    _fn(
+        "convert_currency",
+        "Convert an amount of money",
+        {"amount": {"type": "number"}, "from_currency": _STR, "to_currency": _STR},
+        ["amount", "from_currency", "to_currency"],
+    ),
+    _fn("get_time", "The current time in a time zone", {"timezone": _STR}, ["timezone"]),
+    _fn(
+        "translate", "Translate a text", {"text": _STR, "target_language": _STR}, ["text", "target_language"]
+    ),
+]
+# (request, the function it calls for, or None when it needs none)
+ASKS = [
+    ("What is the weather like in Paris today?", "get_weather"),
+    ("Search the web for the best hiking trails near Denver.", "search_web"),
+    ("What is Apple's stock price right now?", "get_stock_price"),
+    ("Email bob@example.com that the meeting moved to 3 pm.", "send_email"),
+    ("Put a dentist appointment on my calendar for 2025-03-14.", "create_event"),
+    ("How much is 250 US dollars in euros?", "convert_currency"),
+    ("What time is it in Tokyo?", "get_time"),
+    ("Translate 'good morning' into Spanish.", "translate"),
+    ("Tell me a short joke about cats.", None),
+    ("What is the capital of Italy?", None),
+    ("Write one sentence about the sea.", None),
+    ("What is 12 times 12?", None),
+]
+
+
+def real_jobs(llm, count: int, tool_choice="required", parallel: bool = False, needing_tools: bool = True):
+    """``count`` (conversation, ToolRequest, expected function) jobs over REAL_TOOLS, asks in turn (only the
+    ones that need a tool unless ``needing_tools`` is False)."""
+    from hydragen.tools.request import ToolRequest
+
+    asks = [a for a in ASKS if a[1] is not None or not needing_tools]
+    jobs = []
+    for i in range(count):
+        text, expected = asks[i % len(asks)]
+        request = ToolRequest.build(REAL_TOOLS, tool_choice, parallel, llm.tool_format)
+        jobs.append(([{"role": "user", "content": text}], request, expected))
+    return jobs
+
+
+def speed_rows(llm, batches: list[int], requests: int, serial: int, max_tokens: int, repeats: int) -> dict:
+    """``hydragen bench structured --workload tools``: tool-call output (tool_choice "required", one call,
+    eight functions), forced text sampled token by token (no_jump) vs jump-forward (jump), at each batch
+    size. The same columns as the extraction workload; validity is "every call parses and validates"."""
+    from hydragen import SamplingParams
+    from hydragen.bench.structured import timed
+
+    structured = llm.engine.structured
+    jobs = real_jobs(llm, requests)
+    base = SamplingParams(temperature=0, max_tokens=max_tokens)
+    prepared = []
+    for conversation, request, _ in jobs:
+        constraint = request.constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
+        prepared.append(
+            (request.prompt_ids(llm.tokenizer, conversation), request.sampling_params(base, constraint))
+        )
+    timed(llm, prepared[:2], 2)  # warm-up: compiled op, tokenizer view, grammar
+    rows, texts = [], {}
+    for batch in batches:
+        some = prepared if batch > 1 else prepared[:serial]
+        best: dict[str, dict] = {}
+        for _ in range(repeats):
+            for mode in ("no_jump", "jump"):
+                structured.jump_forward = mode == "jump"
+                r = timed(llm, some, batch)
+                print(json.dumps({"batch": batch, "mode": mode, "time_s": r["time_s"]}), flush=True)
+                if mode not in best or r["time_s"] < best[mode]["time_s"]:
+                    best[mode] = r
+        for mode in ("no_jump", "jump"):
+            r = dict(best[mode])
+            outs = r.pop("outputs")
+            replies = []
+            for o, (_, request, _) in zip(outs, jobs, strict=False):
+                content, calls, reason = request.reply(o.text, o.finish_reason)
+                replies.append(ToolReply(content, calls, reason, list(o.token_ids)))
+            finished = [rep for rep in replies if rep.finish_reason == "tool_calls"]
+            valid = [not call_problems(rep, REAL_TOOLS) for rep in finished]
+            right = [any(c.name == j[2] for c in rep.calls) for rep, j in zip(replies, jobs, strict=False)]
+            rows.append(
+                {
+                    "batch": batch,
+                    "mode": mode,
+                    "requests": len(outs),
+                    **r,
+                    "finished_rate": len(finished) / len(replies),  # the call ended within max_tokens
+                    "valid_rate": sum(valid) / len(valid) if valid else float("nan"),  # of those
+                    "right_function": sum(right) / len(right),  # called the function the request asked for
+                }
+            )
+            texts[(batch, mode)] = [o.text for o in outs]
+            print(json.dumps(rows[-1]), flush=True)
+        jump = next(x for x in rows if x["batch"] == batch and x["mode"] == "jump")
+        plain = next(x for x in rows if x["batch"] == batch and x["mode"] == "no_jump")
+        same = [a == b for a, b in zip(texts[(batch, "jump")], texts[(batch, "no_jump")], strict=True)]
+        jump["same_as_no_jump"] = sum(same) / len(same)
+        jump["speedup_vs_no_jump"] = jump["tokens_per_s"] / plain["tokens_per_s"]
+        jump["cpu_speedup_vs_no_jump"] = jump["tokens_per_cpu_s"] / plain["tokens_per_cpu_s"]
+    structured.jump_forward = True
+    samples = {f"{b}/{m}": t[:3] for (b, m), t in texts.items()}
+    return {"rows": rows, "compile_ms": {}, "samples": samples}
