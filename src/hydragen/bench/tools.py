@@ -134,7 +134,7 @@ def slow_tools(seed: int, count: int) -> list[dict]:
     tools = []
     for i in range(count):
         props = {
-            f"field_{j}": {"type": "string", "pattern": f"^[a-z]{{{j},{j + 5}}}[0-9]+$"} for j in range(10)
+            f"field_{j}": {"type": "string", "pattern": f"^[a-z]{{{j},{j + 5}}}[0-9]+$"} for j in range(20)
         }
         params = {"type": "object", "properties": props, "required": ["field_0"]}
         tools.append({"type": "function", "function": {"name": f"slow_{seed}_{i}", "parameters": params}})
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=120, help="requests per validity case (default 120)")
     p.add_argument("--auto-rounds", type=int, default=4, help="passes over the 12 auto asks (default 4)")
     p.add_argument("--max-tokens", type=int, default=160, help="most tokens per reply (default 160)")
-    p.add_argument("--slow-functions", type=int, default=300, help="functions of the slow grammar (300)")
+    p.add_argument("--slow-functions", type=int, default=600, help="functions of the slow grammar (600)")
     p.add_argument("--stream-tokens", type=int, default=120, help="tokens of the measured stream (120)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
