@@ -26,7 +26,7 @@ COLUMNS = [
     "ended_by_itself",
     "mean_tokens",
     "valid_of_ended",
-    "extra_keys",
+    "with_extra_keys",
 ]
 
 
@@ -41,16 +41,17 @@ def open_schema(schema):
     return schema
 
 
-def _extra_keys(value, schema) -> int:
-    """Keys in ``value`` that its schema's ``properties`` do not name (walking objects and arrays)."""
-    if isinstance(value, dict) and isinstance(schema, dict):
-        props = schema.get("properties", {})
-        return sum(k not in props for k in value) + sum(
-            _extra_keys(v, props.get(k, {})) for k, v in value.items()
-        )
-    if isinstance(value, list) and isinstance(schema, dict):
-        return sum(_extra_keys(v, schema.get("items", {})) for v in value)
-    return 0
+def closed_everywhere(schema):
+    """``schema`` with every object that names properties closed, allOf parts included (a copy): an output
+    that it refuses while the schema as sent accepts has keys that no schema names."""
+    if isinstance(schema, dict):
+        out = {k: closed_everywhere(v) for k, v in schema.items()}
+        if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [closed_everywhere(v) for v in schema]
+    return schema
 
 
 def run(llm, names: list[str], samples: int, max_tokens: int, seed: int) -> list[dict]:
@@ -78,6 +79,7 @@ def run(llm, names: list[str], samples: int, max_tokens: int, seed: int) -> list
             outs = llm.chat(prompts, params, use_tqdm=False)
             ended, lengths, valid, extra = 0, [], 0, 0
             for out, schema in zip(outs, schemas, strict=True):
+                closed = jsonschema.Draft202012Validator(closed_everywhere(schema))
                 for c in out.outputs:
                     lengths.append(len(c.token_ids))
                     if c.finish_reason != "stop":
@@ -85,7 +87,7 @@ def run(llm, names: list[str], samples: int, max_tokens: int, seed: int) -> list
                     ended += 1
                     value = json.loads(c.text)
                     valid += jsonschema.Draft202012Validator(schema).is_valid(value)
-                    extra += _extra_keys(value, schema)
+                    extra += not closed.is_valid(value)
             total = len(lengths)
             rows.append(
                 {
@@ -97,7 +99,7 @@ def run(llm, names: list[str], samples: int, max_tokens: int, seed: int) -> list
                     "ended_by_itself": ended / total,
                     "mean_tokens": statistics.fmean(lengths),
                     "valid_of_ended": valid / ended if ended else float("nan"),
-                    "extra_keys": extra,
+                    "with_extra_keys": extra / ended if ended else float("nan"),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Model: {params['model']}. {len(names)} schemas of the project's set with additionalProperties: "
         f"false removed; greedy (1 output each) and temperature 1 ({args.samples} each); max_tokens "
         f"{args.max_tokens}. "
-        "extra_keys: keys the schema does not name, in outputs that ended."
+        "with_extra_keys: of the outputs that ended, those holding a key that no schema object names."
     )
     md = write_table(
         rows, COLUMNS, args.out, RESULT_NAME, "Schema defaults", notes, quick=args.quick, params=params

@@ -483,7 +483,9 @@ def main(argv: list[str] | None = None) -> None:
         columns,
         out,
         RESULT_NAME,
-        "Structured outputs: JSON extraction",
+        "Structured outputs: tool calls"
+        if args.workload == "tools"
+        else "Structured outputs: JSON extraction",
         notes,
         quick=args.quick,
         params=params,

@@ -21,6 +21,7 @@ import asyncio
 import json
 import random
 import statistics
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -315,15 +316,16 @@ def plots(data: dict, out: Path) -> list[Path]:
     cost = [r for r in data["rows"] if r["part"] == "cost"]
     if cost:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
-        labels = [r["case"].replace(", ", ",\n") for r in cost]
+        labels = [textwrap.fill(r["case"], 18) for r in cost]
         bars = a.bar(labels, [r["compile_ms"] for r in cost], color="C0")
         a.bar_label(bars, fmt="%.3g", fontsize=8)
-        a.set_ylabel("cold compile (ms)")
+        a.set_ylabel("cold compile (ms, log scale)")
+        a.set_yscale("log")
         bars = b.bar(labels, [r["mask_us_mean"] for r in cost], color="C1")
         b.bar_label(bars, fmt="%.3g", fontsize=8)
         b.set_ylabel("mask per generated token, mean (us)")
         for ax in (a, b):
-            ax.tick_params(axis="x", labelsize=7)
+            ax.tick_params(axis="x", labelsize=6.5)
         fig.suptitle(prefix + "Tool-call grammar: cost per request")
         paths.append(out / "tools_cost.png")
         fig.savefig(paths[-1])
