@@ -8,6 +8,7 @@ import json
 import random
 import re
 
+import jsonschema
 import pytest
 
 from hydragen import LLM, SamplingParams, StructuredOutputsParams
@@ -372,3 +373,25 @@ def test_bench_tool_workloads_run(llms, tmp_path):
     paths = tools.plots({"rows": cost + stall, "timelines": timelines}, tmp_path)
     paths += schema_defaults.plots({"rows": rows}, tmp_path)
     assert len(paths) == 3 and all(p.stat().st_size > 0 for p in paths)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama_sp"])
+def test_auto_enforces_the_call_once_the_marker_is_written(llms, kind):
+    """auto: the reply's text is free; once the call marker is in it (here appended with Engine.extend, as
+    if the model had written it), the rest is grammar-enforced and the reply parses into a valid call."""
+    llm = llms[kind]
+    engine, tok = llm.engine, llm.tokenizer
+    request = ToolRequest.build(TOOLS, "auto", False, llm.tool_format)
+    structured = engine.structured
+    constraint = request.constraint(structured.compiler.ll_tokenizer, False)
+    params = request.sampling_params(SamplingParams(temperature=1.0, seed=2, max_tokens=200), constraint)
+    req = engine.add_request(request.prompt_ids(tok, ASK), params)
+    lead = tok.encode("Let me check.\n" + llm.tool_format.trigger, add_special_tokens=False)
+    engine.extend(req.request_id, 0, lead)
+    while engine.has_unfinished():
+        engine.step()
+    c = req.seqs[0]
+    content, calls, reason = request.reply(c.text, c.finish_reason)
+    assert content == "Let me check." and reason == "tool_calls" and len(calls) == 1
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == calls[0].name)
+    jsonschema.validate(calls[0].args, schema)
