@@ -364,6 +364,7 @@ def test_bench_tool_workloads_run(llms, tmp_path):
     stall, timelines = tools.no_stall(llm, 1, 5, 20)
     assert [r["case"] for r in stall] == [f"compiled on the {p}" for p in timelines]
     assert all(len(t["arrivals"]) >= 10 for t in timelines.values())
+    assert not llm.engine.has_unfinished()  # the server's engine thread has let go of the engine
     rows = schema_defaults.run(llm, ["flat_person", "nested_address"], 2, 40, 0)
     assert {r["reading"] for r in rows} == {
         "peers' default (named properties only)",

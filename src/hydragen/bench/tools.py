@@ -191,7 +191,8 @@ def cost(llm, seed: int, max_tokens: int, slow_count: int) -> list[dict]:
 
 
 def _serve(llm):
-    """``hydragen serve``'s app on a loopback port, in a thread of this process; (url, server, app)."""
+    """``hydragen serve``'s app on a loopback port, in a thread of this process; (url, stop, app), where
+    ``stop()`` returns once the server and its engine thread have ended (the engine is the caller's again)."""
     from hydragen.server.app import create_app
     from hydragen.server.launch import bind_socket, make_server
     from hydragen.server.options import ServerOptions
@@ -200,10 +201,19 @@ def _serve(llm):
     app = create_app(llm, "bench", options)
     sock = bind_socket("127.0.0.1", 0)
     server = make_server(app, options, log_level="warning")
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
     while not server.started:
         time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, app
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=120)
+        app.state.engine.shutdown()  # (also done by the app's shutdown) the engine thread has ended
+        for rid in list(llm.engine.requests):  # nothing of the server's stays in the engine
+            llm.engine.abort(rid)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop, app
 
 
 def no_stall(llm, seed: int, slow_count: int, stream_tokens: int) -> tuple[list[dict], dict]:
@@ -217,7 +227,7 @@ def no_stall(llm, seed: int, slow_count: int, stream_tokens: int) -> tuple[list[
     from hydragen.tools.grammar import tool_grammar
     from hydragen.tools.spec import ToolChoice, parse_tools
 
-    url, server, app = _serve(llm)
+    url, stop, app = _serve(llm)
     compiler = llm.engine.structured.compiler
     ask = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
     stream_body = {"model": "bench", "messages": ask, "stream": True, "temperature": 0}
@@ -272,7 +282,7 @@ def no_stall(llm, seed: int, slow_count: int, stream_tokens: int) -> tuple[list[
             timelines[path] = {"arrivals": [a - sent for a in arrivals], "compile_s": compile_s}
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        server.should_exit = True
+        stop()
     return rows, timelines
 
 
