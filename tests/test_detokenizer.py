@@ -273,3 +273,26 @@ def test_stop_string_split_across_tokens(tok):
             break
     assert hit == "42.\nDo"
     assert "".join(emitted) == "The answer is "
+
+
+def test_sentencepiece_byte_fallback_groups():
+    """A real SentencePiece byte-fallback decoder reads a run of byte tokens as one group: while the group
+    ends in an unfinished character, characters it already completed read U+FFFD too. Characters spelled
+    in bytes (up to three in a row), between ordinary tokens, still stream exactly."""
+    from tests.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
+
+    hf = sentencepiece_bpe(INST_TEMPLATE)
+    byte = {b: hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    words = hf.encode("the name arg", add_special_tokens=False)
+    rng = random.Random(5)
+    chars = "鄽\U000edcef\ue0bfé日🙂"
+    for _ in range(200):
+        ids = []
+        for _ in range(rng.randint(1, 12)):
+            if rng.random() < 0.5:
+                ids.append(rng.choice(words))
+            else:
+                ids += [byte[b] for c in rng.choices(chars, k=rng.randint(1, 3)) for b in c.encode()]
+        detok = IncrementalDetokenizer(hf)
+        streamed = "".join(detok.add([i]) for i in ids) + detok.flush()
+        assert streamed == hf.decode(ids), ids

@@ -63,14 +63,12 @@ def test_python_example_prints_what_it_shows():
         assert form.match(got) and form.match(want), (got, want)
 
 
-def test_openai_example_against_a_live_server(tmp_path):
-    pytest.importorskip("openai")
-    example = _block_with("python", "from openai import OpenAI")
-    code = example.group(2)
-    expected = re.match(r"\s*prints `([^`]+)`", README[example.end() :]).group(1)
-    assert "max_tokens" in code and "http://127.0.0.1:8000/v1" in code
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory):
+    """`hydragen serve` on the embedded model, as the README starts it (on a free port)."""
     port = free_port()
-    log = (tmp_path / "serve.log").open("w")
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = log_path.open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "hydragen", "serve", "--port", str(port)],
         stdout=log,
@@ -81,7 +79,7 @@ def test_openai_example_against_a_live_server(tmp_path):
     try:
         deadline = time.monotonic() + TIMEOUT
         while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert server.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "hydragen serve did not come up"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -89,12 +87,34 @@ def test_openai_example_against_a_live_server(tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        printed = _run_python(code.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
+        yield port
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
-    assert printed == expected + "\n"
+
+
+def _run_against(port: int, code: str) -> str:
+    assert "http://127.0.0.1:8000/v1" in code
+    return _run_python(code.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
+
+
+def test_openai_example_against_a_live_server(live_server):
+    pytest.importorskip("openai")
+    example = _block_with("python", "stream=True")
+    code = example.group(2)
+    expected = re.match(r"\s*prints `([^`]+)`", README[example.end() :]).group(1)
+    assert "max_tokens" in code
+    assert _run_against(live_server, code) == expected + "\n"
+
+
+def test_tool_loop_example_against_a_live_server(live_server):
+    """The two-step tool loop: a required call (grammar-enforced), its result sent back, the answer. Greedy,
+    so the printed lines are compared exactly."""
+    pytest.importorskip("openai")
+    example = _block_with("python", "tool_choice=")
+    shown = next(m for m in _blocks("text") if m.start() > example.end()).group(2)
+    assert _run_against(live_server, example.group(2)) == shown
 
 
 def _command_lines() -> list[list[str]]:

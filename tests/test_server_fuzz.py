@@ -196,9 +196,7 @@ def hostile_requests() -> list[dict]:
         "echo": True,
         "suffix": "s",
         "logit_bias": {"1": 5},
-        "tools": [{"type": "function"}],
         "functions": [{"name": "f"}],
-        "tool_choice": "auto",
         "modalities": ["audio"],
         "foo": 1,
         "min_tokens": 3,
@@ -207,6 +205,32 @@ def hostile_requests() -> list[dict]:
     for key, value in unsupported.items():
         add(C, json.dumps({**BASE, key: value}).encode(), {key})
         add(CHAT, json.dumps({**CHAT_BASE, key: value}).encode(), {key})
+    # Tools are a chat feature: unknown to /v1/completions, checked field by field on chat.
+    for key, value in {"tools": [{"type": "function"}], "tool_choice": "auto"}.items():
+        add(C, json.dumps({**BASE, key: value}).encode(), {key})
+    malformed_tools = [
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"tools": "f"}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"},
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "not": {}}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+    ]
+    for extra, param in malformed_tools:
+        add(CHAT, json.dumps({**CHAT_BASE, **extra}).encode(), {param})
     malformed_constraints = {  # output constraints are supported; these values of them are not valid
         "response_format": {"type": "xml"},
         "guided_json": "{not json",

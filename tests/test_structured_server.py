@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -204,3 +205,58 @@ def test_logprobs_of_forced_tokens_are_null(live, chat):
         assert all(c["top_logprobs"] == [] for c in lp["content"] if c["logprob"] is None)
         # sampled: at most the 2 asked for, only tokens the constraint allowed (so maybe fewer)
         assert all(1 <= len(c["top_logprobs"]) <= 2 for c in lp["content"] if c["logprob"] is not None)
+
+
+def test_a_slow_compile_never_stalls_other_requests(live):
+    """A request whose constraint takes long to compile is compiled on a request thread: while its compile
+    is held (a gate, not a timing), a stream that is already decoding keeps receiving tokens."""
+    import threading
+
+    compiler = live.engine.structured.compiler
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real_build = compiler._build
+
+    def gated_build(llguidance, source):
+        if "gate" in source.text:
+            threads.append(threading.current_thread().name)
+            entered.set()
+            assert release.wait(120)
+        return real_build(llguidance, source)
+
+    compiler._build = gated_build
+    received: list[str] = []
+    stream_body = {**_body(False, {}, 1, 1.0, True, 400), "ignore_eos": True}
+
+    def stream() -> None:
+        url = live.url + "/v1/completions"
+        with httpx.stream("POST", url, json=stream_body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    received.append(line)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    try:
+        deadline = time.monotonic() + 120
+        while len(received) < 3:
+            assert time.monotonic() < deadline and streamer.is_alive()
+            time.sleep(0.01)
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(
+                _post, live, False, _body(False, {"guided_regex": "gate[0-9]{2}"}, 1, 1.0, False)
+            )
+            assert entered.wait(120)
+            before = len(received)
+            while len(received) < before + 5:  # the gate is still closed: the engine thread is free
+                assert time.monotonic() < deadline and streamer.is_alive(), "decoding stalled"
+                time.sleep(0.01)
+            release.set()
+            status, texts, _ = slow.result(timeout=120)
+        assert status == 200 and re.fullmatch("gate[0-9]{2}", texts[0]), texts
+        assert threads and "hydragen-engine" not in threads
+    finally:
+        release.set()
+        compiler._build = real_build
+        streamer.join(timeout=300)
+    live.assert_no_leak()

@@ -15,6 +15,7 @@ import dataclasses
 import sys
 from typing import TextIO
 
+from hydragen.chat_tools import MAX_ROUNDS, ChatTools, show_call
 from hydragen.prompt_input import PromptReader
 from hydragen.streaming import StreamResult, interrupt_flag, stream_request
 
@@ -38,12 +39,13 @@ class Chat:
         system: str | None = None,
         max_tokens: int | None = None,
         quiet: bool = False,
+        tools: ChatTools | None = None,
         stdin: TextIO | None = None,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
     ) -> None:
         self.llm, self.params, self.context, self.max_tokens = llm, params, context, max_tokens
-        self.system, self.quiet = system, quiet
+        self.system, self.quiet, self.tools = system, quiet, tools
         self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
         self.interactive = self.stdin.isatty()
         self._hinted = False  # the busy-machine hint is given once
@@ -61,6 +63,8 @@ class Chat:
         print(styled, file=self.stderr, flush=True)
 
     def _write(self, _: int, piece: str) -> None:
+        if self.tools is not None:
+            piece = self.tools.visible(piece)
         self.stdout.write(piece)
         self.stdout.flush()
 
@@ -129,32 +133,84 @@ class Chat:
     def _warm_up(self) -> None:
         """Compute the template's opening (system prompt) before the first message, so the first reply
         starts as fast as the later ones: a 1-token request whose KV stays in the prefix cache."""
-        ids = self.llm.tokenizer.apply_chat_template(self.history + [{"role": "user", "content": "Hi"}])
+        opening = self.history + [{"role": "user", "content": "Hi"}]
+        if self.tools is not None:  # the tools' description is part of the opening
+            ids = self.tools.prompt_ids(self.llm.tokenizer, opening)
+        else:
+            ids = self.llm.tokenizer.apply_chat_template(opening)
         stream_request(self.llm.loop, ids, dataclasses.replace(self.params, max_tokens=1, stop=None))
 
     def _turn(self, message: str) -> None:
         conversation = self.history + [{"role": "user", "content": message}]
-        ids = self.llm.tokenizer.apply_chat_template(conversation)
+        for _ in range(MAX_ROUNDS):
+            reply = self._reply(conversation)
+            if reply is None:
+                return
+            text, calls = reply
+            if not calls:
+                conversation.append({"role": "assistant", "content": text})
+                break
+            results = [self._result(call) for call in calls]
+            if any(r is None for r in results):  # end of input: the calls stay unanswered
+                return
+            conversation.append(
+                {"role": "assistant", "content": text, "tool_calls": [c.to_openai() for c in calls]}
+            )
+            conversation += [
+                {"role": "tool", "tool_call_id": c.id, "content": r}
+                for c, r in zip(calls, results, strict=True)
+            ]
+        self.history = conversation
+
+    def _reply(self, conversation: list[dict]) -> tuple[str, list] | None:
+        """Generate and stream one assistant reply: (its text, its tool calls), or None when the
+        conversation no longer fits the context."""
+        tools = self.tools
+        if tools is not None:
+            ids = tools.prompt_ids(self.llm.tokenizer, conversation)
+        else:
+            ids = self.llm.tokenizer.apply_chat_template(conversation)
         room = self.context - len(ids)
         if room < 1:
             self._note(
                 f"the conversation is {len(ids)} tokens and the context holds {self.context}: "
                 "/reset to start over"
             )
-            return
+            return None
         params = dataclasses.replace(self.params, max_tokens=min(self.max_tokens or room, room))
+        if tools is not None:
+            params = tools.params(params)
+            tools.start()
         stats = self.llm.engine.stats
         prompt0, computed0 = stats.prompt_tokens, stats.prefill_tokens
         with interrupt_flag() as stop:
             result = stream_request(self.llm.loop, ids, params, on_text=self._write, should_stop=stop)
+        text, calls = result.texts[0], []
+        if tools is not None:
+            self.stdout.write(tools.visible("", final=True))
+            reason = result.output.outputs[0].finish_reason if result.output is not None else None
+            content, calls = tools.reply(text, reason) if not result.stopped else (text, [])
+            text = content or ""
+            for call in calls:
+                print(f"\n{show_call(call)}", end="", file=self.stdout)
         print(file=self.stdout, flush=True)
         reused = (stats.prompt_tokens - prompt0) - (stats.prefill_tokens - computed0)
-        self.history = conversation + [{"role": "assistant", "content": result.texts[0]}]
         self._note(turn_summary(result, len(ids), reused))
         threads = self.llm.engine.threads
         if threads is not None and not self._hinted and (hint := threads.hint()) is not None:
             self._hinted = True
             self._note(hint)
+        return text, calls
+
+    def _result(self, call) -> str | None:
+        """The result of ``call``, typed (or piped) in; None at the end of input."""
+        if self.interactive:
+            try:
+                return input(f"{call.name} result> ")
+            except EOFError:
+                return None
+        line = self.stdin.readline()
+        return line.rstrip("\n") if line else None
 
 
 def turn_summary(result: StreamResult, prompt_tokens: int, reused: int) -> str:

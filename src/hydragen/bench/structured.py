@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from hydragen.bench.common import machine_description, say_quick, write_table
+from hydragen.bench.structured_plots import plots
 
 RESULT_NAME = "structured"
 MODES = ("unconstrained", "no_jump", "jump")
@@ -349,58 +350,6 @@ COLUMNS = [
 ]
 
 
-def plots(data: dict, out: Path) -> list[Path]:
-    """Tokens/s and latency per mode at each batch size; mask time per token."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hydragen.bench.plots import QUICK_TITLE
-
-    rows = data["rows"]
-    batches = sorted({r["batch"] for r in rows})
-    labels = {
-        "unconstrained": "no schema",
-        "no_jump": "schema, token by token",
-        "jump": "schema, jump-forward",
-        "free": "free text, no grammar",
-        "free_masked": "free text, grammar forcing nothing",
-    }
-    paths = []
-    for metric, ylabel, name, modes in (
-        ("tokens_per_s", "output tokens per second", "structured_tokens_per_s.png", MODES),
-        ("tokens_per_cpu_s", "output tokens per CPU second", "structured_tokens_per_cpu_s.png", MODES),
-        ("latency_mean_s", "mean request latency (s)", "structured_latency.png", MODES),
-        ("tokens_per_cpu_s", "output tokens per CPU second", "structured_mask_overhead.png", FREE_MODES),
-    ):
-        fig, ax = plt.subplots(figsize=(8.4, 4.6), layout="constrained")
-        width = 0.8 / len(modes)
-        for j, mode in enumerate(modes):
-            values = [
-                next((r[metric] for r in rows if r["batch"] == b and r["mode"] == mode), 0.0) for b in batches
-            ]
-            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(batches))]
-            bars = ax.bar(xs, values, width, label=labels[mode], color=f"C{j}")
-            ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
-        ax.set_ylabel(ylabel)
-        title = {
-            "structured_tokens_per_s.png": "JSON extraction: output speed with and without jump-forward",
-            "structured_tokens_per_cpu_s.png": "JSON extraction: output per CPU second",
-            "structured_latency.png": "JSON extraction: time per request",
-            "structured_mask_overhead.png": "Cost of grammar masks alone (fixed-length free text)",
-        }[name]
-        ax.set_title(QUICK_TITLE + "\n" + title if data.get("quick") else title)
-        ax.legend(loc="upper left", fontsize=8)
-        ax.margins(y=0.15)
-        path = out / name
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="hydragen bench structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint with a tokenizer (default: embedded model)")
@@ -414,7 +363,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="passage seed (default 0)")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode, interleaved; the fastest counts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--workload",
+        choices=["extraction", "tools"],
+        default="extraction",
+        help="extraction: JSON extraction (default); tools: tool-call output (tool_choice required, eight "
+        "functions; then the defaults are batches 1 16, 16 requests, max tokens 96)",
+    )
     args = p.parse_args(argv)
+    if args.workload == "tools":
+        defaults = {"batches": [1, 32], "requests": 32, "max_tokens": 160}
+        for key, value in {"batches": [1, 16], "requests": 16, "max_tokens": 96}.items():
+            if getattr(args, key) == defaults[key]:
+                setattr(args, key, value)
     if args.quick:
         say_quick("structured")
         args.batches, args.requests, args.serial, args.max_tokens, args.free_tokens = [1, 4], 4, 2, 48, 8
@@ -428,34 +389,53 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(args.model, kv_cache_tokens=65536)
     if llm.tokenizer is None:
         raise SystemExit(f"bench structured needs a model with a tokenizer; {llm.model_path} has none")
-    result = run(
-        llm,
-        args.batches,
-        args.requests,
-        args.serial,
-        args.max_tokens,
-        args.free_tokens,
-        args.seed,
-        args.repeats,
-    )
+    if args.workload == "tools":
+        from hydragen.bench.tool_calls import speed_rows
+
+        result = speed_rows(llm, args.batches, args.requests, args.serial, args.max_tokens, args.repeats)
+    else:
+        result = run(
+            llm,
+            args.batches,
+            args.requests,
+            args.serial,
+            args.max_tokens,
+            args.free_tokens,
+            args.seed,
+            args.repeats,
+        )
     out = args.out
     params = {k: v for k, v in vars(args).items() if k != "out"}
     params["model"] = args.model or "embedded SmolLM2-135M-Instruct"
     compile_lines = ", ".join(f"{k} {v:.1f} ms" for k, v in result["compile_ms"].items())
+    columns = COLUMNS
+    if args.workload == "tools":
+        columns = [c for c in COLUMNS if "unconstrained" not in c and c != "field_accuracy"]
+        columns.insert(columns.index("valid_rate"), "finished_rate")
+        columns.insert(columns.index("valid_rate") + 1, "right_function")
+        compile_lines = "see hydragen bench tools"
     notes = (
         f"Model: {params['model']}. {args.requests} requests per batched run ({args.serial} at batch 1, one "
         f"after another), greedy, max_tokens {args.max_tokens}; modes interleaved, fastest of "
         f"{args.repeats} runs each; torch threads {torch.get_num_threads()}. "
         f"Cold compile time per schema: {compile_lines}. "
-        f"free / free_masked: {args.free_tokens} tokens per request, unconstrained vs a grammar that "
-        "forces nothing."
+        + (
+            f"free / free_masked: {args.free_tokens} tokens per request, unconstrained vs a grammar that "
+            "forces nothing."
+            if args.workload == "extraction"
+            else "Tool calls: tool_choice required, one call, eight functions; finished_rate: the call ended "
+            "within max_tokens; valid_rate: of those, the call parses and validates; right_function: it "
+            "calls the function the request asks for."
+        )
     )
     md = write_table(
         result["rows"],
-        COLUMNS,
+        columns,
         out,
         RESULT_NAME,
-        "Structured outputs: JSON extraction",
+        "Structured outputs: tool calls"
+        if args.workload == "tools"
+        else "Structured outputs: JSON extraction",
         notes,
         quick=args.quick,
         quick_note=(

@@ -22,6 +22,8 @@ EXTRA_BENCHMARKS = {
     "exactness": "hydragen.bench.exactness",
     "versus": "hydragen.bench.versus",
     "tp": "hydragen.bench.tp",
+    "tools": "hydragen.bench.tools",
+    "schema-defaults": "hydragen.bench.schema_defaults",
 }
 ALL_BENCHMARKS = {**BENCHMARKS, **EXTRA_BENCHMARKS}
 

@@ -87,6 +87,7 @@ def load_llm(
     kv_cache_tokens: int | None = None,
     prefix_sharing: bool = True,
     jump_forward: bool = True,
+    literal_json_schema: bool = False,
 ):
     """(LLM, seconds it took, context length in force): the model plus --max-model-len checked against it."""
     from hydragen import LLM
@@ -101,6 +102,7 @@ def load_llm(
         tensor_parallel_size=tp_size(args),
         jump_forward=jump_forward,
         threads=threads_option(args),
+        literal_json_schema=literal_json_schema,
     )
     load_s = time.perf_counter() - t0
     context = llm.config.max_position_embeddings

@@ -151,6 +151,7 @@ def run_generate(args: argparse.Namespace) -> int:
         kv_for(args.max_model_len, args.n),
         prefix_sharing=not args.no_sharing,
         jump_forward=not args.no_jump_forward,
+        literal_json_schema=args.literal_json_schema,
     )
     ids = _prompt_ids(llm, args, text)
     if len(ids) >= context:
@@ -211,13 +212,28 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     from hydragen.chat import Chat
+    from hydragen.chat_tools import ChatTools, choice_from_flag, load_tools
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.tool_choice is not None and args.tools is None:
+        raise UsageError("--tool-choice needs --tools")
+    try:  # read before the model loads, so a bad file is reported at once
+        tool_list = load_tools(args.tools) if args.tools is not None else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     params = sampling_params(args, max_tokens=args.max_tokens or 1)
     apply_machine_flags(args)
     llm, load_s, context = load_llm(args, kv_for(args.max_model_len, 1))
     if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         raise UsageError(f"{llm.model_path} has no chat template; use `hydragen generate --raw` instead")
-    chat = Chat(llm, params, context, system=args.system, max_tokens=args.max_tokens, quiet=args.quiet)
+    tools = None
+    if tool_list is not None:
+        try:
+            tools = ChatTools(llm, tool_list, choice_from_flag(args.tool_choice))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    chat = Chat(
+        llm, params, context, system=args.system, max_tokens=args.max_tokens, quiet=args.quiet, tools=tools
+    )
     return chat.run(load_s)

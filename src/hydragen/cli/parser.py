@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a constraint: sample forced text token by token instead of jumping over it",
     )
     g.add_argument(
+        "--literal-json-schema",
+        action="store_true",
+        help="read JSON Schemas literally: an object without additionalProperties may get any extra keys "
+        "(default: only the properties it names, as vLLM/SGLang with XGrammar)",
+    )
+    g.add_argument(
         "--no-sharing",
         action="store_true",
         help="baseline: every sequence keeps its own full copy of the prompt's KV",
@@ -141,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling_args(c, temperature=0.7)
     _add_model_args(c)
+    c.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="JSON file of functions the model may call (OpenAI's tools list); calls are shown and their "
+        "results asked for",
+    )
+    c.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="with --tools: auto (default), required, none, or a function's name",
+    )
     c.add_argument("-q", "--quiet", action="store_true", help="no banner and no per-turn statistics")
     c.set_defaults(func=run_chat)
 
@@ -175,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-jump-forward",
         action="store_true",
         help="structured outputs: sample forced text token by token instead of jumping over it (measurement)",
+    )
+    v.add_argument(
+        "--tool-format",
+        choices=["hermes", "llama3_json", "generic"],
+        default=None,
+        help="how tool calls are written (default: detected from the chat template; generic for a "
+        "template without tools)",
+    )
+    v.add_argument(
+        "--literal-json-schema",
+        action="store_true",
+        help="read JSON Schemas literally: an object without additionalProperties may get any extra keys "
+        "(default: only the properties it names, as vLLM/SGLang with XGrammar)",
     )
     v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
@@ -218,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmark suite (attention, e2e, longdoc, tree, serve, structured; cost-rule, exactness, "
-        "versus, tp): `hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` redraws a run's plots "
-        "from its JSON",
+        "versus, tp, tools, schema-defaults): `hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` "
+        "redraws a run's plots from its JSON",
     )
     b.add_argument(
         "which",

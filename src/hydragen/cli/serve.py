@@ -77,6 +77,8 @@ def run_serve(args: argparse.Namespace) -> int:
             tensor_parallel_size=tp,
             jump_forward=not args.no_jump_forward,
             threads=threads_option(args),
+            literal_json_schema=args.literal_json_schema,
+            tool_format=args.tool_format,
         )
     except BaseException:
         sock.close()

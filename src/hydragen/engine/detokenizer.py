@@ -22,7 +22,9 @@ unless skipped special tokens keep splitting one character's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -39,6 +41,11 @@ _PROMPT_CONTEXT = 5
 # last _KEEP_UNREAD tokens unread (they hold any unfinished character unless specials interleave).
 _LONG_HOLD = 8
 _KEEP_UNREAD = 4
+# SentencePiece byte fallback decodes a run of byte tokens as one group: while the group ends in an
+# unfinished character, every byte of it reads U+FFFD, even bytes that already formed whole characters
+# ("鄽" then the first byte of the next character gives four U+FFFD). With such a decoder the text of a
+# trailing run of tokens that decode alone to U+FFFD is held until a whole token ends the run (the window
+# then spans the run: long runs of byte tokens cost more decoding, but are rare in real text).
 
 
 class Decoder(Protocol):
@@ -75,6 +82,8 @@ class IncrementalDetokenizer:
         self._emitted = len(self._decode(0, self._read))  # characters of the window text emitted
         self._pieces: list[str] = []
         self._finished = False
+        self._byte_runs = groups_byte_runs(tokenizer)
+        self._partial: dict[int, bool] = {}  # token id -> it decodes alone to (part of) U+FFFD
 
     @property
     def text(self) -> str:
@@ -93,6 +102,8 @@ class IncrementalDetokenizer:
         self._ids.extend(new_ids)
         window = self._decode(self._start, len(self._ids))
         hold = unstable_suffix_length(window)
+        if self._byte_runs:
+            hold = max(hold, self._byte_run_length(window))
         piece = self._emit(window, len(window) - hold)
         if hold == 0:
             self._slide(len(self._ids))
@@ -107,6 +118,24 @@ class IncrementalDetokenizer:
         self._finished = True
         window = self._decode(self._start, len(self._ids))
         return self._emit(window, len(window))
+
+    def _byte_run_length(self, window: str) -> int:
+        """Characters of ``window`` spelled by its trailing run of byte tokens (see the note on byte
+        fallback at the top)."""
+        run = 0
+        while len(self._ids) - run > self._read and self._is_partial(self._ids[-1 - run]):
+            run += 1
+        if run == 0:
+            return 0
+        before = self._decode(self._start, len(self._ids) - run)
+        return len(window) - len(before) if window.startswith(before) else len(window) - self._emitted
+
+    def _is_partial(self, token: int) -> bool:
+        partial = self._partial.get(token)
+        if partial is None:
+            text = self._tokenizer.decode([token], skip_special_tokens=self._skip_special)
+            partial = self._partial[token] = REPLACEMENT in text
+        return partial
 
     def _emit(self, window: str, stable_end: int) -> str:
         if stable_end <= self._emitted:
@@ -143,6 +172,27 @@ class IncrementalDetokenizer:
         if end <= begin:
             return ""
         return self._tokenizer.decode(self._ids[begin:end], skip_special_tokens=self._skip_special)
+
+
+_GROUPING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def groups_byte_runs(tokenizer) -> bool:
+    """Whether the tokenizer's decoder is SentencePiece byte fallback (read from its Hugging Face backend;
+    False for anything else), found once per tokenizer."""
+    try:
+        return _GROUPING[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(getattr(tokenizer, "_tok", tokenizer), "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    try:
+        found = decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
+    except Exception:  # a decoder that cannot describe itself: assume the usual kind
+        found = False
+    with contextlib.suppress(TypeError):  # not weakly referenceable: found again next time
+        _GROUPING[tokenizer] = found
+    return found
 
 
 def _checked_ids(token_ids: Iterable[int]) -> list[int]:

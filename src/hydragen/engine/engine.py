@@ -81,6 +81,7 @@ class Engine:
         page_size: int = DEFAULT_PAGE_SIZE,
         parallel=None,
         jump_forward: bool = True,
+        literal_json_schema: bool = False,
     ):
         """``parallel``: a tensor-parallel group's rank 0 (``hydragen.distributed.launcher.TensorParallel``),
         which builds the page pool and model runner that drive the other ranks; None runs in-process.
@@ -118,7 +119,7 @@ class Engine:
         self.runner = make_runner(model, cfg, self.pool, device, attention)
         eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
-        self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, eos, jump_forward)
+        self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, eos, jump_forward, literal_json_schema)
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
         self.ended: list[Sequence] = []  # sequences ended between steps (a stop inside extended text)

@@ -63,6 +63,11 @@ class LLM:
     ``threads``: torch's CPU threads. None leaves torch's setting alone; ``"auto"`` (what the CLI uses)
     takes the cores other programs leave free and re-checks every few seconds (``cpu_threads.py``); an
     integer fixes the count.
+    ``literal_json_schema`` (structured outputs, tool arguments): read a schema object that does not say
+    ``additionalProperties`` as JSON Schema does (any extra keys) instead of as the peers do (only the
+    properties it names, the default); a request's ``StructuredOutputsParams`` can say otherwise.
+    ``tool_format`` (tool calling): "hermes", "llama3_json" or "generic"; None detects it from the chat
+    template (hydragen.tools.formats).
     """
 
     def __init__(
@@ -80,8 +85,16 @@ class LLM:
         tensor_parallel_size: int = 1,
         jump_forward: bool = True,
         threads: int | str | None = None,
+        literal_json_schema: bool = False,
+        tool_format: str | None = None,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
+        if tool_format is not None:
+            from hydragen.tools.formats import FORMATS
+
+            if tool_format not in FORMATS:
+                raise ValueError(f"tool_format must be one of {', '.join(FORMATS)}, got {tool_format!r}")
+        self.tool_format = tool_format  # resolved below, once the tokenizer is loaded
         governor = thread_governor(threads, dev, tensor_parallel_size)  # before the load: it measures it
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
@@ -110,6 +123,7 @@ class LLM:
                 min_shared_reads=min_shared_reads,
                 page_size=page_size,
                 jump_forward=jump_forward,
+                literal_json_schema=literal_json_schema,
             )
         except BaseException:
             self.close()
@@ -127,8 +141,10 @@ class LLM:
         # A directory without tokenizer files still runs on token-id prompts (texts are then empty).
         if has_tokenizer:
             from hydragen.model.tokenizer import load_tokenizer
+            from hydragen.tools.formats import resolve_format
 
             self.tokenizer = load_tokenizer(self.model_path)
+            self.tool_format = resolve_format(self.tokenizer, self.tool_format)  # how tool calls are written
         else:
             self.tokenizer = None
         c = self.config
@@ -202,19 +218,51 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
-        """``messages``: one conversation (list of {"role", "content"}) or a list of conversations."""
+        """``messages``: one conversation (list of {"role", "content"}) or a list of conversations.
+
+        ``tools`` (OpenAI's function definitions), ``tool_choice`` ("auto" by default, "none", "required"
+        or {"type": "function", "function": {"name": ...}}) and ``parallel_tool_calls`` as in OpenAI's
+        API (hydragen.tools.request); conversations may hold assistant ``tool_calls`` and ``role: "tool"``
+        results. Each output then carries ``tool_calls`` (hydragen.tools.ToolCall, [] when the reply is
+        text) and ``content`` (the text outside the calls)."""
         if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, Seq) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a non-empty list of them")
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer files")
+        request = self._tool_request(tools, tool_choice, parallel_tool_calls, messages)
         items = []
         for conv in messages:
-            ids = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            if request is not None:
+                ids = request.prompt_ids(self.tokenizer, list(conv))
+            else:
+                ids = self.tokenizer.apply_chat_template(
+                    list(conv), add_generation_prompt=add_generation_prompt
+                )
             items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
-        return self._run(items, sampling_params, use_tqdm)
+        if request is None:
+            return self._run(items, sampling_params, use_tqdm)
+        structured = self.engine.structured
+        constraint = request.constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
+        outs = self._run(items, request.sampling_params(sampling_params, constraint), use_tqdm)
+        for out in outs:
+            for c in out.outputs:
+                c.content, c.tool_calls, _ = request.reply(c.text, c.finish_reason)
+        return outs
+
+    def _tool_request(self, tools, tool_choice, parallel_tool_calls, conversations):
+        """The ToolRequest of a chat call (None without tools); conversations holding earlier calls or
+        results get one too, so those are rendered."""
+        from hydragen.tools.request import ToolRequest
+
+        request = ToolRequest.build(tools, tool_choice, parallel_tool_calls, self.tool_format)
+        history = any(m.get("role") == "tool" or m.get("tool_calls") for c in conversations for m in c)
+        return ToolRequest.history_only(self.tool_format) if request is None and history else request
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""

@@ -14,6 +14,10 @@ class CompletionOutput:
     # Per generated token: {token_id: logprob} with the sampled token plus the top-`logprobs` alternatives.
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it, if any
+    # LLM.chat(..., tools=...): the calls the reply made (hydragen.tools.ToolCall; [] when it answered in
+    # text) and its text outside them (None when there is none); both None without tools.
+    tool_calls: list | None = None
+    content: str | None = None
 
 
 @dataclass

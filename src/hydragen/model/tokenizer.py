@@ -65,8 +65,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render with the model's template, then tokenize without adding specials (the template has them)."""
+    def apply_chat_template(
+        self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Render with the model's template, then tokenize without adding specials (the template has them).
+        ``tools``: function definitions for a template that renders them (Hugging Face's convention)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
         if not isinstance(conversation, (list, tuple)) or not conversation:
@@ -81,7 +84,7 @@ class Tokenizer:
 
         try:
             text = self._tok.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(conversation), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except TemplateError as e:  # e.g. templates that raise on non-alternating roles
             raise ValueError(f"the chat template rejected the conversation: {e}") from e

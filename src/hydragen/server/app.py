@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from hydragen.engine.sampling_params import MAX_N
+from hydragen.engine.sampling_params import MAX_N, ParamError
 from hydragen.server.async_engine import AsyncEngine, Update
 from hydragen.server.body import parse_body, read_body
 from hydragen.server.errors import APIError, install_error_handlers
@@ -145,8 +145,9 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         logprobs = body.logprobs_count()
         requested = body.requested_max_tokens()
         body.sampling_params(1 if requested is None else requested, logprobs)  # every value checked up front
+        tools = body.tool_request(llm.tool_format) if chat else None
         if chat:
-            prompts = [(await encoder.chat(body.conversation()), None)]
+            prompts = [(await encoder.chat(body.conversation(), tools), None)]
         else:
             prompts = await encoder.completion(body)
         if len(prompts) * body.n > MAX_N:
@@ -166,8 +167,14 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
             )
             params.append(body.sampling_params(max_tokens, logprobs))
         record["prompt_tokens"] = sum(len(ids) for ids, _ in prompts)
-        subs = await submit_all(prompts, params, chat, body.max_tokens_param, body.structured_field())
-        shapes = Shapes(tok, chat, (body.top_logprobs or 0) if chat else 0, logprobs is not None)
+        field = body.structured_field()
+        if tools is not None and tools.enforced:
+            params, field = await tool_params(tools, params, body.literal_json_schema), "tools"
+        else:
+            await precompile(params[0].structured_outputs, field)
+        subs = await submit_all(prompts, params, chat, body.max_tokens_param, field)
+        enforced = tools if tools is not None and tools.enforced else None
+        shapes = Shapes(tok, chat, (body.top_logprobs or 0) if chat else 0, logprobs is not None, enforced)
         meta = {"id": record["id"], "created": int(time.time()), "model": body.model}
         record["stream"] = body.stream
         if not body.stream:
@@ -175,6 +182,34 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = stream(subs, body.n, shapes, meta, chat, include_usage, record, started)
         return StreamingResponse(events, media_type="text/event-stream")
+
+    async def precompile(constraint, field: str) -> None:
+        """Compile the request's constraint on a worker thread: the engine thread then finds it cached, so
+        a slow compile never holds up the decoding of other requests."""
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(llm.engine.structured.compile, constraint)
+        except ParamError as e:
+            raise APIError(400, str(e), field, code="invalid_value") from None
+
+    async def tool_params(tools, params, literal: bool | None):
+        """The request's params with its tool-call grammar, built and compiled on a worker thread (errors
+        name the tool whose schema is at fault)."""
+        structured = llm.engine.structured
+        literal = structured.literal_json_schema if literal is None else literal
+
+        def build():
+            constraint = tools.constraint(structured.compiler.ll_tokenizer, literal)
+            structured.compile(constraint)
+            return tools.sampling_params(params, constraint)
+
+        try:
+            return await asyncio.to_thread(build)
+        except ParamError as e:
+            if e.param == "structured_outputs":  # the grammar did not compile
+                e = tools.locate(e)
+            raise APIError(400, str(e), e.param, code="invalid_value") from None
 
     async def submit_all(
         prompts, params, chat: bool, max_tokens_param: str, structured_param: str = "structured_outputs"
@@ -267,10 +302,11 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
                         completion_tokens += len(d.token_ids)
                         if d.finish_reason:
                             reasons.append(d.finish_reason)
-                        chunk = {**chunk_base, "choices": [shapes.delta_choice(p_idx * n + d.index, d)]}
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield sse(chunk)
+                        for choice in shapes.delta_choices(p_idx * n + d.index, d):
+                            chunk = {**chunk_base, "choices": [choice]}
+                            if include_usage:
+                                chunk["usage"] = None
+                            yield sse(chunk)
                     if upd.finished:
                         finals.append(upd)
                         pending.pop(rid)

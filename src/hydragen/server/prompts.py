@@ -8,8 +8,10 @@ it is tokenized at all, so a many-megabyte prompt costs no tokenizer time.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
+from hydragen.engine.sampling_params import ParamError
 from hydragen.server.errors import APIError
 
 # Normalizers can fold several characters into one (NFC composition, dropped control characters):
@@ -89,15 +91,25 @@ class PromptEncoder:
         return out
 
     # ---- chat --------------------------------------------------------------------------------------
-    async def chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    async def chat(self, conversation: list[dict], tools=None) -> list[int]:
+        """Token ids of the conversation through the chat template; ``tools``: the request's ToolRequest
+        (hydragen.tools), which renders its functions, earlier calls and results."""
         if self.tok is None or not self.tok.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        return await asyncio.to_thread(self._template, conversation)
+        return await asyncio.to_thread(self._template, conversation, tools)
 
-    def _template(self, conversation: list[dict[str, str]]) -> list[int]:
-        self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
+    def _template(self, conversation: list[dict], tools) -> list[int]:
+        chars = sum(len(m["content"]) for m in conversation)
+        if tools is not None:  # the functions' definitions are rendered into the prompt too
+            chars += sum(len(json.dumps(t.to_openai())) for t in tools.tools)
+        self._check_chars(chars, "messages")
         try:
-            ids = self.tok.apply_chat_template(conversation, add_generation_prompt=True)
+            if tools is None:
+                ids = self.tok.apply_chat_template(conversation, add_generation_prompt=True)
+            else:
+                ids = tools.prompt_ids(self.tok, conversation)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param, code="invalid_value") from None
         except ValueError as e:
             raise APIError(400, str(e), "messages", code="invalid_value") from None
         self.check_length(len(ids), "messages")

@@ -29,11 +29,8 @@ NEUTRAL: dict[str, tuple] = {
     "echo": (False,),
     "suffix": ("",),
     "logit_bias": ({},),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
+    "functions": ([],),  # OpenAI's deprecated spelling of tools (use tools / tool_choice)
     "function_call": ("none",),
-    "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
     "modalities": (["text"],),
 }
 
@@ -99,6 +96,9 @@ class _Common(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # hydragen's switch (also `serve --literal-json-schema`): read JSON Schemas literally, so an object
+    # without additionalProperties may get extra keys; default: only its named properties, as the peers.
+    literal_json_schema: bool | None = None
 
     def structured_field(self) -> str:
         """The request field that carries the output constraint (for naming it in errors)."""
@@ -177,8 +177,10 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None  # assistant: the calls it made (tools/render.py checks them)
+    tool_call_id: str | None = None  # tool: the call this result answers
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -207,6 +209,23 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (hydragen/tools/): checked by tool_request(), which names the bad field.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_request(self, fmt):
+        """The request's ToolRequest (None without tools), or a 400 naming the bad field. A conversation
+        holding earlier calls or results gets one too (tool_choice "none"), so they are rendered."""
+        from hydragen.tools.request import ToolRequest
+
+        try:
+            req = ToolRequest.build(self.tools, self.tool_choice, self.parallel_tool_calls, fmt)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param, code="invalid_value") from None
+        if req is None and any(m.role == "tool" or m.tool_calls for m in self.messages):
+            req = ToolRequest.history_only(fmt)
+        return req
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -225,7 +244,29 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs", code="invalid_value")
         return (top or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict]:
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages", code="invalid_value")
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(
+                    400,
+                    "a tool message needs its tool_call_id",
+                    f"messages[{i}].tool_call_id",
+                    code="invalid_value",
+                )
+            if m.role != "assistant" and m.tool_calls is not None:
+                raise APIError(
+                    400,
+                    "only assistant messages carry tool_calls",
+                    f"messages[{i}].tool_calls",
+                    code="invalid_value",
+                )
+            message = {"role": m.role, "content": m.text(i)}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 
 from hydragen.server.async_engine import SeqDelta, Update
+from hydragen.tools.stream import ToolCallStream, finish_reason
 
 
 class Shapes:
-    """Formats one request's choices; ``chat`` picks the chat or the text-completion shape."""
+    """Formats one request's choices; ``chat`` picks the chat or the text-completion shape. ``tools``: the
+    request's ToolRequest when its replies may hold tool calls (they are parsed into ``tool_calls``)."""
 
-    def __init__(self, tokenizer, chat: bool, top_logprobs: int, want_logprobs: bool):
+    def __init__(self, tokenizer, chat: bool, top_logprobs: int, want_logprobs: bool, tools=None):
         self.tok, self.chat, self.top, self.want_lp = tokenizer, chat, top_logprobs, want_logprobs
+        self.tools = tools
+        self._streams: dict[int, ToolCallStream] = {}  # per choice, while streaming with tools
 
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False) if self.tok is not None else str(t)
@@ -46,12 +50,35 @@ class Shapes:
 
     def final_choice(self, index: int, text: str, ids: list[int], lps: list, reason: str | None) -> dict:
         c: dict = {"index": index, "finish_reason": reason}
-        if self.chat:
+        if self.chat and self.tools is not None:
+            content, calls, c["finish_reason"] = self.tools.reply(text, reason)
+            c["message"] = {"role": "assistant", "content": content}
+            if calls:
+                c["message"]["tool_calls"] = [call.to_openai() for call in calls]
+        elif self.chat:
             c["message"] = {"role": "assistant", "content": text}
         else:
             c["text"] = text
         c["logprobs"] = self.logprobs(lps, ids)
         return c
+
+    def delta_choices(self, index: int, d: SeqDelta) -> list[dict]:
+        """The stream chunks' choices for one update of choice ``index``: one, or with tools the content
+        and tool-call deltas it holds (then one that carries the finish_reason)."""
+        if not (self.chat and self.tools is not None):
+            return [self.delta_choice(index, d)]
+        stream = self._streams.setdefault(index, ToolCallStream(self.tools.fmt))
+        deltas = stream.feed(d.text, final=d.finish_reason is not None)
+        lp = self.logprobs(d.logprobs, d.token_ids) if self.want_lp and d.logprobs else None
+        out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+        if lp is not None:
+            if not out:
+                out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
+            out[0]["logprobs"] = lp
+        if d.finish_reason is not None:
+            reason = finish_reason(d.finish_reason, stream.closed)
+            out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return out
 
     def delta_choice(self, index: int, d: SeqDelta) -> dict:
         lp = self.logprobs(d.logprobs, d.token_ids) if self.want_lp and d.logprobs else None

@@ -82,6 +82,6 @@ def structured_outputs_from(body) -> tuple[StructuredOutputsParams | None, str]:
         raise _bad(found[1][0], f"only one output constraint per request: got {names}")
     field, spec = found[0]
     try:
-        return StructuredOutputsParams(**spec), field
+        return StructuredOutputsParams(**spec, literal_json_schema=body.literal_json_schema), field
     except ParamError as e:
         raise _bad(field, str(e)) from None

@@ -10,11 +10,13 @@ lexer and parser tables.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 
 from hydragen.engine.sampling_params import ParamError
 from hydragen.structured.params import JSON_DEFAULTS, GrammarSource, StructuredOutputsParams
+from hydragen.structured.schema_defaults import explain
 
 CACHE_ENTRIES = 256
 
@@ -25,43 +27,57 @@ class GrammarCompiler:
         self._ll_tokenizer = None
         self._cache: OrderedDict[GrammarSource, object] = OrderedDict()
         self.compile_seconds: dict[GrammarSource, float] = {}  # per source, first (uncached) compile
+        # Compiles run on request threads (the server compiles before a request reaches the engine
+        # thread) as well as on the engine thread: the locks guard the cache and the tokenizer view,
+        # never a compile itself, so a slow compile holds up nobody else.
+        self._lock = threading.Lock()
+        self._view_lock = threading.Lock()
 
     @property
     def ll_tokenizer(self):
         if self._ll_tokenizer is None:
-            import llguidance
-            import llguidance.hf
-
-            hf = getattr(self.tokenizer, "_tok", self.tokenizer)
-            if len(hf) > self.vocab_size:
-                raise ParamError(
-                    "structured_outputs",
-                    f"the tokenizer has {len(hf)} tokens but the model only {self.vocab_size}: "
-                    "structured outputs need every token to have a logit",
-                )
-            eos = sorted(self.eos_ids) or None
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+            with self._view_lock:
+                if self._ll_tokenizer is None:
+                    self._ll_tokenizer = self._build_tokenizer()
         return self._ll_tokenizer
 
-    def compile(self, params: StructuredOutputsParams):
-        """The start-state matcher for ``params`` (cached); ParamError naming the problem if it is bad."""
-        source = params.source()
-        hit = self._cache.get(source)
-        if hit is not None:
-            self._cache.move_to_end(source)
-            return hit
+    def _build_tokenizer(self):
+        import llguidance.hf
+
+        hf = getattr(self.tokenizer, "_tok", self.tokenizer)
+        if len(hf) > self.vocab_size:
+            raise ParamError(
+                "structured_outputs",
+                f"the tokenizer has {len(hf)} tokens but the model only {self.vocab_size}: "
+                "structured outputs need every token to have a logit",
+            )
+        eos = sorted(self.eos_ids) or None
+        return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+
+    def compile(self, params: StructuredOutputsParams, literal_json_schema: bool = False):
+        """The start-state matcher for ``params`` (cached); ParamError naming the problem if it is bad.
+        ``literal_json_schema``: the engine's setting, for params that leave it None."""
+        source = params.source(literal_json_schema)
+        with self._lock:
+            hit = self._cache.get(source)
+            if hit is not None:
+                self._cache.move_to_end(source)
+                return hit
         import llguidance
 
         t0 = time.perf_counter()
         matcher = self._build(llguidance, source)
         if matcher.is_error():
-            raise ParamError(
-                "structured_outputs", f"cannot compile the {params.kind} constraint: {matcher.get_error()}"
-            )
-        self.compile_seconds[source] = time.perf_counter() - t0
-        self._cache[source] = matcher
-        if len(self._cache) > CACHE_ENTRIES:
-            self._cache.popitem(last=False)
+            why = explain(matcher.get_error(), params.json if params.kind == "json" else None)
+            raise ParamError("structured_outputs", f"cannot compile the {params.kind} constraint: {why}")
+        # llguidance builds its lexer lazily; the first mask builds the start state's part, which every
+        # copy of this matcher then shares. Build it here, off the engine's decode path.
+        matcher.deep_copy().compute_bitmask()
+        with self._lock:
+            self.compile_seconds[source] = time.perf_counter() - t0
+            self._cache[source] = matcher
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
         return matcher
 
     def _build(self, llguidance, source: GrammarSource):
@@ -80,6 +96,6 @@ class GrammarCompiler:
             raise ParamError("structured_outputs", f"cannot compile the constraint: {e}") from None
         return LLMatcher(self.ll_tokenizer, grammar, log_level=0)
 
-    def matcher_for(self, params: StructuredOutputsParams):
+    def matcher_for(self, params: StructuredOutputsParams, literal_json_schema: bool = False):
         """A fresh matcher for one sequence."""
-        return self.compile(params).deep_copy()
+        return self.compile(params, literal_json_schema).deep_copy()

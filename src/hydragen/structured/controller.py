@@ -16,19 +16,34 @@ from hydragen.structured.matcher import GrammarState
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int], jump_forward: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_ids: set[int],
+        jump_forward: bool = True,
+        literal_json_schema: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.jump_forward = jump_forward
+        # How schemas that leave additionalProperties open are read, unless a request says
+        # (structured/schema_defaults.py): False generates only the named properties, as the peers do.
+        self.literal_json_schema = literal_json_schema
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids)
         self.masker = BatchMasker(vocab_size)
+
+    def compile(self, constraint):
+        """The compiled start state of ``constraint`` (a StructuredOutputsParams), cached. Thread-safe:
+        the server calls it on a request thread first, so the engine thread only finds it cached."""
+        if self.tokenizer is None:
+            raise ParamError("structured_outputs", "structured outputs need a model with a tokenizer")
+        return self.compiler.compile(constraint, self.literal_json_schema)
 
     def attach(self, params, seqs) -> None:
         """Give every sequence of a request its own grammar state (compiled once, cached)."""
         if params.structured_outputs is None:
             return
-        if self.tokenizer is None:
-            raise ParamError("structured_outputs", "structured outputs need a model with a tokenizer")
-        start = self.compiler.compile(params.structured_outputs)
+        start = self.compile(params.structured_outputs)
         for s in seqs:
             s.grammar = GrammarState(start.deep_copy())
 

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 from hydragen.engine.sampling_params import ParamError
+from hydragen.structured.schema_defaults import close_objects
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SOURCE_CHARS = 1_000_000  # a schema or grammar larger than this is refused before compiling
@@ -27,13 +28,19 @@ class GrammarSource:
 class StructuredOutputsParams:
     """Constrain a completion: exactly one of ``json`` (a JSON Schema, dict or string), ``regex``,
     ``choice`` (a list of strings), ``grammar`` (Lark, or GBNF written with ``::=``) or
-    ``json_object=True`` (any JSON object)."""
+    ``json_object=True`` (any JSON object).
+
+    ``literal_json_schema``: how a schema object without ``additionalProperties`` is read. False (peers'
+    default, as XGrammar): it generates only the properties it names. True: JSON Schema's own semantics,
+    any extra keys allowed. None: the engine's setting (``LLM(literal_json_schema=...)``, False unless
+    changed)."""
 
     json: dict | str | bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    literal_json_schema: bool | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -43,6 +50,8 @@ class StructuredOutputsParams:
                 "structured_outputs",
                 f"StructuredOutputsParams needs exactly one of {', '.join(KINDS)}; got {named}",
             )
+        if self.literal_json_schema not in (None, True, False):
+            raise ParamError("structured_outputs", "literal_json_schema must be True, False or None")
         kind = given[0]
         value = getattr(self, kind)
         if kind == "json":
@@ -65,7 +74,7 @@ class StructuredOutputsParams:
                 raise ParamError("structured_outputs", "json_object must be True")
         elif not isinstance(value, str) or not value:
             raise ParamError("structured_outputs", f"{kind} must be a non-empty string")
-        size = len(self.source().text)
+        size = len(self.source(literal_json_schema=True).text)
         if size > MAX_SOURCE_CHARS:
             raise ParamError(
                 "structured_outputs", f"{kind} is {size} characters long; the limit is {MAX_SOURCE_CHARS}"
@@ -75,11 +84,14 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def source(self) -> GrammarSource:
-        """The grammar to compile; equal sources share one compiled grammar."""
+    def source(self, literal_json_schema: bool = False) -> GrammarSource:
+        """The grammar to compile; equal sources share one compiled grammar. ``literal_json_schema`` is the
+        engine's setting, used when the params leave it None."""
         kind = self.kind
         if kind == "json":
-            return GrammarSource("json_schema", json.dumps(self.json))
+            literal = literal_json_schema if self.literal_json_schema is None else self.literal_json_schema
+            schema = self.json if literal else close_objects(self.json)
+            return GrammarSource("json_schema", json.dumps(schema))
         if kind == "json_object":
             return GrammarSource("json_schema", json.dumps({"type": "object"}))
         if kind == "regex":

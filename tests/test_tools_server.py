@@ -1,0 +1,163 @@
+"""Tool calling through /v1/chat/completions with the ``openai`` client: message.tool_calls with ids,
+finish_reason "tool_calls", streamed delta.tool_calls that the client's accumulator rebuilds, history
+with assistant calls and tool results, tool_choice none / auto / required / named, and 400s naming the
+field. On tiny random models speaking each format (hermes, llama3_json, generic)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from hydragen import LLM
+from tests.server_helpers import LiveServer
+from tests.tool_helpers import tiny_tool_model, tool_json
+
+openai = pytest.importorskip("openai")
+
+WEATHER = tool_json(
+    "get_weather", {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}
+)
+ADD = tool_json("add", {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "boolean"}})
+TOOLS = [WEATHER, ADD]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama3", "llama_sp"])
+def live(request, tmp_path_factory):
+    path = tiny_tool_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
+    srv = LiveServer(LLM(path, kv_cache_tokens=16384))
+    yield srv
+    srv.stop()
+
+
+def _client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused")
+
+
+def _create(live, **kw):
+    args = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 120, "seed": 4, **kw}
+    return _client(live).chat.completions.create(**args)
+
+
+def _valid(call, tools=TOOLS) -> None:
+    import jsonschema
+
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_required_and_named_return_tool_calls(live):
+    r = _create(live, tool_choice="required", parallel_tool_calls=False, n=3, temperature=1.0)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        _valid(call)
+    r = _create(live, tool_choice=NAMED, temperature=1.0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    _valid(call)
+    assert len({c.id for c in r.choices[0].message.tool_calls}) == 1
+    live.assert_no_leak()
+
+
+def test_streamed_calls_match_the_unstreamed_ones(live):
+    """Greedy, so both runs write the same reply: the stream's deltas, accumulated by the openai client,
+    give the same calls (names and argument text) and finish reason."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    whole = _create(live, tool_choice="required", temperature=0).choices[0]
+    state = ChatCompletionStreamState()
+    chunks = list(_create(live, tool_choice="required", temperature=0, stream=True))
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls"
+    pairs = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
+    assert pairs == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    # OpenAI's delta shape: the first delta of a call carries its id, type and name, later ones arguments
+    deltas = [tc for ch in chunks for c in ch.choices if c.delta.tool_calls for tc in c.delta.tool_calls]
+    firsts = [d for d in deltas if d.id is not None]
+    assert len(firsts) == len(pairs) and all(d.type == "function" and d.function.name for d in firsts)
+    assert all(d.function.name is None for d in deltas if d.id is None)
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["tool_calls"]
+
+
+def test_two_step_loop_with_results_in_the_history(live):
+    first = _create(live, tool_choice=NAMED, temperature=0).choices[0].message
+    history = [
+        *ASK,
+        first.model_dump(exclude_none=True),
+        *[{"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in first.tool_calls],
+    ]
+    r = _create(live, messages=history, tool_choice="auto", max_tokens=16, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:  # auto: text or calls; calls that come are valid
+        _valid(call)
+    # the history renders without tools too (tool_choice none hides the tools, not the earlier turns)
+    assert (
+        _create(live, messages=history, tool_choice="none", max_tokens=4).choices[0].message.tool_calls
+        is None
+    )
+
+
+def test_none_and_auto(live):
+    r = _create(live, tool_choice="none", max_tokens=12, temperature=1.0, n=2)
+    assert all(c.message.tool_calls is None and c.finish_reason in ("stop", "length") for c in r.choices)
+    r = _create(live, max_tokens=60, temperature=1.0, n=4)  # auto: the default with tools
+    for c in r.choices:
+        assert (c.finish_reason == "tool_calls") == bool(c.message.tool_calls)
+        for call in c.message.tool_calls or []:
+            _valid(call)
+
+
+def _error(live, **body) -> dict:
+    payload = {"model": "tiny", "messages": ASK, "max_tokens": 8, **body}
+    r = httpx.post(live.url + "/v1/chat/completions", json=payload, timeout=60)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(live):
+    err = _error(live, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert err["param"] == "tool_choice.function.name"
+    bad = tool_json("f", {"ids": {"type": "array", "uniqueItems": True}})
+    err = _error(live, tools=[WEATHER, bad], tool_choice="required")
+    assert err["param"] == "tools[1].function.parameters" and '"uniqueItems"' in err["message"]
+    err = _error(live, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert err["param"] == "tool_choice"
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+        },
+    ]
+    err = _error(live, tools=TOOLS, messages=history)
+    assert err["param"] == "messages[1].tool_calls[0].function.arguments"
+    assert _error(live, tool_choice="required")["param"] == "tool_choice"
+    assert (
+        _error(live, messages=[*ASK, {"role": "user", "content": "x", "tool_calls": []}])["param"]
+        == "messages[1].tool_calls"
+    )
+    live.assert_no_leak()
+
+
+def test_literal_json_schema_reaches_the_tool_grammar(live):
+    compiled = live.engine.structured.compiler.compile_seconds
+    probe = [tool_json("probe", {"x": {"type": "object", "properties": {"y": {"type": "boolean"}}}})]
+    for literal in (False, True):
+        before = set(compiled)
+        _create(
+            live,
+            tools=probe,
+            tool_choice="required",
+            max_tokens=4,
+            extra_body={"literal_json_schema": literal},
+        )
+        (source,) = set(compiled) - before
+        assert ('"additionalProperties": false' in source.text) != literal

@@ -1,0 +1,158 @@
+"""Tiny random models with real tokenizers and tool-calling chat templates, built in the test run (no
+downloads): a Qwen2 with a Hermes-style template (``<tool_call>`` JSON, added non-special marker tokens,
+as Qwen2.5 has them), a Llama with a Llama-3.x-style template (bare JSON calls, header special tokens)
+and a Llama whose SentencePiece-style tokenizer adds a dummy-prefix space (Llama-2 / Mistral v0.1), with
+a template that knows nothing of tools. The templates are written for these tests, in the style of those
+families; their weights are random, so what the models say is noise, but every token boundary is real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.structured_helpers import save_random_model
+
+# Text the byte-level tokenizers are trained on: tool calls, JSON and some prose, so merges such as
+# `", "`, `"name"` and `{"` exist and jump-forward meets real token boundaries.
+_CORPUS = [
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    '{"name": "search", "parameters": {"query": "owls", "limit": 3}}',
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+    '{"title": "Blue Hour", "year": 1999, "tags": ["drama", "night"], "ok": true, "note": null}',
+    "The weather in Paris is mild today, and the owls are quiet at night.",
+    "You may call functions. Answer with a JSON object, or answer the question in plain words.",
+    "What is the capital of France? It is Paris. What time is it in Tokyo? Let me check.",
+]
+
+HERMES_TEMPLATE = (
+    "{% set sys = messages[0].content if messages[0].role == 'system' else '' %}"
+    "{% if tools %}<|im_start|>system\n{% if sys %}{{ sys }}\n\n{% endif %}"
+    "You may call functions. Their signatures, one per line:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    'To call one, write <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n'
+    "{% elif sys %}<|im_start|>system\n{{ sys }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{% if not loop.first or m.content %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+LLAMA3_TEMPLATE = (
+    "<|begin_of_text|>"
+    "{% set sys = messages[0].content if messages[0].role == 'system' else '' %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{{ sys }}"
+    "{% if tools %}{{ '\\n\\n' }}To call a function, answer with only a JSON object "
+    '{"name": function name, "parameters": argument object}. The functions:\n'
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}<|eot_id|>"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m.tool_calls %}{% if not loop.first %}; {% endif %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}<|eom_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+# Llama-2 style, no tools: hydragen renders tools itself for such templates (the generic format).
+INST_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}<s>[INST] {{ m.content }} [/INST]"
+    "{% elif m.role == 'system' %}<<SYS>>{{ m.content }}<</SYS>>"
+    "{% else %} {{ m.content }}</s>{% endif %}{% endfor %}"
+)
+
+
+def byte_level_bpe(specials: list[str], added: list[str], template: str, eos: str, vocab: int = 700):
+    """A byte-level BPE (GPT-2 / Qwen2 / Llama-3 style) trained on ``_CORPUS``; ``specials`` are special
+    tokens, ``added`` are added tokens that are not special (their text stays in decoded output)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.add_tokens([AddedToken(a, special=False, normalized=False) for a in added])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, eos_token=eos)
+
+
+def sentencepiece_bpe(template: str):
+    """A Llama-2-style tokenizer: the normalizer prepends the dummy-prefix "▁" and turns spaces into "▁",
+    BPE with byte fallback (<0x00>..<0xFF>), and the decoder strips the leading space again. Its merges
+    include `▁"`, so `",` encodes as `▁"` `,`: one space more than the text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for ch in "▁" + "".join(chr(c) for c in range(33, 127)):
+        vocab.setdefault(ch, len(vocab))
+    merges = []
+    pieces = ['▁"', '",', '":', '{"', '"}', "▁{", "na", "name", "ar", "arg", "▁t", "▁th", "▁the", "er", "es"]
+    for word in pieces:
+        left = word[0]
+        for ch in word[1:]:
+            merges.append((left, ch))
+            left += ch
+            vocab.setdefault(left, len(vocab))
+    bpe = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, chat_template=template, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny_tool_model(kind: str, dest: Path) -> str:
+    """``kind``: "qwen2" (Hermes-style template), "llama3" (Llama-3.x-style template) or "llama_sp"
+    (SentencePiece tokenizer with a dummy prefix, a template without tools)."""
+    if (dest / "config.json").exists():
+        return str(dest)
+    if kind == "qwen2":
+        tok = byte_level_bpe(
+            ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            ["<tool_call>", "</tool_call>"],
+            HERMES_TEMPLATE,
+            eos="<|im_end|>",
+        )
+        return save_random_model("Qwen2ForCausalLM", tok, dest, [tok.eos_token_id])
+    if kind == "llama3":
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
+        specials += ["<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+        tok = byte_level_bpe(specials, [], LLAMA3_TEMPLATE, eos="<|eot_id|>")
+        tok.bos_token = "<|begin_of_text|>"
+        eom = tok.convert_tokens_to_ids("<|eom_id|>")
+        return save_random_model("LlamaForCausalLM", tok, dest, [tok.eos_token_id, eom])
+    if kind == "llama_sp":
+        tok = sentencepiece_bpe(INST_TEMPLATE)
+        return save_random_model("LlamaForCausalLM", tok, dest, [tok.eos_token_id])
+    raise ValueError(kind)
+
+
+def tool_json(name: str, properties: dict, required: list[str] | None = None, description: str = "") -> dict:
+    """An OpenAI tool definition."""
+    params = {"type": "object", "properties": properties, "required": required or list(properties)}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
+
+
+def dumps(value) -> str:
+    return json.dumps(value)
