@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydragen.engine.isolation import EngineBroken, failure_message
+from hydragen.engine.isolation import EngineBroken, failure_message, forward_each_request_alone
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
 from hydragen.engine.outputs import RequestOutput
@@ -317,45 +317,12 @@ class Engine:
             raise
         except Exception as e:
             log.warning("a step failed (%s); running each request alone to find the culprit", e)
-            return self._forward_isolating(plan, e)
-
-    def _forward_isolating(self, plan: StepPlan, error: Exception) -> torch.Tensor | None:
-        by_request: dict[int, list[int]] = {}
-        for i, w in enumerate(plan.work):
-            by_request.setdefault(id(w.seq.request), []).append(i)
-        rows: dict[int, torch.Tensor] = {}  # work index -> its logits row
-        failed: set[int] = set()
-        failures: dict[Request, str] = {}
-        for indices in by_request.values():
-            alone = StepPlan(tuple(plan.work[i] for i in indices))
-            try:
-                logits = self.runner.forward(self.runner.pack(alone))
-            except EngineBroken:
-                raise
-            except Exception as e:
-                req = plan.work[indices[0]].seq.request
-                failed.add(id(req))
-                prefill = any(not plan.work[i].sample or len(plan.work[i].tokens) > 1 for i in indices)
-                failures[req] = failure_message("prefill" if prefill else "decode", e)
-                continue
-            sampling = [i for i in indices if plan.work[i].sample]
-            for i, row in zip(sampling, range(len(sampling)), strict=True):
-                rows[i] = logits[row]
-        if len(by_request) > 1 and len(failed) == len(by_request):
-            raise error  # nothing runs even alone: not one request's fault
-        for req in failures:
-            self.fail(req, failures[req])
-        keep = [i for i, w in enumerate(plan.work) if id(w.seq.request) not in failed]
-        dropped = [f for f in plan.forks if id(f.seq.request) in failed]
-        self.scheduler.abandon(dropped)
-        self.last_plan = StepPlan(
-            tuple(plan.work[i] for i in keep),
-            tuple(f for f in plan.forks if id(f.seq.request) not in failed),
-            (),
-            tuple(plan.cuts[i] for i in keep) if plan.cuts else (),
-        )
-        sampled = [rows[i] for i in keep if plan.work[i].sample]
-        return torch.stack(sampled) if sampled else None
+            alone = forward_each_request_alone(self.runner, plan, e)
+            for req, message in alone.failures.items():
+                self.fail(req, message)
+            self.scheduler.abandon(alone.dropped)
+            self.last_plan = alone.plan
+            return alone.logits
 
     def _count_admissions(self) -> None:
         for s, hit in self.scheduler.admitted:

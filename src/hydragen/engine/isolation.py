@@ -1,4 +1,7 @@
-"""Finding which rows of a batched call failed, so that only their requests end.
+"""Finding which requests of a step or rows of a batched call failed, so that only their requests end.
+
+When a step's packed forward raises, each request's work runs alone: the requests that fail alone end,
+and everyone else's step goes on with its logits (``forward_each_request_alone``).
 
 A decode step samples (and computes log-probabilities for) every running sequence in one batched call.
 When that call raises, or returns an impossible token for some rows, the rows are run again one at a time:
@@ -10,9 +13,12 @@ row-independent and each row is retried with the batch's own flags.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hydragen.engine.step_plan import Fork, StepPlan
 
 
 class EngineBroken(RuntimeError):
@@ -81,3 +87,52 @@ def map_rows(
         except Exception as e:
             failures[i] = failure_message(stage, e)
     return results, failures
+
+
+@dataclass
+class Isolated:
+    logits: torch.Tensor | None  # the surviving sampling work's logits, in plan order
+    plan: StepPlan  # the step without the failed requests' work and forks
+    failures: dict  # Request -> its error message
+    dropped: list[Fork]  # forks of failed requests (their reserved pages go back)
+
+
+def forward_each_request_alone(runner, plan: StepPlan, error: Exception) -> Isolated:
+    """Run ``plan``'s work request by request. Raises ``error`` if every request of several fails alone
+    (then it is not one request's fault), and ``EngineBroken`` as it comes."""
+    by_request: dict[int, list[int]] = {}
+    for i, w in enumerate(plan.work):
+        by_request.setdefault(id(w.seq.request), []).append(i)
+    rows: dict[int, torch.Tensor] = {}  # work index -> its logits row
+    failures = {}
+    for indices in by_request.values():
+        try:
+            logits = runner.forward(runner.pack(StepPlan(tuple(plan.work[i] for i in indices))))
+        except EngineBroken:
+            raise
+        except Exception as e:  # noqa: BLE001  this request's fault: it ends alone
+            prefill = any(not plan.work[i].sample or len(plan.work[i].tokens) > 1 for i in indices)
+            failures[plan.work[indices[0]].seq.request] = failure_message(
+                "prefill" if prefill else "decode", e
+            )
+            continue
+        sampling = [i for i in indices if plan.work[i].sample]
+        for i, row in zip(sampling, range(len(sampling)), strict=True):
+            rows[i] = logits[row]
+    if len(by_request) > 1 and len(failures) == len(by_request):
+        raise error
+    failed = {id(r) for r in failures}
+    keep = [i for i, w in enumerate(plan.work) if id(w.seq.request) not in failed]
+    survivors = StepPlan(
+        tuple(plan.work[i] for i in keep),
+        tuple(f for f in plan.forks if id(f.seq.request) not in failed),
+        (),
+        tuple(plan.cuts[i] for i in keep) if plan.cuts else (),
+    )
+    sampled = [rows[i] for i in keep if plan.work[i].sample]
+    return Isolated(
+        torch.stack(sampled) if sampled else None,
+        survivors,
+        failures,
+        [f for f in plan.forks if id(f.seq.request) in failed],
+    )
