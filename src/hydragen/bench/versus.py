@@ -138,6 +138,17 @@ def best_of(rounds: dict[str, list[dict]]) -> dict[str, dict]:
     return {label: {k: min(run[k] for run in runs) for k in runs[0]} for label, runs in rounds.items()}
 
 
+def tree_commit(tree: Path) -> str:
+    """The other tree's git commit (short), or "unknown" when it is not a checkout."""
+    head = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short=12", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return head.stdout.strip() if head.returncode == 0 else "unknown"
+
+
 def tables(data: dict, args: dict) -> str:
     old, new = data["best"]["old"], data["best"]["new"]
     lines = ["| sampling | n | old e2e s | new e2e s | old / new |", "|---|---|---|---|---|"]
@@ -174,8 +185,9 @@ def plot(data: dict, args: dict, out: Path) -> Path:
     for ax, name in zip(axes, SAMPLINGS, strict=True):
         xs = range(len(args["ns"]))
         w = 0.38
-        ax.bar([x - w / 2 for x in xs], [old[f"e2e/{name}/{n}"] for n in args["ns"]], w, label="before v2")
-        ax.bar([x + w / 2 for x in xs], [new[f"e2e/{name}/{n}"] for n in args["ns"]], w, label="engine v2")
+        old_label, new_label = f"old ({data.get('against_commit', '?')})", f"new ({data.get('commit', '?')})"
+        ax.bar([x - w / 2 for x in xs], [old[f"e2e/{name}/{n}"] for n in args["ns"]], w, label=old_label)
+        ax.bar([x + w / 2 for x in xs], [new[f"e2e/{name}/{n}"] for n in args["ns"]], w, label=new_label)
         ax.set_xticks(list(xs), [str(n) for n in args["ns"]])
         ax.set_xlabel("n (samples of one prompt)")
         title = "temperature 1" if name == "default" else "temperature 0.8, top_p 0.95"
@@ -223,6 +235,13 @@ def main(argv: list[str] | None = None) -> None:
     new_tree = Path(__file__).resolve().parents[3]
     data = compare(a.against.resolve(), new_tree, args, a.rounds, a.out / "workers")
     data["params"] = args | {"against": str(a.against.resolve()), "rounds": a.rounds}
+    from hydragen.bench.common import (
+        code_commit,
+        machine_description,
+    )  # not at the top: workers import the other tree
+
+    data["machine"], data["commit"] = machine_description(), code_commit()
+    data["against_commit"] = tree_commit(a.against.resolve())
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "versus.json").write_text(json.dumps(data, indent=2))
     md = tables(data, args)

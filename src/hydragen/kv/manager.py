@@ -41,7 +41,6 @@ class KVManager:
         self.page_size = pool.page_size
         self.tree = PrefixTree(pool.page_size)
         self.idle = 0  # cached pages nobody holds
-        self.hits = 0  # pages found in the tree by match()
 
     # ---- accounting ---------------------------------------------------------------------------
     @property
@@ -88,7 +87,6 @@ class KVManager:
         table.published = table.own_from = len(pages)
         table.computed = 0
         self.catch_up(table)
-        self.hits += table.computed // self.page_size
 
     def catch_up(self, table: PageTable) -> None:
         """Advance ``computed`` over held tree pages that their writers have computed meanwhile."""
