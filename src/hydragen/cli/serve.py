@@ -70,6 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
             prefix_sharing=not args.no_sharing,
             tensor_parallel_size=tp,
             jump_forward=not args.no_jump_forward,
+            dequantize=args.dequantize,
         )
     except BaseException:
         sock.close()
