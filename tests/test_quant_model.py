@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hydragen import LLM, SamplingParams
+from hydragen.model import llama
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf import read_gguf
 from hydragen.model.gguf_write import float_maker, scheme_type, tensor_shapes, write_llama_gguf
@@ -96,45 +97,62 @@ def _logits(net, ids: torch.Tensor) -> torch.Tensor:
     return net.logits(net(ids, torch.arange(len(ids)), _attend))
 
 
-def _hook_twins(net, path) -> list[tuple[str, float, float]]:
+def _hook_twins(net, path, monkeypatch) -> list[tuple[str, float, float]]:
     """Every projection of ``net`` checked, on the inputs the model gives it, against its pure-torch twin
-    over the file's own blocks: records (name, largest difference, largest magnitude) per call."""
+    over the file's own blocks (q/k/v with norm and rotary; the fused o + SwiGLU MLP + residuals; the LM
+    head; the token table): records (name, largest difference, largest magnitude) per call."""
     _, sd = read_gguf(path, keep=True)
     c = net.cfg
-    names = {
-        "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-        "o": ["self_attn.o_proj"],
-        "gate_up": ["mlp.gate_proj", "mlp.up_proj"],
-        "down": ["mlp.down_proj"],
-    }
     found = []
 
-    def hook(module, twin, name):
+    def twin(i: int, *names: str) -> TwinProjection:
+        return TwinProjection([sd[f"model.layers.{i}.{n}.weight"] for n in names])
+
+    def record(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        found.append((name, float((got - want).abs().max()), float(want.abs().max())))
+
+    def hook(module, reference, name):
         run = module.forward
 
         def checked(x, **kw):
-            before = None if kw.get("residual") is None else kw["residual"].clone()
+            before = {"residual": kw["residual"].clone()} if kw.get("residual") is not None else {}
             y = run(x, **kw)
-            want = twin(x, **(kw | ({"residual": before} if before is not None else {})))
-            found.append((name, float((y - want).abs().max()), float(want.abs().max())))
+            record(name, y, reference(x, **(kw | before)))
             return y
 
         module.forward = checked
 
     for i, layer in enumerate(net.layers):
-        for kind, parts in names.items():
-            twin = TwinProjection([sd[f"model.layers.{i}.{n}.weight"] for n in parts])
-            hook(getattr(layer, kind), twin, f"{i}.{kind}")
+        hook(layer.qkv, twin(i, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), f"{i}.qkv")
+        hook(layer.o, twin(i, "self_attn.o_proj"), f"{i}.o")
+        hook(layer.gate_up, twin(i, "mlp.gate_proj", "mlp.up_proj"), f"{i}.gate_up")
+        hook(layer.down, twin(i, "mlp.down_proj"), f"{i}.down")
+    fused = llama.mlp_tail
+
+    def checked_tail(o, gate_up, down, attn, h, norm, eps):
+        """The fused op against the three projections one by one (each checked by its hook): the same bits."""
+        alone = o(attn, residual=h.clone())
+        alone = down(gate_up(alone, norm=norm, eps=eps, swiglu=True), residual=alone)
+        got = fused(o, gate_up, down, attn, h, norm, eps)
+        found.append(("fused o+mlp", float((got - alone).abs().max()), 0.0))
+        return got
+
+    monkeypatch.setattr(llama, "mlp_tail", checked_tail)
     head = "lm_head.weight" if not c.tie_word_embeddings else "model.embed_tokens.weight"
     hook(net.lm_head, TwinProjection([sd[head]]), "lm_head")
     table = sd["model.embed_tokens.weight"].dequantize()
-    ids = torch.arange(c.vocab_size)
-    found.append(("embed", float((net.embed(ids) - table).abs().max()), float(table.abs().max())))
+    found.append(
+        (
+            "embed",
+            float((net.embed(torch.arange(c.vocab_size)) - table).abs().max()),
+            float(table.abs().max()),
+        )
+    )
     return found
 
 
 @pytest.mark.parametrize("scheme", FORMATS)
-def test_every_format_stays_compact_and_matches_its_twin(tiny_ggufs, scheme) -> None:
+def test_every_format_stays_compact_and_matches_its_twin(tiny_ggufs, scheme, monkeypatch) -> None:
     path = tiny_ggufs[scheme]
     net, cfg, _ = load_model(path, CPU, torch.float32)
     want = {n: scheme_type(scheme, n, s[-1], cfg.num_layers, False) for n, s in tensor_shapes(cfg)}
@@ -144,12 +162,12 @@ def test_every_format_stays_compact_and_matches_its_twin(tiny_ggufs, scheme) -> 
     assert set(layer.qkv.qtypes) == {int(t) for t in types}
     assert layer.down.qtypes == [int(want["blk.1.ffn_down.weight"])]
     assert net.lm_head.qtypes == [int(want["output.weight"])]
-    checks = _hook_twins(net, path)
+    checks = _hook_twins(net, path, monkeypatch)
     ids = torch.randint(3, cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(0))
     got = _logits(net, ids)
-    assert len(checks) == 4 * cfg.num_layers + 2
+    assert len(checks) == 5 * cfg.num_layers + 2
     for name, diff, scale in checks:  # float32 rounding apart, with norm, rotary, SwiGLU and residual fused
-        assert diff <= 2e-6 * max(scale, 1.0), (name, diff, scale)
+        assert diff <= 2e-6 * max(scale, 1.0) if scale else diff == 0, (name, diff, scale)
     # and the float32-dequantized model: the same weights, activations not quantized
     exact = _logits(load_model(path, CPU, torch.float32, dequantize=True)[0], ids)
     p, r = torch.log_softmax(got, -1), torch.log_softmax(exact, -1)

@@ -89,6 +89,7 @@ class PackedProjection(nn.Module):
         self.qtypes, self.rows, self.in_features = qtypes, rows, in_features
         for i, data in enumerate(buffers):
             self.register_buffer(f"part{i}", data, persistent=False)
+        self.weights = list(buffers)  # the same tensors, as the op takes them (packed modules never move)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.isa = quant.requested_isa()
 
@@ -103,10 +104,6 @@ class PackedProjection(nn.Module):
                 merged.append(p)
         buffers = [packed_bytes(p) for p in merged]
         return cls([p.qtype for p in merged], [p.rows for p in merged], merged[0].cols, buffers, bias)
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"part{i}") for i in range(len(self.qtypes))]
 
     @property
     def out_features(self) -> int:
@@ -128,22 +125,30 @@ class PackedProjection(nn.Module):
             y = y if rope is None else rotate_leading(y, rope)
             y = F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if swiglu else y
             return y.to(dtype) if residual is None else residual.add_(y.to(dtype))
-        fused_residual = residual if residual is not None and dtype == torch.float32 else None
-        y = quant.linear(
-            x.float().contiguous(),
+        if dtype != torch.float32:  # the kernels take float32: convert around them
+            y = self(
+                x.float(),
+                norm=None if norm is None else norm.float(),
+                eps=eps,
+                rope=_float(rope),
+                swiglu=swiglu,
+            )
+            return y.to(dtype) if residual is None else residual.add_(y.to(dtype))
+        cos, sin, cols = rope if rope is not None else (None, None, 0)
+        return _quant_linear(
+            x.contiguous(),
             self.weights,
             self.qtypes,
             self.rows,
-            norm=None if norm is None else norm.float(),
-            eps=eps,
-            residual=fused_residual,
-            rope=None if rope is None else (rope[0].float(), rope[1].float(), rope[2]),
-            swiglu=swiglu,
-            isa=self.isa,
+            norm,
+            eps,
+            residual,
+            cos,
+            sin,
+            cols,
+            swiglu,
+            self.isa,
         )
-        if residual is not None and fused_residual is None:
-            return residual.add_(y.to(dtype))
-        return y.to(dtype)
 
 
 class PackedEmbedding(nn.Module):
@@ -167,3 +172,37 @@ class PackedEmbedding(nn.Module):
 def packed_bytes(t: QuantTensor) -> torch.Tensor:
     """What the kernels read: quantized rows repacked into 16-row tiles, 16-bit rows as stored."""
     return quant.pack(t.data, t.qtype) if t.qtype in PACKED_TYPES else t.data.contiguous()
+
+
+def _float(rope: Rope | None) -> Rope | None:
+    return None if rope is None else (rope[0].float(), rope[1].float(), rope[2])
+
+
+def _quant_linear(*args):
+    return torch.ops.hydragen.quant_linear(*args)
+
+
+Projection = DenseProjection | PackedProjection
+
+
+def mlp_tail(
+    o: Projection,
+    gate_up: Projection,
+    down: Projection,
+    attn: torch.Tensor,
+    h: torch.Tensor,
+    norm,
+    eps: float,
+) -> torch.Tensor:
+    """h + o(attn), then + down(swiglu(gate_up(norm(h)))): a decoder layer after attention, h updated in
+    place. One C++ call when all three are packed (float32, no bias), else the three projections."""
+    if (
+        all(isinstance(p, PackedProjection) and p.bias is None for p in (o, gate_up, down))
+        and h.dtype == torch.float32
+    ):
+        return torch.ops.hydragen.quant_mlp_tail(
+            attn.contiguous(), h, o.weights, o.qtypes, o.rows, norm, eps,
+            gate_up.weights, gate_up.qtypes, gate_up.rows, down.weights, down.qtypes, down.rows, o.isa,
+        )  # fmt: skip
+    h = o(attn, residual=h)
+    return down(gate_up(h, norm=norm, eps=eps, swiglu=True), residual=h)

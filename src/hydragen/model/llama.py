@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydragen.model.config import ModelConfig
-from hydragen.model.linear import DenseProjection, PackedEmbedding, PackedProjection, rms_norm
+from hydragen.model.linear import (
+    DenseProjection,
+    PackedEmbedding,
+    PackedProjection,
+    Projection,
+    mlp_tail,
+    rms_norm,
+)
 from hydragen.model.qtensor import QuantTensor
 from hydragen.model.rope import Rotary
 
@@ -26,7 +33,6 @@ __all__ = ["AttentionFn", "DecoderLayer", "LlamaModel", "rms_norm"]
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-Projection = DenseProjection | PackedProjection
 
 
 class DecoderLayer(nn.Module):
@@ -85,16 +91,13 @@ class LlamaModel(nn.Module):
                 k.view(t, c.num_kv_heads, c.head_dim),
                 v.view(t, c.num_kv_heads, c.head_dim),
             )
-            h = self.add_projection(layer.o, o.reshape(t, -1), h)
-            mlp = layer.gate_up(h, norm=layer.mlp_norm, eps=eps, swiglu=True)
-            h = self.add_projection(layer.down, mlp, h)
+            if self.fuse_residual:
+                h = mlp_tail(layer.o, layer.gate_up, layer.down, o.reshape(t, -1), h, layer.mlp_norm, eps)
+            else:
+                h = h.add_(self.reduce(layer.o(o.reshape(t, -1))))
+                mlp = layer.gate_up(h, norm=layer.mlp_norm, eps=eps, swiglu=True)
+                h = h.add_(self.reduce(layer.down(mlp)))
         return rms_norm(h, self.norm, eps)
-
-    def add_projection(self, proj: Projection, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + proj(x), accumulated into h by the projection itself where it can."""
-        if self.fuse_residual:
-            return proj(x, residual=h)
-        return h.add_(self.reduce(proj(x)))
 
     # Hooks a tensor-parallel shard overrides (hydragen.distributed.sharded_model): a vocabulary shard's
     # lookup, and the sum over ranks of a row-parallel projection's partial output.

@@ -35,19 +35,28 @@ def available() -> bool:
 
 def isa_name(requested: int | None = None) -> str:
     """The instruction set the kernels use: the CPU's best, capped by ``requested`` (default: the env)."""
-    best = int(torch.ops.hydragen.quant_isa())
+    best = int(_ops().quant_isa())
     cap = requested_isa() if requested is None else requested
     return ISA_NAMES[min(best, cap) if cap else best]
 
 
+def _ops():
+    ops = load_ops()
+    if ops is None:
+        from hydragen.native.build import build_error
+
+        raise RuntimeError(f"hydragen's C++ ops are unavailable: {build_error()}")
+    return ops
+
+
 def pack(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """The file's rows [rows, row_bytes] (uint8) -> hydragen's 16-row tiles (native/csrc/quant_layout.h)."""
-    return torch.ops.hydragen.quant_pack(raw.contiguous(), int(qtype))
+    return _ops().quant_pack(raw.contiguous(), int(qtype))
 
 
 def rows(packed: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a packed matrix as float32 [len(ids), cols] (an embedding lookup)."""
-    return torch.ops.hydragen.quant_rows(packed, int(qtype), int(cols), ids)
+    return _ops().quant_rows(packed, int(qtype), int(cols), ids)
 
 
 def linear(
@@ -66,6 +75,6 @@ def linear(
     """``x @ W^T`` over the parts' concatenated outputs (float32), with RMSNorm before and rotary / SwiGLU /
     residual accumulation after (see quant_matmul.cpp). ``residual`` is updated in place and returned."""
     cos, sin, cols = rope if rope is not None else (None, None, 0)
-    return torch.ops.hydragen.quant_linear(
+    return _ops().quant_linear(
         x, weights, qtypes, rows_per_part, norm, eps, residual, cos, sin, cols, swiglu, isa
     )

@@ -431,6 +431,20 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   return y;
 }
 
+// The rest of a decoder layer after attention, in one call: h += o(attn); h += down(swiglu(gate_up(norm(h)))).
+// Three projections, one dispatch: at batch 1 the per-call cost (Python, the dispatcher, the parallel
+// region) is a sizeable share of each small projection. h is updated in place and returned.
+at::Tensor quant_mlp_tail(const at::Tensor& attn, const at::Tensor& h, at::TensorList o_w, at::IntArrayRef o_t,
+                          at::IntArrayRef o_r, const at::Tensor& norm, double eps, at::TensorList gu_w,
+                          at::IntArrayRef gu_t, at::IntArrayRef gu_r, at::TensorList d_w, at::IntArrayRef d_t,
+                          at::IntArrayRef d_r, int64_t isa) {
+  const c10::optional<at::Tensor> none;
+  quant_linear(attn, o_w, o_t, o_r, none, 0.0, h, none, none, 0, false, isa);
+  const at::Tensor act = quant_linear(h, gu_w, gu_t, gu_r, norm, eps, none, none, none, 0, true, isa);
+  quant_linear(act, d_w, d_t, d_r, none, 0.0, h, none, none, 0, false, isa);
+  return h;
+}
+
 int64_t quant_isa() { return isa_level(0); }
 
 }  // namespace
@@ -440,5 +454,9 @@ TORCH_LIBRARY_FRAGMENT(hydragen, m) {
       "quant_linear(Tensor x, Tensor[] weights, int[] qtypes, int[] rows, Tensor? norm, float eps, Tensor? residual, "
       "Tensor? rope_cos, Tensor? rope_sin, int rope_cols, bool swiglu, int isa) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
+  m.def(
+      "quant_mlp_tail(Tensor attn, Tensor h, Tensor[] o_w, int[] o_t, int[] o_r, Tensor norm, float eps, "
+      "Tensor[] gu_w, int[] gu_t, int[] gu_r, Tensor[] d_w, int[] d_t, int[] d_r, int isa) -> Tensor");
+  m.impl("quant_mlp_tail", c10::DispatchKey::CPU, &quant_mlp_tail);
   m.def("quant_isa() -> int", &quant_isa);
 }
