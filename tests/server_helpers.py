@@ -8,6 +8,7 @@ import shutil
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -92,6 +93,110 @@ class LiveServer:
         self.thread.join(timeout=timeout)
         assert not self.thread.is_alive(), "server did not stop"
         return time.time() - t0
+
+
+class StepGate:
+    """Holds the engine before each step until the test lets it through, so a request stays in flight
+    exactly as long as a test needs, however fast or slow the machine is. The engine's own ``step`` runs
+    unchanged once let through.
+
+    Closed at first: ``allow(k)`` lets k more steps pass, ``open()`` lets every step pass, and
+    ``wait_at_gate()`` waits until the allowed steps have run and the next one waits at the gate (so what
+    the engine did is settled while the test looks at it). ``steps_started`` counts the steps let through.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps_started = 0
+        self._cond = threading.Condition()
+        self._allowed: int | None = 0  # steps that may still pass; None: open
+        self._waiting = False
+        self._step = engine.step
+
+        def gated_step():
+            with self._cond:
+                self._waiting = True
+                self._cond.notify_all()
+                passed = self._cond.wait_for(lambda: self._allowed is None or self._allowed > 0, timeout=300)
+                self._waiting = False
+                assert passed, "the test never let this engine step through"
+                if self._allowed is not None:
+                    self._allowed -= 1
+                self.steps_started += 1
+            return self._step()
+
+        engine.step = gated_step
+
+    def allow(self, steps: int = 1) -> None:
+        with self._cond:
+            if self._allowed is not None:
+                self._allowed += steps
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._allowed = None
+            self._cond.notify_all()
+
+    def wait_at_gate(self, timeout: float = 120) -> bool:
+        """True once the next step waits at the gate; False if the engine has nothing left to run."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self._waiting and self._allowed == 0):
+                if not self._waiting and not self.engine.has_unfinished():
+                    return False
+                assert time.monotonic() < deadline, "no engine step came to the gate"
+                self._cond.wait(timeout=0.05)
+        return True
+
+    def remove(self) -> None:
+        self.open()
+        del self.engine.step  # the instance attribute goes: the class's step is back
+
+
+@contextmanager
+def step_gate(engine):
+    """A closed StepGate on ``engine`` for the block; removed (and opened) after it."""
+    gate = StepGate(engine)
+    try:
+        yield gate
+    finally:
+        gate.remove()
+
+
+class HeldCalls:
+    """A stand-in for a function whose calls wait until the test releases them (then run the real one):
+    the test knows the work is in progress, for as long as it looks, however fast the machine."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.released = threading.Event()
+        self.arrived = 0
+        self._cond = threading.Condition()
+
+    def __call__(self, *args, **kwargs):
+        with self._cond:
+            self.arrived += 1
+            self._cond.notify_all()
+        assert self.released.wait(timeout=300), "the test never released a held call"
+        return self.fn(*args, **kwargs)
+
+    def wait_arrivals(self, n: int, timeout: float = 60) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.arrived >= n, timeout=timeout), (
+                f"{self.arrived} of {n} calls arrived"
+            )
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def wait_for_log(caplog, text: str, timeout: float = 60) -> None:
+    """Until a captured log record contains ``text`` (the server logs each request when it ends)."""
+    deadline = time.monotonic() + timeout
+    while not any(text in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, f"no log line with {text!r}"
+        time.sleep(0.02)
 
 
 def metric(url: str, name: str) -> float:

@@ -85,6 +85,12 @@ def test_tables_say_quick_and_never_print_nan(tmp_path):
     assert data["quick"] is True and data["params"] == {"n": [1]} and math.isnan(data["rows"][0]["rate"])
     md = write_table(rows[1:], ["mode", "rate"], tmp_path, "t", "Title")
     assert QUICK_BANNER not in md and "n/a" not in md
+    # A quick run says which of its numbers its toy size distorts; a full run has no such line.
+    md = write_table(rows, ["mode", "rate"], tmp_path, "t", "Title", quick=True, quick_note="rates are noise")
+    assert "**Why some numbers look wrong at this size:** rates are noise" in md
+    md = write_table(rows, ["mode", "rate"], tmp_path, "t", "Title", quick_note="rates are noise")
+    assert "Why some numbers" not in md
+    assert json.loads((tmp_path / "t.json").read_text())["commit"]  # which code made it
 
 
 @pytest.mark.parametrize("folder", sorted(p.name for p in RESULTS.iterdir() if p.is_dir()))

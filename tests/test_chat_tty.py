@@ -23,6 +23,8 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and terminal modes, not screen text
 STATS = re.compile(r"\[(\d+) tokens[^\]]*\| prompt (\d+) tokens, (\d+) from the prefix cache\]")
 TIMEOUT = 300  # seconds for any one wait: generous, the test machine is shared
+SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
+STEP_DELAY = 0.05  # seconds before each engine step: the 200-token reply Ctrl-C stops takes >= 10 s
 
 
 def _env() -> dict[str, str]:
@@ -33,12 +35,16 @@ def _env() -> dict[str, str]:
 
 
 class Terminal:
-    """A child process on a pty; ``until`` reads the screen until a pattern shows up."""
+    """A child process on a pty; ``until`` reads the screen until a pattern shows up.
+
+    Every engine step of the chat waits STEP_DELAY first (``slowed_hydragen.py``): a reply then arrives
+    token by token over time, and a long one is still streaming when Ctrl-C comes, however fast the machine.
+    """
 
     def __init__(self, argv: list[str]) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: becomes the program, with the pty as its controlling terminal
-            os.execve(sys.executable, [sys.executable, "-m", "hydragen", *argv], _env())
+            os.execve(sys.executable, [sys.executable, SLOWED, str(STEP_DELAY), *argv], _env())
         self.screen = ""
         self.chunks: list[tuple[float, str]] = []  # (arrival time, text) of every read
 
@@ -144,3 +150,4 @@ def test_chat_piped():
     stats = STATS.findall(run.stderr)
     assert len(stats) == 2 and int(stats[1][2]) >= int(stats[0][1])  # turn 2 reuses turn 1 from the cache
     assert ">>>" not in run.stdout and "\x1b" not in run.stderr  # no prompt, no colours in a pipe
+    assert re.search(r"loaded in [\d.]+ s, \d+ CPU threads? of \d+ cores?", run.stderr)  # its thread count

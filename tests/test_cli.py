@@ -24,20 +24,27 @@ def reused_llm(monkeypatch):
     """`main` loads the embedded model once per sharing mode for this file (loads are slow on a shared
     machine), each time with a fresh prefix cache and fresh statistics, as a new process would have."""
     import hydragen
+    from hydragen.engine.llm import thread_governor
 
     real = hydragen.LLM
 
-    def load(model=None, *, prefix_sharing=True, **kwargs):
+    def load(model=None, *, prefix_sharing=True, threads=None, **kwargs):
         if model is not None:
-            return real(model, prefix_sharing=prefix_sharing, **kwargs)
+            return real(model, prefix_sharing=prefix_sharing, threads=threads, **kwargs)
         if prefix_sharing not in _LOADED:
             _LOADED[prefix_sharing] = real(prefix_sharing=prefix_sharing, kv_cache_tokens=16384)
         llm = _LOADED[prefix_sharing]
         llm.reset_prefix_cache()
         llm.engine.stats = type(llm.engine.stats)()
+        llm.engine.threads = thread_governor(threads, torch.device("cpu"))  # as a fresh load sets it
         return llm
 
     monkeypatch.setattr(hydragen, "LLM", load)
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)  # the automatic count follows the machine: other tests keep theirs
+    for llm in _LOADED.values():
+        llm.engine.threads = None
 
 
 class Recorder(io.StringIO):
@@ -103,6 +110,7 @@ def test_stream_one_completion_and_summary(capsys, monkeypatch, reused_llm):
     assert "first token after" in err[1] and "tokens/s" in err[1]
     assert err[2].startswith("--- prompt: ") and err[2].endswith("tokens, all computed")
     assert err[3].startswith("--- KV cache: ") and err[3].endswith("MiB at peak")  # nothing to compare with
+    assert re.match(r"--- \d+ CPU threads? of \d+ cores?", err[4])  # which thread count it used
 
 
 def test_prompt_from_stdin_and_system(capsys, monkeypatch, reused_llm):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_helpers import metric, tiny_chat_model
+from server_helpers import HeldCalls, LiveServer, metric, step_gate, tiny_chat_model, wait_for_log
 
 from hydragen import LLM, SamplingParams
 
@@ -23,28 +23,13 @@ SYSTEM = ("You are a meticulous assistant for a public library. " * 30).strip()
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
-    from hydragen.server.app import create_app
-
     # HYDRAGEN_TEST_TP=3 runs this whole file against a tensor-parallel engine (the embedded model's 9 heads
     # and 3 KV heads split over 3 ranks); the default run uses one process.
     llm = LLM(kv_cache_tokens=65536, tensor_parallel_size=int(os.environ.get("HYDRAGEN_TEST_TP", "1")))
-    app = create_app(llm, MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
-    srv.should_exit = True
-    thread.join(timeout=10)
-    app.state.engine.shutdown()
+    srv = LiveServer(llm, MODEL)
+    yield srv.url, llm
+    srv.stop()
+    srv.app.state.engine.shutdown()
     llm.close()
 
 
@@ -170,9 +155,13 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
         assert param in (err["param"] or "") or param in err["message"]
 
 
-def test_client_disconnect_aborts_and_frees(server):
+def test_client_disconnect_aborts_and_frees(server, caplog):
+    """Steps pass one at a time until the first token reaches the client, which then leaves: the request
+    is aborted (it never generates its 2 x 2000 tokens) and its private pages come back."""
     url, llm = server
+    caplog.set_level(logging.INFO, logger="hydragen.server")
     used_before = metric(url, "hydragen_kv_pages_used")
+    generated_before = llm.engine.stats.generated_tokens
     body = {
         "model": MODEL,
         "prompt": "Tell me a very long story.",
@@ -181,14 +170,31 @@ def test_client_disconnect_aborts_and_frees(server):
         "ignore_eos": True,
         "n": 2,
     }
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                break
-    deadline = time.time() + 30
-    while metric(url, "hydragen_requests_running") or metric(url, "hydragen_requests_waiting"):
-        assert time.time() < deadline, "aborted request still running"
-        time.sleep(0.1)
+    first_token = threading.Event()
+
+    def read_until_the_first_token():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    first_token.set()
+                    return
+
+    with step_gate(llm.engine) as gate:
+        reader = threading.Thread(target=read_until_the_first_token)
+        reader.start()
+        while not first_token.is_set():
+            gate.allow(1)
+            gate.wait_at_gate()
+        reader.join(timeout=60)
+        wait_for_log(caplog, "client=disconnected")  # the abort is queued for the engine
+        steps = gate.steps_started
+        gate.open()
+        deadline = time.time() + 60
+        while metric(url, "hydragen_requests_running") or metric(url, "hydragen_requests_waiting"):
+            assert time.time() < deadline, "aborted request still running"
+            time.sleep(0.05)
+    # Two sequences, one token per step: the steps let through, plus the one already at the gate.
+    assert llm.engine.stats.generated_tokens - generated_before <= 2 * (steps + 1)
     # Private pages are back; what remains is the prefix cache (which may now hold this prompt).
     usage = llm.engine.kv_usage()
     assert usage["used"] == usage["cached"]
@@ -256,34 +262,45 @@ def test_serving_benchmark_quick_spawns_servers(tiny_models, tmp_path):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_health_answers_fast_while_huge_prompts_are_processed(server):
-    """Megabytes of prompt are parsed and tokenized off the event loop: /health keeps answering at once.
-    One text is past the context's character bound (refused without tokenizing), one is under it (so it is
-    tokenized, on a worker thread, before its 400), one is a million token ids."""
-    url, _ = server
-    bodies = [  # serialized up front: this process's own JSON encoding must not be what is measured
+def test_health_answers_while_huge_prompts_are_parsed_and_tokenized(server, monkeypatch):
+    """Megabytes of prompt are parsed and tokenized off the event loop. Parsing and tokenizing are held
+    until the test releases them, and /health must answer while they are held: were either on the event
+    loop, the held call would block it and /health would never answer. One text is past the context's
+    character bound (refused without tokenizing), one is under it (tokenized before its 400), one is a
+    million token ids (never tokenized)."""
+    from hydragen.server import body as body_module
+
+    url, llm = server
+    bodies = [
         json.dumps({"model": MODEL, "prompt": p}).encode()
         for p in ("word " * 1_400_000, "word " * 400_000, [17] * 1_000_000)
     ]
-    results, latencies = [], []
+    parse = HeldCalls(body_module._parse)
+    encode = HeldCalls(llm.tokenizer.encode)
+    monkeypatch.setattr(body_module, "_parse", parse)
+    monkeypatch.setattr(llm.tokenizer, "encode", encode)
+    results = []
 
     def send(body):
         headers = {"content-type": "application/json"}
         results.append(httpx.post(url + "/v1/completions", content=body, headers=headers, timeout=300))
 
     threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
-    with httpx.Client(base_url=url, timeout=10) as probe:
-        probe.get("/health")
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            t0 = time.perf_counter()
+    try:
+        with httpx.Client(base_url=url, timeout=60) as probe:
+            for t in threads:
+                t.start()
+            parse.wait_arrivals(3)  # all three bodies are being parsed
             assert probe.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.02)
-    assert len(latencies) > 5
+            parse.release()
+            encode.wait_arrivals(1)  # the text under the character bound is being tokenized
+            assert probe.get("/health").status_code == 200
+            encode.release()
+    finally:
+        parse.release()
+        encode.release()
+        for t in threads:
+            t.join(timeout=300)
     assert [r.status_code for r in results] == [400] * 3
     assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in results)
-    # A blocked event loop shows as seconds (tokenizing 2 MB takes several); the bound leaves room for a
-    # shared, loaded CI machine.
-    assert max(latencies) < 1.0, max(latencies)
+    assert encode.arrived == 1  # the text past the bound and the token ids were never tokenized

@@ -1,8 +1,9 @@
 """Fuzz: hundreds of malformed and hostile requests against a live server while innocent requests stream.
 
 Every hostile request must get a 4xx in OpenAI's error shape; every innocent stream must produce exactly
-the output it produced undisturbed; /health must stay ok and fast throughout; no KV page may leak. Rude
-clients (streams dropped mid-way, non-streaming requests abandoned) are mixed in as well. Each hostile
+the output it produced undisturbed; /health must answer ok throughout (that the event loop is never blocked
+by parsing or tokenizing is shown without timing by test_server.py's held-call test); no KV page may
+leak. Rude clients (streams dropped mid-way, non-streaming requests abandoned) are mixed in. Each hostile
 request is sent only while at least one innocent stream is mid-flight.
 """
 
@@ -394,7 +395,6 @@ async def _attack(live, hostile: list[dict]) -> None:
             assert out["texts"] == baseline[k]["texts"], k
             assert out["reasons"] == baseline[k]["reasons"], k
             assert out["lp_tokens"] == baseline[k]["lp_tokens"], k
-    assert max(health_latencies) < 1.0, max(health_latencies)
     print(
         f"\n{len(hostile)} hostile requests in {attack_seconds:.1f} s beside {len(outcomes)} innocent "
         "streams; "

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer, metric, tiny_chat_model
+from server_helpers import LiveServer, StepGate, metric, step_gate, tiny_chat_model, wait_for_log
 
 from hydragen import LLM, SamplingParams
 from hydragen.engine.sampler import derive_seed
@@ -314,14 +314,22 @@ def test_unparseable_http_gets_an_openai_error(live):
     assert json.loads(body)["error"]["code"] == "invalid_http"
 
 
-def test_non_streaming_client_that_leaves_is_aborted(live):
+def test_non_streaming_client_that_leaves_is_aborted(live, caplog):
+    """The engine waits at its step gate, so the request is still running when the client leaves, however
+    fast the machine; once the server has handled the disconnect the gate opens, and the request ends after
+    the one step that was already waiting instead of generating its 4 x 480 tokens."""
+    caplog.set_level(logging.INFO, logger="hydragen.server")
     engine = live.engine
     before = engine.stats.generated_tokens
     body = {**OK, "prompt": "tell me everything", "max_tokens": 480, "n": 4, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        post(live, C, body, timeout=1.0)
-    live.wait_idle(timeout=20)
-    assert engine.stats.generated_tokens - before < 4 * 480  # stopped early, not generated to the end
+    with step_gate(engine) as gate:
+        with pytest.raises(httpx.ReadTimeout):
+            post(live, C, body, timeout=1.0)
+        wait_for_log(caplog, "client=disconnected")  # the abort is queued for the engine
+        assert gate.steps_started == 0
+        gate.open()
+        live.wait_idle(timeout=60)
+    assert engine.stats.generated_tokens - before <= 4  # one step of 4 sequences, then the abort
     live.assert_no_leak()
 
 
@@ -526,6 +534,7 @@ def test_engine_failure_fails_everything_in_flight_and_health_turns_503(model_di
         return real_step()
 
     engine.step = failing_step
+    gate = StepGate(engine)  # steps pass one at a time, so the requests cannot end before the failure
     results = {}
     body = {**OK, "max_tokens": 400, "n": 2, "ignore_eos": True}
 
@@ -538,11 +547,12 @@ def test_engine_failure_fails_everything_in_flight_and_health_turns_503(model_di
     ]
     for t in threads:
         t.start()
-    deadline = time.time() + 60
-    while metric(srv.url, "hydragen_requests_running") < 4:  # both requests are decoding
-        assert time.time() < deadline and all(t.is_alive() for t in threads), "requests did not start"
-        time.sleep(0.02)
+    gate.wait_at_gate()
+    while metric(srv.url, "hydragen_requests_running") < 4:  # until both requests are decoding
+        gate.allow(1)
+        gate.wait_at_gate()
     fail_now.set()
+    gate.open()
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a client hangs"

@@ -292,6 +292,7 @@ def test_bench_structured_reports_every_mode(bpe_llm, tmp_path):
     rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == set(bench.MODES + bench.FREE_MODES)
     assert rows["jump"]["forced_fraction"] > 0 == rows["no_jump"]["forced_fraction"]
+    assert all(0 <= rows[m]["cut"] <= 1 for m in bench.MODES) and "cut" in bench.COLUMNS
     assert rows["jump"]["decode_steps"] < rows["no_jump"]["decode_steps"]
     assert rows["free"]["output_tokens"] == rows["free_masked"]["output_tokens"] == 2 * 4
     assert rows["free_masked"]["forced_fraction"] == 0 and rows["free_masked"]["mask_us_per_token_mean"] > 0

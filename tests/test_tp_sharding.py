@@ -151,5 +151,5 @@ def test_cli_refuses_a_bad_split_with_one_line(tiny_models, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [
         "error: cannot split 4 attention heads over 3 ranks: tensor_parallel_size must divide the number of "
-        "attention heads"
+        "attention heads (sizes that work for this model: 1, 2, 4)"
     ]

@@ -46,6 +46,7 @@ class Chat:
         self.system, self.quiet = system, quiet
         self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
         self.interactive = self.stdin.isatty()
+        self._hinted = False  # the busy-machine hint is given once
         self.history: list[dict[str, str]] = self._start()
 
     def _start(self) -> list[dict[str, str]]:
@@ -69,11 +70,14 @@ class Chat:
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (line editing and history for input())
         self._warm_up()
+        threads = self.llm.engine.threads
+        loaded = f"{self.llm.model_path.name} loaded in {load_s:.1f} s" + (
+            f", {threads.describe()}" if threads is not None else ""
+        )
         self._note(
-            f"{self.llm.model_path.name} loaded in {load_s:.1f} s. Type a message; /help lists the commands, "
-            "Ctrl-C stops a reply, Ctrl-D leaves."
+            f"{loaded}. Type a message; /help lists the commands, Ctrl-C stops a reply, Ctrl-D leaves."
             if self.interactive
-            else f"{self.llm.model_path.name} loaded in {load_s:.1f} s; one user turn per input line."
+            else f"{loaded}; one user turn per input line."
         )
         reader = PromptReader()  # Ctrl-C handling for the prompt: only a terminal has one
         with reader if self.interactive else contextlib.nullcontext():
@@ -147,6 +151,10 @@ class Chat:
         reused = (stats.prompt_tokens - prompt0) - (stats.prefill_tokens - computed0)
         self.history = conversation + [{"role": "assistant", "content": result.texts[0]}]
         self._note(turn_summary(result, len(ids), reused))
+        threads = self.llm.engine.threads
+        if threads is not None and not self._hinted and (hint := threads.hint()) is not None:
+            self._hinted = True
+            self._note(hint)
 
 
 def turn_summary(result: StreamResult, prompt_tokens: int, reused: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,35 @@ def machine_description() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+@functools.cache
+def code_commit() -> str:
+    """The git commit of the hydragen code that runs (with "+changes" when its tree has local edits), or
+    its version when it is not a git checkout."""
+    import subprocess
+
+    import hydragen
+
+    root = Path(hydragen.__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if head.returncode != 0:
+            raise OSError(head.stderr)
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "src"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return head.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return f"hydragen {hydragen.__version__}"
 
 
 def matmul_rate(n: int = 2048, dtype=torch.float32, device="cpu", repeats: int = 5) -> float:
@@ -56,21 +86,31 @@ def write_table(
     notes: str = "",
     *,
     quick: bool = False,
+    quick_note: str = "",
     params: dict | None = None,
 ) -> str:
     """Write rows as JSON and a Markdown table; returns the Markdown.
 
-    The JSON keeps the run's parameters (so ``--replot`` can redraw the plots from it alone) and whether it
-    was a quick run. A quick run's table opens and closes with a warning that its numbers are noise; a value
-    that could not be measured (NaN) shows as "n/a", explained under the table.
+    The JSON keeps the run's parameters (so ``--replot`` can redraw the plots from it alone), the machine,
+    the code's git commit and whether it was a quick run. A quick run's table opens and closes with a
+    warning that its numbers are noise, and ``quick_note`` says which numbers look wrong at its toy sizes
+    and why; a value that could not be measured (NaN) shows as "n/a", explained under the table.
     """
     out.mkdir(parents=True, exist_ok=True)
-    data = {"machine": machine_description(), "quick": quick, "params": params or {}, "rows": rows}
+    data = {
+        "machine": machine_description(),
+        "commit": code_commit(),
+        "quick": quick,
+        "params": params or {},
+        "rows": rows,
+    }
     (out / f"{name}.json").write_text(json.dumps(data, indent=2))
     lines = [f"## {title}", ""]
     if quick:
         lines += [f"**{QUICK_BANNER}**", ""]
-    lines += [f"Machine: {machine_description()}", ""]
+        if quick_note:
+            lines += [f"**Why some numbers look wrong at this size:** {quick_note}", ""]
+    lines += [f"Machine: {machine_description()}; code: {code_commit()}", ""]
     if notes:
         lines += [notes, ""]
     lines.append("| " + " | ".join(columns) + " |")

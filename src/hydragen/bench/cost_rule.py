@@ -149,6 +149,10 @@ def run(
         "Cost rule: a shared unit vs reading in place per sequence",
         notes,
         quick=quick,
+        quick_note=(
+            "four points of tiny nodes, timed once each: the fitted constants are not a calibration, and "
+            "sharing nodes of 16-64 tokens is slower, as the rule expects."
+        ),
         params=params,
     )
     plots({"rows": rows, "params": params, "quick": quick}, out)

@@ -451,7 +451,20 @@ def run(
     ]
     title = f"Long document, many questions (document {setup.doc_tokens} tokens, {num_facts} facts)"
     prm = dict(doc_tokens=setup.doc_tokens, num_facts=num_facts, questions=list(questions), modes=list(modes))
-    md = write_table(rows, cols, out, "longdoc", title, notes, quick=quick, params=prm)
+    md = write_table(
+        rows,
+        cols,
+        out,
+        "longdoc",
+        title,
+        notes,
+        quick=quick,
+        quick_note=(
+            "a 215-token document with 6 facts and 3 questions: accuracy moves in steps of 1/3 and the "
+            "speedups rest on one or three requests; the full run asks 16 questions about 1,545 tokens."
+        ),
+        params=prm,
+    )
     plots({"rows": rows, "params": prm, "quick": quick}, out)
     print(md)
     if not match:

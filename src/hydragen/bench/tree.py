@@ -185,6 +185,11 @@ def run(
         "tree sharing's; run_splits: fraction of page growths that could not take the page after the "
         "holder's last one (each adds a run to its reads).",
         quick=quick,
+        quick_note=(
+            "a 48-token few-shot block and 24-token problems are too short for a shared read to pay back its "
+            "fixed cost, so negative time_saved and ratios below 1 are expected at this size; same_seqs "
+            "compares temperature-1 samples of two or four sequences. The full run uses F=1024, L=512."
+        ),
         params=params,
     )
     plots({"rows": rows, "params": params, "quick": quick}, out)

@@ -75,10 +75,11 @@ def apply_machine_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be at least 2 tokens, got {args.max_model_len}")
-    if args.threads is not None:
-        import torch
 
-        torch.set_num_threads(args.threads)
+
+def threads_option(args: argparse.Namespace) -> int | str:
+    """LLM(threads=...) for --threads: a fixed count, or by default the cores other programs leave free."""
+    return args.threads if args.threads is not None else "auto"
 
 
 def load_llm(
@@ -100,6 +101,7 @@ def load_llm(
         tensor_parallel_size=tp_size(args),
         jump_forward=jump_forward,
         dequantize=args.dequantize,
+        threads=threads_option(args),
     )
     load_s = time.perf_counter() - t0
     context = llm.config.max_position_embeddings

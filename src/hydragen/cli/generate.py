@@ -70,6 +70,7 @@ def summary_lines(
     copies_kv_tokens: int,
     bytes_per_token: int,
     sharing: bool,
+    threads=None,
 ) -> list[str]:
     """The closing summary of `hydragen generate`: each number says what it counts, and numbers that
     cannot be compared (a rate over one token, a memory saving that sharing did not make) are left out."""
@@ -102,6 +103,10 @@ def summary_lines(
     elif n > 1:
         kv += " (this prompt is too short for a shared read to pay, so each completion reads its own copy)"
     lines.append(kv)
+    if threads is not None:  # a cpu_threads.ThreadGovernor
+        lines.append(threads.describe())
+        if (hint := threads.hint()) is not None:
+            lines.append(hint)
     return lines
 
 
@@ -198,6 +203,7 @@ def run_generate(args: argparse.Namespace) -> int:
             copies_kv_tokens=st.per_sequence_kv_tokens - before.per_sequence_kv_tokens,
             bytes_per_token=llm.config.kv_bytes_per_token_per_elem * resolve_dtype(args.dtype).itemsize,
             sharing=not args.no_sharing,
+            threads=engine.threads,
         )
         print("\n".join(f"--- {line}" for line in lines), file=sys.stderr)
     return 0

@@ -43,7 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt (the chat template's system message)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: every core)")
+    _add_threads_arg(p)
     p.add_argument(
         "--dequantize",
         action="store_true",
@@ -58,6 +58,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--version", action=_VersionAction, help="print the version and exit")
     _add_tp_arg(p)
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: the cores other programs leave free, re-checked as it runs)",
+    )
 
 
 def _add_tp_arg(p: argparse.ArgumentParser) -> None:
@@ -168,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    _add_threads_arg(v)
     v.add_argument(
         "--dequantize",
         action="store_true",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-from hydragen.cli.common import UsageError, tp_size
+from hydragen.cli.common import UsageError, threads_option, tp_size
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -35,6 +36,8 @@ def run_serve(args: argparse.Namespace) -> int:
         problems.append(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     if args.max_num_seqs < 1:
         problems.append(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.threads is not None and args.threads < 1:
+        problems.append(f"--threads must be at least 1, got {args.threads}")
     try:
         tp = tp_size(args)
     except UsageError as e:
@@ -71,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
             tensor_parallel_size=tp,
             jump_forward=not args.no_jump_forward,
             dequantize=args.dequantize,
+            threads=threads_option(args),
         )
     except BaseException:
         sock.close()
@@ -79,9 +83,13 @@ def run_serve(args: argparse.Namespace) -> int:
     kv = llm.engine.pool.num_slots
     mib = kv * llm.engine.pool.bytes_per_token / 2**20
     host = f"[{args.host}]" if ":" in args.host else args.host
+    governor = llm.engine.threads
+    if governor is not None:
+        governor.on_busy = logging.getLogger("hydragen.server").warning  # said once, if --threads is too many
     ready = (
         f"ready: serving {name!r} on http://{host}:{{port}}/v1 | KV cache {kv} tokens ({mib:.0f} MiB)"
         f" | API key {'required' if api_key else 'not required'}"
+        + (f" | {governor.describe()}" if governor is not None else "")
     )
     try:
         run(create_app(llm, name, options), sock, options, log_level, ready)

@@ -29,42 +29,48 @@ class TPSplitError(ValueError):
 
 
 def check_split(cfg: ModelConfig, world: int, blocks: SplitBlocks | None = None) -> None:
-    """Raise TPSplitError naming the reason when ``cfg`` cannot run on ``world`` tensor-parallel ranks
-    (``blocks``: the block sizes of a quantized checkpoint's row-parallel weights)."""
+    """Raise TPSplitError naming the reason, and the sizes that work, when ``cfg`` cannot run on ``world``
+    tensor-parallel ranks (``blocks``: the block sizes of a quantized checkpoint's row-parallel weights)."""
     blocks = blocks or SplitBlocks()
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise TPSplitError(f"tensor_parallel_size must be a positive integer, got {world!r}")
+    why = _split_problem(cfg, world, blocks)
+    if why is not None:
+        sizes = [n for n in range(1, cfg.num_heads + 1) if _split_problem(cfg, n, blocks) is None]
+        raise TPSplitError(f"{why} (sizes that work for this model: {', '.join(map(str, sizes))})")
+
+
+def _split_problem(cfg: ModelConfig, world: int, blocks: SplitBlocks) -> str | None:
     heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     if heads % world:
-        raise TPSplitError(
+        return (
             f"cannot split {heads} attention heads over {world} ranks: tensor_parallel_size must divide "
             "the number of attention heads"
         )
     if kv >= world and kv % world:
-        raise TPSplitError(
+        return (
             f"cannot split {kv} KV heads over {world} ranks: with at least as many KV heads as ranks, "
             "tensor_parallel_size must divide the number of KV heads"
         )
     if kv < world and world % kv:
-        raise TPSplitError(
+        return (
             f"cannot replicate {kv} KV heads over {world} ranks: with fewer KV heads than ranks, "
             "tensor_parallel_size must be a multiple of the number of KV heads"
         )
     if blocks.down == 1 and inter % world:
-        raise TPSplitError(
+        return (
             f"cannot split the MLP's {inter} columns over {world} ranks: tensor_parallel_size must divide "
             "intermediate_size"
         )
     if blocks.down > 1 and inter // blocks.down < world:
-        raise TPSplitError(
-            f"cannot split the MLP's {inter // blocks.down} quantized blocks of {blocks.down} columns over "
-            f"{world} ranks"
-        )
+        units = inter // blocks.down
+        return f"cannot split the MLP's {units} quantized blocks of {blocks.down} columns over {world} ranks"
     if heads % world == 0 and (heads // world * cfg.head_dim) % blocks.o:
-        raise TPSplitError(
+        return (
             f"cannot split the o projection's quantized blocks of {blocks.o} columns by heads over {world} "
             f"ranks: each rank's {heads // world} heads hold {heads // world * cfg.head_dim} columns"
         )
+    return None
 
 
 @dataclass(frozen=True)

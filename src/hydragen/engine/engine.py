@@ -114,6 +114,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
         self.stats = EngineStats()
+        self.threads = None  # a cpu_threads.ThreadGovernor, when the caller wants the thread count managed
         self._ids = itertools.count()
 
     # ---- views and knobs (scheduler / KV manager state under their old names) ----------------------
@@ -262,6 +263,8 @@ class Engine:
         detokenization or output) ends that request with ``RequestOutput.error`` set; the others go on
         untouched. Anything else raises (the caller fails everything in flight).
         """
+        if self.threads is not None:
+            self.threads.check()  # cheap: measures the other load every few seconds at most
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self._count_admissions()

@@ -18,6 +18,19 @@ from hydragen.model.loader import load_model, resolve_device, resolve_dtype
 PromptType = str | list[int]
 
 
+def thread_governor(threads, device: torch.device, tensor_parallel_size: int = 1):
+    """The engine's thread governor for ``LLM(threads=...)`` (None: leave torch's thread count alone)."""
+    from hydragen.cpu_threads import ThreadGovernor
+
+    if threads is None or device.type != "cpu" or tensor_parallel_size > 1:
+        return None  # tensor-parallel ranks get their share of the cores from the launcher
+    if threads == "auto":
+        return ThreadGovernor()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
+    return ThreadGovernor(threads)
+
+
 def default_kv_cache_tokens(bytes_per_token: int, device: torch.device, max_tokens_useful: int) -> int:
     """A quarter of free memory (RAM on CPU, VRAM on GPU), never more than the engine could use."""
     if device.type == "cuda":
@@ -50,6 +63,9 @@ class LLM:
     ``with`` block, or the end of the program) stops them.
     ``jump_forward`` (structured outputs): append the text a grammar forces in one multi-token extend
     instead of sampling it token by token (False: plain constrained decoding, for measurement).
+    ``threads``: torch's CPU threads. None leaves torch's setting alone; ``"auto"`` (what the CLI uses)
+    takes the cores other programs leave free and re-checks every few seconds (``cpu_threads.py``); an
+    integer fixes the count.
     """
 
     def __init__(
@@ -67,8 +83,10 @@ class LLM:
         tensor_parallel_size: int = 1,
         jump_forward: bool = True,
         dequantize: bool = False,
+        threads: int | str | None = None,
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
+        governor = thread_governor(threads, dev, tensor_parallel_size)  # before the load: it measures it
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         if kv_cache_tokens is not None and (not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1):
@@ -100,6 +118,9 @@ class LLM:
         except BaseException:
             self.close()
             raise
+        if governor is not None:
+            governor.check(force=True)  # the other load seen while loading decides the first count
+        self.engine.threads = governor
 
     def _start_engine(self, dev, dt, kv_cache_tokens, max_num_seqs, **engine_options) -> None:
         """The tokenizer, the KV budget and the engine; ``engine_options`` go to ``Engine`` unchanged."""
