@@ -37,9 +37,9 @@ def _cols(qtype, blocks=3) -> int:
     return gguf.GGML_QUANT_SIZES[qtype][0] * blocks if qtype in PACKED_TYPES else 96 * blocks + 5
 
 
-def _close(got, want, x, parts):
+def _close(got, want, x, parts, bits=15):
     """Within float32 summation error of the magnitudes involved: |got - want| <= 1e-5 * (|x| @ |W|^T)."""
-    xa = (quantize_activations(x) if parts[0].qtype in PACKED_TYPES else x).abs().double()
+    xa = (quantize_activations(x, bits) if parts[0].qtype in PACKED_TYPES else x).abs().double()
     mag = torch.cat([xa @ p.dequantize().abs().double().T for p in parts], dim=1)
     err = (got.double() - want.double()).abs()
     assert (err <= 1e-5 * mag + 1e-6).all(), float((err / (mag + 1e-30)).max())
@@ -53,16 +53,18 @@ def test_packed_rows_read_back_as_the_gguf_package_dequantizes(qtype) -> None:
     assert torch.equal(got, t.dequantize())
 
 
+@pytest.mark.parametrize("bits", [15, 8])
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 70])
-def test_kernel_matches_the_twin(qtype, isa, m) -> None:
+def test_kernel_matches_the_twin(qtype, isa, m, bits) -> None:
     cols = _cols(qtype) if qtype in PACKED_TYPES else 96 * 3 + 5
     t = _tensor(qtype, 37, cols, seed=m)  # 37 rows: two whole 16-row tiles and a partial one
     data = quant.pack(t.data, t.qtype) if qtype in PACKED_TYPES else t.data
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-    got = quant.linear(x, [data], [t.qtype], [37], isa=isa)
-    _close(got, quant_linear_reference(x, [t]), x, [t])
+    x[0, :32] *= 1e4  # one group at the top of the range: 15-bit integers near their bound
+    got = quant.linear(x, [data], [t.qtype], [37], act_bits=bits, isa=isa)
+    _close(got, quant_linear_reference(x, [t], act_bits=bits), x, [t], bits)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
@@ -115,13 +117,16 @@ def test_swiglu_epilogue(isa) -> None:
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_activation_quantization_is_the_kernels() -> None:
-    """Groups of 32 with scale max|x| / 127, rounded half to even; an all-zero group stays zero."""
+@pytest.mark.parametrize("bits", [15, 8])
+def test_activation_quantization_is_the_kernels(bits) -> None:
+    """Groups of 32 with scale max|x| / QMAX, rounded half to even; an all-zero group stays zero; the 15-bit
+    integers' error is 1/16191 of the group's largest value, the int8 ones' 1/127."""
     x = torch.zeros(1, 64)
     x[0, :32] = torch.linspace(-1.0, 1.0, 32)
-    q = quantize_activations(x)
+    q = quantize_activations(x, bits)
     assert q[0, 32:].eq(0).all()
-    assert torch.equal(q[0, :32] / (1.0 / 127), torch.round(x[0, :32] * 127))
+    step = 1.0 / {15: 16191, 8: 127}[bits]
+    assert (q[0, :32] - x[0, :32]).abs().max() <= step / 2 * 1.0001
 
 
 def test_the_quantizers_round_trip_within_their_step() -> None:

@@ -91,7 +91,7 @@ class PackedProjection(nn.Module):
             self.register_buffer(f"part{i}", data, persistent=False)
         self.weights = list(buffers)  # the same tensors, as the op takes them (packed modules never move)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.isa = quant.requested_isa()
+        self.isa, self.act_bits = quant.requested_isa(), quant.requested_act_bits()
 
     @classmethod
     def from_parts(cls, parts: list[QuantTensor], bias: torch.Tensor | None = None) -> PackedProjection:
@@ -147,6 +147,7 @@ class PackedProjection(nn.Module):
             sin,
             cols,
             swiglu,
+            self.act_bits,
             self.isa,
         )
 
@@ -202,7 +203,8 @@ def mlp_tail(
     ):
         return torch.ops.hydragen.quant_mlp_tail(
             attn.contiguous(), h, o.weights, o.qtypes, o.rows, norm, eps,
-            gate_up.weights, gate_up.qtypes, gate_up.rows, down.weights, down.qtypes, down.rows, o.isa,
+            gate_up.weights, gate_up.qtypes, gate_up.rows, down.weights, down.qtypes, down.rows,
+            o.act_bits, o.isa,
         )  # fmt: skip
     h = o(attn, residual=h)
     return down(gate_up(h, norm=norm, eps=eps, swiglu=True), residual=h)

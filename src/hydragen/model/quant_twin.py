@@ -15,12 +15,15 @@ import torch.nn.functional as F
 from hydragen.model.linear import rotate_leading
 from hydragen.model.qtensor import PACKED_TYPES, QuantTensor
 
+QMAX = {8: 127.0, 15: 16191.0}  # the kernels' largest activation integer per width (quant_matmul.cpp)
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (K a multiple of 32) as the kernels see it: dequantized int8 groups of 32, float32."""
+
+def quantize_activations(x: torch.Tensor, bits: int = 15) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) as the kernels see it: groups of 32 rounded to integers of ``bits``
+    bits (scale max|x| / QMAX, half to even) and scaled back, float32."""
     m, k = x.shape
     groups = x.float().reshape(m, k // 32, 32)
-    d = groups.abs().amax(-1, keepdim=True) / 127
+    d = groups.abs().amax(-1, keepdim=True) / QMAX[bits]
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(groups * inv) * d).reshape(m, k)
 
@@ -40,6 +43,7 @@ def quant_linear_reference(
     residual: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     swiglu: bool = False,
+    act_bits: int = 15,
 ) -> torch.Tensor:
     """What ``hydragen.native.quant.linear`` returns for these parts in the file's layout (float32)."""
     x = x.float()
@@ -47,7 +51,7 @@ def quant_linear_reference(
         x = kernel_rms_norm(x, norm.float(), eps)
     outs = []
     for p in parts:
-        xin = quantize_activations(x) if p.qtype in PACKED_TYPES else x
+        xin = quantize_activations(x, act_bits) if p.qtype in PACKED_TYPES else x
         outs.append(F.linear(xin.double(), p.dequantize().double()))
     y = torch.cat(outs, dim=1).float()
     if rope is not None:
@@ -64,15 +68,18 @@ class TwinProjection(torch.nn.Module):
     """``PackedProjection``'s twin: the same call, computed by ``quant_linear_reference`` from the parts in
     the file's layout. Slow (it dequantizes every call); the tests swap it in for a whole model."""
 
-    def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None):
+    def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None, act_bits: int = 15):
         super().__init__()
-        self.parts, self.bias = parts, bias
+        self.parts, self.bias, self.act_bits = parts, bias, act_bits
 
     def forward(self, x, *, norm=None, eps=0.0, residual=None, rope=None, swiglu=False) -> torch.Tensor:
+        bits = self.act_bits
         if self.bias is None:
-            y = quant_linear_reference(x, self.parts, norm=norm, eps=eps, rope=rope, swiglu=swiglu)
+            y = quant_linear_reference(
+                x, self.parts, norm=norm, eps=eps, rope=rope, swiglu=swiglu, act_bits=bits
+            )
         else:
-            y = quant_linear_reference(x, self.parts, norm=norm, eps=eps) + self.bias.float()
+            y = quant_linear_reference(x, self.parts, norm=norm, eps=eps, act_bits=bits) + self.bias.float()
             y = y if rope is None else rotate_leading(y, rope)
         if residual is not None:
             return residual.add_(y.to(residual.dtype))

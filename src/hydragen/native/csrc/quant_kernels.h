@@ -3,21 +3,25 @@
 // and picked at run time.
 //
 // packed_tile: rows [row0, row0 + V::W) of one 16-row tile (quant_layout.h) against up to MT activation rows.
-// Each activation row is quantized to int8 in groups of 32 (scale dx, float sum xs = dx * sum q, integer sums
-// per 16); a group's 4 weight bytes per row and the group's 4 activation bytes (broadcast) feed one dot
-// instruction, so each row lane accumulates sum u * q over the group in int32. Offsets, sub-block scales
-// (Q6_K/Q3_K/Q2_K: per 16 weights) and minimums are applied per group in integers where they are integers,
-// then the group is added in float: acc += float(int sum) * (a * dx) [+ b * xs].
+// Each activation row is quantized in groups of 32 to integers q (scale dx, float sum xs = dx * sum q, integer
+// sums per 16); a group's 4 weight bytes per row and the group's 4 activation bytes (broadcast) feed one dot
+// instruction, so each row lane accumulates sum u * q over the group in int32. With SPLIT the activations
+// have 15 bits, q = 128 * hi + lo with hi in [-127, 127] and lo in [-64, 63], two int8 planes: two dot
+// instructions per step, combined per group as 128 * sum(u * hi) + sum(u * lo); without, q is int8. Offsets,
+// sub-block scales (Q6_K/Q3_K/Q2_K: per 16 weights) and minimums are applied per group in integers where they
+// are integers, then the group is added in float: acc += float(int sum) * (a * dx) [+ b * xs]. Every integer
+// sum fits int32: |q| <= 16191, so a 32-group of u <= 255 is below 2^27, and Q6_K's two scaled sub-blocks
+// below 2 * 16 * 32 * 16191 * 128 < 2^31.
 //
-// AVX2's pair sums saturate at 16 bits: 2 * u * |q| with |q| <= 127 stays below 32767 for u <= 63, the
-// largest u of every format but Q8_0, which AVX2 runs as |w| x sign(q, w) (|w| <= 128) instead of u = w + 128.
+// AVX2's pair sums saturate at 16 bits: 2 * u * |q| with |q| <= 127 (each plane) stays below 32767 for
+// u <= 63, the largest u of every format but Q8_0, which AVX2 runs as |w| x sign(q, w) (|w| <= 128).
 
 template <int... Js, class Fn>
 inline void unroll(std::integer_sequence<int, Js...>, Fn&& fn) {
   (fn(std::integral_constant<int, Js>{}), ...);
 }
 
-template <int QT, int MT>
+template <int QT, int MT, bool SPLIT>
 inline void packed_tile(const uint8_t* tile, int64_t nblocks, const ActRows& a, int row0, float* const* out,
                         bool accumulate) {
   using I = typename V::I;
@@ -39,10 +43,15 @@ inline void packed_tile(const uint8_t* tile, int64_t nblocks, const ActRows& a, 
     for (int g = 0; g < G; ++g) {
       const int64_t gi = b * G + g;  // this group's index along the row
       const uint8_t* gp = tb + f.head_bytes + g * f.group_bytes + 4 * row0;
-      I acc0[MT], acc1[MT];
-      for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = V::zero();
-      auto dot = [&](I* acc, I u, int k) {
+      I acc0[MT], acc1[MT], low0[MT], low1[MT];  // low: the lo plane's sums (SPLIT)
+      for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = low0[m] = low1[m] = V::zero();
+      auto dot = [&](bool second, I u, int k) {
+        I* acc = second ? acc1 : acc0;
         for (int m = 0; m < MT; ++m) acc[m] = V::dot(acc[m], u, V::bcast4(a.q[m] + 32 * gi + k));
+        if constexpr (SPLIT) {
+          I* low = second ? low1 : low0;
+          for (int m = 0; m < MT; ++m) low[m] = V::dot(low[m], u, V::bcast4(a.lo[m] + 32 * gi + k));
+        }
       };
 
       if constexpr (has_low4(QT)) {
@@ -61,8 +70,8 @@ inline void packed_tile(const uint8_t* tile, int64_t nblocks, const ActRows& a, 
             lo = V::or_and(lo, V::template shift16<4 - 4 * T>(h2), V::c8(0x30));
             hi = V::or_and(hi, V::template shift16<2 - 4 * T>(h2), V::c8(0x30));
           }
-          dot(acc0, lo, 4 * J);
-          dot(sub16 ? acc1 : acc0, hi, 16 + 4 * J);
+          dot(false, lo, 4 * J);
+          dot(sub16, hi, 16 + 4 * J);
         });
       } else if constexpr (has_low2(QT)) {
         I hb = V::zero();
@@ -71,20 +80,29 @@ inline void packed_tile(const uint8_t* tile, int64_t nblocks, const ActRows& a, 
           constexpr int S = decltype(sc)::value;
           I u = V::and_(V::template shift16<-2 * (S % 4)>(V::load(gp + 64 * (S / 4))), V::c8(0x03));
           if constexpr (QT == kQ3_K) u = V::or_and(u, V::template shift16<2 - S>(hb), V::c8(0x04));
-          dot(S < 4 ? acc0 : acc1, u, 4 * S);
+          dot(S >= 4, u, 4 * S);
         });
       } else {  // Q8_0
         unroll(std::make_integer_sequence<int, 8>{}, [&](auto sc) {
           constexpr int S = decltype(sc)::value;
           const I w = V::load(gp + 64 * S);
           if constexpr (V::kVnni) {
-            dot(acc0, V::xor_(w, V::c8(0x80)), 4 * S);  // u = w + 128
+            dot(false, V::xor_(w, V::c8(0x80)), 4 * S);  // u = w + 128
           } else {
             const I aw = V::abs8(w);
-            for (int m = 0; m < MT; ++m)
+            for (int m = 0; m < MT; ++m) {
               acc0[m] = V::dot(acc0[m], aw, V::sign8(V::bcast4(a.q[m] + 32 * gi + 4 * S), w));
+              if constexpr (SPLIT)
+                low0[m] = V::dot(low0[m], aw, V::sign8(V::bcast4(a.lo[m] + 32 * gi + 4 * S), w));
+            }
           }
         });
+      }
+      if constexpr (SPLIT) {
+        for (int m = 0; m < MT; ++m) {
+          acc0[m] = V::add(V::template slli32<7>(acc0[m]), low0[m]);
+          acc1[m] = V::add(V::template slli32<7>(acc1[m]), low1[m]);
+        }
       }
 
       // The group in float.
@@ -179,35 +197,43 @@ inline void float_rows(const uint8_t* w, int64_t stride, int nr, int64_t k, cons
   }
 }
 
-template <int QT>
+template <int QT, bool SPLIT>
 inline void packed_dispatch_mt(const uint8_t* tile, int64_t nblocks, const ActRows& a, int mt, float* const* out,
                                bool accumulate) {
   for (int row0 = 0; row0 < kTileRows; row0 += V::W) {
     switch (mt) {
-      case 1: packed_tile<QT, 1>(tile, nblocks, a, row0, out, accumulate); break;
-      case 2: packed_tile<QT, 2>(tile, nblocks, a, row0, out, accumulate); break;
-      case 3: packed_tile<QT, 3>(tile, nblocks, a, row0, out, accumulate); break;
-      default: packed_tile<QT, 4>(tile, nblocks, a, row0, out, accumulate); break;
+      case 1: packed_tile<QT, 1, SPLIT>(tile, nblocks, a, row0, out, accumulate); break;
+      case 2: packed_tile<QT, 2, SPLIT>(tile, nblocks, a, row0, out, accumulate); break;
+      case 3: packed_tile<QT, 3, SPLIT>(tile, nblocks, a, row0, out, accumulate); break;
+      default: packed_tile<QT, 4, SPLIT>(tile, nblocks, a, row0, out, accumulate); break;
     }
   }
 }
 
-// Rows [0, 16) of one packed tile against mt (1..4) activation rows; out[m] points at the tile's first column.
-inline void run_packed(int qtype, const uint8_t* tile, int64_t nblocks, const ActRows& a, int mt, float* const* out,
-                       bool accumulate) {
+template <bool SPLIT>
+inline void run_packed_as(int qtype, const uint8_t* tile, int64_t nblocks, const ActRows& a, int mt,
+                          float* const* out, bool accumulate) {
   switch (qtype) {
-    case kQ4_0: packed_dispatch_mt<kQ4_0>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ4_1: packed_dispatch_mt<kQ4_1>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ5_0: packed_dispatch_mt<kQ5_0>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ5_1: packed_dispatch_mt<kQ5_1>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ8_0: packed_dispatch_mt<kQ8_0>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ2_K: packed_dispatch_mt<kQ2_K>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ3_K: packed_dispatch_mt<kQ3_K>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ4_K: packed_dispatch_mt<kQ4_K>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ5_K: packed_dispatch_mt<kQ5_K>(tile, nblocks, a, mt, out, accumulate); break;
-    case kQ6_K: packed_dispatch_mt<kQ6_K>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ4_0: packed_dispatch_mt<kQ4_0, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ4_1: packed_dispatch_mt<kQ4_1, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ5_0: packed_dispatch_mt<kQ5_0, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ5_1: packed_dispatch_mt<kQ5_1, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ8_0: packed_dispatch_mt<kQ8_0, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ2_K: packed_dispatch_mt<kQ2_K, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ3_K: packed_dispatch_mt<kQ3_K, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ4_K: packed_dispatch_mt<kQ4_K, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ5_K: packed_dispatch_mt<kQ5_K, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
+    case kQ6_K: packed_dispatch_mt<kQ6_K, SPLIT>(tile, nblocks, a, mt, out, accumulate); break;
     default: break;
   }
+}
+
+// Rows [0, 16) of one packed tile against mt (1..4) activation rows; out[m] points at the tile's first column.
+// The activations are split in two planes (15 bits) when a.lo is set, else int8.
+inline void run_packed(int qtype, const uint8_t* tile, int64_t nblocks, const ActRows& a, int mt, float* const* out,
+                       bool accumulate) {
+  if (a.lo[0] != nullptr) run_packed_as<true>(qtype, tile, nblocks, a, mt, out, accumulate);
+  else run_packed_as<false>(qtype, tile, nblocks, a, mt, out, accumulate);
 }
 
 template <int QT>

@@ -31,9 +31,11 @@
 
 namespace hq {
 
-// Pointers to up to 4 quantized activation rows (quant_kernels.h).
+// Pointers to up to 4 quantized activation rows (quant_kernels.h): q is the int8 plane (with 15-bit
+// activations, the high plane), lo the low plane (null for int8 activations).
 struct ActRows {
   const int8_t* q[4];
+  const int8_t* lo[4];
   const float* dx[4];
   const float* xs[4];
   const int32_t* qs16[4];
@@ -124,13 +126,16 @@ void scalar_packed(int qtype, const uint8_t* tile, int64_t nblocks, const ActRow
         for (int g = 0; g < groups; ++g) {
           const int64_t gi = b * groups + g;
           read_group_u(qtype, tb, g, r, u);
-          const int8_t* q = a.q[m] + 32 * gi;
+          int32_t q[32], w[32];
+          for (int k = 0; k < 32; ++k) {
+            q[k] = a.q[m][32 * gi + k];
+            if (a.lo[m] != nullptr) q[k] = 128 * q[k] + a.lo[m][32 * gi + k];
+            w[k] = qtype == kQ8_0 ? static_cast<int8_t>(u[k]) : static_cast<int>(u[k]);
+          }
           int32_t s0 = 0, s1 = 0;
           for (int k = 0; k < 16; ++k) {
-            const int w0 = qtype == kQ8_0 ? static_cast<int8_t>(u[k]) : u[k];
-            const int w1 = qtype == kQ8_0 ? static_cast<int8_t>(u[k + 16]) : u[k + 16];
-            s0 += w0 * q[k];
-            s1 += w1 * q[k + 16];
+            s0 += w[k] * q[k];
+            s1 += w[k + 16] * q[k + 16];
           }
           const int32_t qs0 = a.qs16[m][2 * gi], qs1 = a.qs16[m][2 * gi + 1];
           const float dx = a.dx[m][gi], xs = a.xs[m][gi];
@@ -197,16 +202,22 @@ using namespace hq;
 constexpr int kMaxMt = 4;  // activation rows per kernel call
 constexpr int64_t kRowChunk = 64;  // activation rows per task
 
-// An activation matrix quantized for the packed kernels (see quant_kernels.h).
+// An activation matrix quantized for the packed kernels (see quant_kernels.h): per group of 32, integers q
+// with |q| <= kQMax[bits] (int8, or 15 bits stored as q = 128 * hi + lo), the scale dx = max|x| / kQMax, the
+// float sum xs = dx * sum q and the integer sums per 16.
 struct QuantizedActs {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, lo;
   std::vector<float> dx, xs;
   std::vector<int32_t> qs16;
 };
 
-void quantize_rows(const float* x, int64_t m_rows, int64_t k, QuantizedActs& out) {
+constexpr float kQMax8 = 127.0f, kQMax15 = 16191.0f;  // 15 bits: hi = floor((q + 64) / 128) stays in int8
+
+void quantize_rows(const float* x, int64_t m_rows, int64_t k, int bits, QuantizedActs& out) {
   const int64_t groups = k / 32;
+  const float qmax = bits == 15 ? kQMax15 : kQMax8;
   out.q.resize(m_rows * k);
+  out.lo.resize(bits == 15 ? m_rows * k : 0);
   out.dx.resize(m_rows * groups);
   out.xs.resize(m_rows * groups);
   out.qs16.resize(m_rows * groups * 2);
@@ -216,13 +227,19 @@ void quantize_rows(const float* x, int64_t m_rows, int64_t k, QuantizedActs& out
         const float* v = x + m * k + 32 * g;
         float amax = 0.0f;
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.0f;
+        const float d = amax / qmax;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         int8_t* q = out.q.data() + m * k + 32 * g;
         int32_t s0 = 0, s1 = 0;
         for (int i = 0; i < 32; ++i) {
           const int qi = static_cast<int>(std::nearbyint(v[i] * id));
-          q[i] = static_cast<int8_t>(qi);
+          if (bits == 15) {
+            const int hi = (qi + 64) >> 7;  // floor: lo = qi - 128 * hi in [-64, 63]
+            q[i] = static_cast<int8_t>(hi);
+            out.lo[m * k + 32 * g + i] = static_cast<int8_t>(qi - 128 * hi);
+          } else {
+            q[i] = static_cast<int8_t>(qi);
+          }
           (i < 16 ? s0 : s1) += qi;
         }
         out.dx[m * groups + g] = d;
@@ -306,6 +323,7 @@ void run_unit(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, con
       ActRows a{};
       for (int i = 0; i < mt; ++i) {
         a.q[i] = qa.q.data() + (m + i) * k;
+        a.lo[i] = qa.lo.empty() ? nullptr : qa.lo.data() + (m + i) * k;
         a.dx[i] = qa.dx.data() + (m + i) * groups;
         a.xs[i] = qa.xs.data() + (m + i) * groups;
         a.qs16[i] = qa.qs16.data() + (m + i) * groups * 2;
@@ -341,11 +359,12 @@ int64_t isa_level(int64_t requested) {
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows,
                         const c10::optional<at::Tensor>& norm, double eps, const c10::optional<at::Tensor>& residual,
                         const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin,
-                        int64_t rope_cols, bool swiglu, int64_t isa) {
+                        int64_t rope_cols, bool swiglu, int64_t act_bits, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "quant_linear: x must be a contiguous 2-D float32 tensor");
   TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size() && !weights.empty(),
               "quant_linear: weights, qtypes and rows must be non-empty and of one length");
+  TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_linear: act_bits must be 8 or 15, got ", act_bits);
   const int64_t m_rows = x.size(0), k = x.size(1);
   const int level = static_cast<int>(isa_level(isa));
   std::vector<Part> parts;
@@ -387,7 +406,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   // thread's own (empty) copy, so the region sees it through this reference.
   static thread_local QuantizedActs scratch;
   QuantizedActs& qa = scratch;
-  if (any_packed) quantize_rows(xf, m_rows, k, qa);
+  if (any_packed) quantize_rows(xf, m_rows, k, static_cast<int>(act_bits), qa);
 
   at::Tensor y;
   bool accumulate = false;
@@ -437,11 +456,11 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
 at::Tensor quant_mlp_tail(const at::Tensor& attn, const at::Tensor& h, at::TensorList o_w, at::IntArrayRef o_t,
                           at::IntArrayRef o_r, const at::Tensor& norm, double eps, at::TensorList gu_w,
                           at::IntArrayRef gu_t, at::IntArrayRef gu_r, at::TensorList d_w, at::IntArrayRef d_t,
-                          at::IntArrayRef d_r, int64_t isa) {
+                          at::IntArrayRef d_r, int64_t act_bits, int64_t isa) {
   const c10::optional<at::Tensor> none;
-  quant_linear(attn, o_w, o_t, o_r, none, 0.0, h, none, none, 0, false, isa);
-  const at::Tensor act = quant_linear(h, gu_w, gu_t, gu_r, norm, eps, none, none, none, 0, true, isa);
-  quant_linear(act, d_w, d_t, d_r, none, 0.0, h, none, none, 0, false, isa);
+  quant_linear(attn, o_w, o_t, o_r, none, 0.0, h, none, none, 0, false, act_bits, isa);
+  const at::Tensor act = quant_linear(h, gu_w, gu_t, gu_r, norm, eps, none, none, none, 0, true, act_bits, isa);
+  quant_linear(act, d_w, d_t, d_r, none, 0.0, h, none, none, 0, false, act_bits, isa);
   return h;
 }
 
@@ -452,11 +471,11 @@ int64_t quant_isa() { return isa_level(0); }
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
   m.def(
       "quant_linear(Tensor x, Tensor[] weights, int[] qtypes, int[] rows, Tensor? norm, float eps, Tensor? residual, "
-      "Tensor? rope_cos, Tensor? rope_sin, int rope_cols, bool swiglu, int isa) -> Tensor");
+      "Tensor? rope_cos, Tensor? rope_sin, int rope_cols, bool swiglu, int act_bits, int isa) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
   m.def(
       "quant_mlp_tail(Tensor attn, Tensor h, Tensor[] o_w, int[] o_t, int[] o_r, Tensor norm, float eps, "
-      "Tensor[] gu_w, int[] gu_t, int[] gu_r, Tensor[] d_w, int[] d_t, int[] d_r, int isa) -> Tensor");
+      "Tensor[] gu_w, int[] gu_t, int[] gu_r, Tensor[] d_w, int[] d_t, int[] d_r, int act_bits, int isa) -> Tensor");
   m.impl("quant_mlp_tail", c10::DispatchKey::CPU, &quant_mlp_tail);
   m.def("quant_isa() -> int", &quant_isa);
 }

@@ -27,6 +27,8 @@ struct V {
   }
   template <int S>
   static I srli32(I v) { return _mm512_srli_epi32(v, S); }
+  template <int S>
+  static I slli32(I v) { return _mm512_slli_epi32(v, S); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
