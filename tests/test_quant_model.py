@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hydragen import LLM, SamplingParams
+from hydragen.bench.quant_accuracy import plain_attention
 from hydragen.model import llama
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf import read_gguf
@@ -81,20 +81,8 @@ def tiny_ggufs(tmp_path_factory):
     return {s: write_llama_gguf(root / f"tiny-{s}.gguf", cfg, s, float_maker(weights, cfg)) for s in FORMATS}
 
 
-def _attend(layer, q, k, v):
-    """Causal attention over the forward's own tokens (no cache): enough to run a model directly."""
-    g = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.repeat_interleave(g, 1).transpose(0, 1),
-        v.repeat_interleave(g, 1).transpose(0, 1),
-        is_causal=True,
-    )
-    return out.transpose(0, 1)
-
-
 def _logits(net, ids: torch.Tensor) -> torch.Tensor:
-    return net.logits(net(ids, torch.arange(len(ids)), _attend))
+    return net.logits(net(ids, torch.arange(len(ids)), plain_attention))
 
 
 def _hook_twins(net, path, monkeypatch) -> list[tuple[str, float, float]]:

@@ -22,6 +22,7 @@ EXTRA_BENCHMARKS = {
     "exactness": "hydragen.bench.exactness",
     "versus": "hydragen.bench.versus",
     "tp": "hydragen.bench.tp",
+    "quant": "hydragen.bench.quant",
 }
 ALL_BENCHMARKS = {**BENCHMARKS, **EXTRA_BENCHMARKS}
 
