@@ -40,7 +40,7 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     formats = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"}
     assert {r["format"] for r in ours} == formats
     assert all(r["GB/s"] > 0 and r["GFLOP/s"] > 0 for r in data["kernels"])
-    models = [r["model"] for r in data["accuracy"]]
+    models = [r["model"] for r in data["accuracy"] if r["reference"] == "float32 dequantized"]
     assert models[:2] == ["hydragen, 15-bit activations (default)", "hydragen, 8-bit activations"]
     for r in data["accuracy"]:
         assert 0 <= r["top-1 agreement (all positions)"] <= 1 and r["KL mean (all positions)"] >= -1e-9
@@ -52,3 +52,37 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     for name in ("quant_kernels_bandwidth.png", "quant_kernels_gflops.png", "quant_decode.png"):
         assert (out / name).read_bytes()[:8] == PNG
     assert "QUICK RUN" in (out / "quant.md").read_text()
+    assert set(data["runs"]) == {"kernels", "accuracy", "decode", "memory", "real"}
+
+
+def test_bench_quant_parts_run_alone_and_combine(tmp_path):
+    """A part measured in its own run joins the results already in the folder; a quick run never mixes
+    with a full one's."""
+    from hydragen import cli
+
+    out = tmp_path / "out"
+    full = {"machine": "m", "commit": "c", "quick": False, "params": {}, "rows": [{"model": "x"}]}
+    (out).mkdir()
+    (out / "quant-kernels.json").write_text(json.dumps(full))
+    (out / "quant-kernels.md").write_text("## full kernel table\n")
+    assert cli.main(["bench", "quant", "--quick", "--parts", "memory", "--out", str(out)]) == 0
+    data = json.loads((out / "quant.json").read_text())
+    assert data["memory"][0]["model"] == "embedded SmolLM2-135M Q4_1" and set(data["runs"]) == {"memory"}
+    (out / "quant-accuracy.json").write_text(json.dumps(full | {"quick": True}))
+    (out / "quant-accuracy.md").write_text("## quick accuracy table\n")
+    assert cli.main(["bench", "quant", "--quick", "--parts", "memory", "--out", str(out)]) == 0
+    data = json.loads((out / "quant.json").read_text())
+    assert set(data["runs"]) == {"memory", "accuracy"}
+    md = (out / "quant.md").read_text()
+    assert "quick accuracy table" in md and "full kernel table" not in md
+
+
+def test_bench_quant_refuses_bad_parts(capsys):
+    from hydragen import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "quant", "--parts", "kernels,speed"])
+    assert "unknown part 'speed'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "quant", "--parts", "real"])
+    assert "needs --real-size" in capsys.readouterr().err

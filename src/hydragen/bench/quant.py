@@ -22,20 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import torch
-
-from hydragen.bench import quant_accuracy, quant_kernels
+from hydragen.bench import quant_accuracy, quant_kernels, quant_memory
 from hydragen.bench.common import code_commit, machine_description, matmul_rate, say_quick, write_table
 from hydragen.bench.plots import Panel, plot, plot_lines
 
 RESULT_NAME = "quant"
-PARTS = ("kernels", "accuracy", "decode", "memory")
+PARTS = ("kernels", "accuracy", "decode", "memory", "real")
 # (n, prompt tokens, one shared prompt): the issue's three points
 DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
 MODES = ("hydragen", "hydragen-fp32", "llamacpp")
@@ -121,189 +116,126 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
     return rows
 
 
-# ---- memory -----------------------------------------------------------------------------------------
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_probe(model: str, runtime_model: str) -> dict:
-    """In this (fresh) process: RSS with the runtime loaded (imports, ops, a tiny model run once), then RSS
-    after loading ``model`` (no KV cache: ``load_model``)."""
-    from hydragen.bench.quant_accuracy import plain_attention
-    from hydragen.model.loader import load_model
-
-    cpu = torch.device("cpu")
-
-    def run_once(net):
-        net.logits(net(torch.tensor([1, 2, 3]), torch.arange(3), plain_attention))
-
-    tiny, _, _ = load_model(runtime_model, cpu, torch.float32)
-    run_once(tiny)
-    runtime = _rss_mb()
-    t0 = time.perf_counter()
-    net, _, path = load_model(model, cpu, torch.float32)
-    load_s = time.perf_counter() - t0
-    run_once(net)
-    return {"runtime MB": runtime, "after load MB": _rss_mb(), "load s": load_s, "path": str(path)}
-
-
-def memory_row(model, label: str) -> dict:
-    from hydragen.model.config import ModelConfig
-    from hydragen.model.gguf_write import random_maker, write_llama_gguf
-    from hydragen.model.loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny = ModelConfig.from_hf(
-            dict(
-                architectures=["LlamaForCausalLM"],
-                hidden_size=256,
-                intermediate_size=512,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=512,
-                max_position_embeddings=256,
-            )
-        )
-        runtime_model = write_llama_gguf(Path(tmp) / "runtime.gguf", tiny, "Q4_K_M", random_maker())
-        probe = f"q.rss_probe({str(path)!r}, {str(runtime_model)!r})"
-        code = f"import json, hydragen.bench.quant as q; print(json.dumps({probe}))"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    probe = json.loads(out.stdout.strip().splitlines()[-1])
-    file_mb = path.stat().st_size / 2**20
-    model_mb = probe["after load MB"] - probe["runtime MB"]
-    return {
-        "model": label,
-        "file MB": file_mb,
-        "runtime MB": probe["runtime MB"],
-        "resident after load MB": probe["after load MB"],
-        "model MB (resident - runtime)": model_mb,
-        "model / file": model_mb / file_mb,
-        "load s": probe["load s"],
-    }
-
-
 # ---- the run ----------------------------------------------------------------------------------------
-def run(
-    model=None,
-    parts=PARTS,
-    real_size: str | None = None,
-    new_tokens: int = 64,
-    rounds: int = 2,
-    prompts: int = 128,
-    kernel_shape: tuple[int, int] = (4096, 4096),
-    out: Path = Path("bench-out"),
-    quick: bool = False,
-) -> dict:
-    if quick:
-        say_quick("quant")
-    out.mkdir(parents=True, exist_ok=True)
-    data: dict = {"machine": machine_description(), "commit": code_commit(), "quick": quick, "params": {}}
-    data["params"] = dict(
-        model=str(model or "embedded SmolLM2-135M"),
-        parts=list(parts),
-        real_size=real_size,
-        new_tokens=new_tokens,
-        rounds=rounds,
-        prompts=prompts,
-        kernel_shape=list(kernel_shape),
+DECODE_COLUMNS = ["engine", "n", "prompt", "new_tokens", "decode tok/s", "vs llama.cpp", "t(1) s", "t(T) s"]
+
+
+def _kernels(a, quick: bool) -> tuple[list[dict], dict, str]:
+    bw, gemm = quant_kernels.read_bandwidth(64 if quick else 512), matmul_rate(512 if quick else 2048)
+    _say(f"read bandwidth {bw / 1e9:.1f} GB/s, float32 GEMM {gemm / 1e9:.0f} GFLOP/s")
+    n, k = a.kernel_shape
+    rows = quant_kernels.kernel_table(
+        n, k, (1, 8) if quick else quant_kernels.ROWS, 2 if quick else 5, bw, gemm
     )
-    tables = []
-    common = dict(quick=quick, params=data["params"])
-    if "kernels" in parts:
-        bw, gemm = quant_kernels.read_bandwidth(64 if quick else 512), matmul_rate(512 if quick else 2048)
-        _say(f"read bandwidth {bw / 1e9:.1f} GB/s, float32 GEMM {gemm / 1e9:.0f} GFLOP/s")
-        rows_m = (1, 8) if quick else quant_kernels.ROWS
-        data["kernels"] = quant_kernels.kernel_table(*kernel_shape, rows_m, 2 if quick else 5, bw, gemm)
-        data["bandwidth GB/s"], data["fp32 GEMM GFLOP/s"] = bw / 1e9, gemm / 1e9
-        tables.append(
-            write_table(
-                data["kernels"],
-                quant_kernels.KERNEL_COLUMNS,
-                out,
-                "quant-kernels",
-                f"Kernels: {kernel_shape[0]} x {kernel_shape[1]} weights, read from memory (cycled copies)",
-                f"Measured here: read bandwidth {bw / 1e9:.1f} GB/s (a sum over 512 MB, every thread), "
-                f"float32 GEMM {gemm / 1e9:.0f} GFLOP/s (2,048^3). GB/s counts the weight bytes a call "
-                "reads; GFLOP/s 2 M N K.",
-                **common,
-            )
-        )
-    if "accuracy" in parts:
-        data["accuracy"] = quant_accuracy.run(model, 8 if quick else prompts, 8 if quick else 32, _say)
-        tables.append(
-            write_table(
-                data["accuracy"],
-                list(data["accuracy"][0]),
-                out,
-                "quant-accuracy",
-                "Accuracy against the same file dequantized to float32",
-                "KL(float32 || model) of the next-token distribution, teacher-forced on the float32 model's "
-                "tokens.",
-                **common,
-            )
-        )
-    if "decode" in parts:
-        points = ((1, 64), (4, 64)) if quick else DECODE_POINTS
-        data["decode"] = decode_rows(model, points, 4 if quick else new_tokens, 1 if quick else rounds)
-        tables.append(
-            write_table(
-                data["decode"],
-                ["engine", "n", "prompt", "decode tok/s", "vs llama.cpp", "t(1) s", "t(T) s"],
-                out,
-                "quant-decode",
-                "Decode side by side, same GGUF, one run",
-                "n completions of one prompt (its KV shared by every engine); hydragen at temperature 0.8, "
-                "top_p 0.95.",
-                **common,
-            )
-        )
-    if "memory" in parts:
-        data["memory"] = [memory_row(model, str(model or "embedded SmolLM2-135M Q4_1"))]
-        if real_size:
-            data["memory"].append(memory_row(_real_file(real_size), real_size))
-        tables.append(
-            write_table(
-                data["memory"],
-                list(data["memory"][0]),
-                out,
-                "quant-memory",
-                "Resident memory after load",
-                "Fresh process per model; runtime = RSS after importing hydragen, loading the ops and "
-                "running a tiny model once; model = RSS after loading the model (no KV cache) minus the "
-                "runtime.",
-                **common,
-            )
-        )
-    if real_size:
-        path = _real_file(real_size)
-        data["real"] = decode_rows(
-            path,
-            ((1, 256), (16, 256)),
-            4 if quick else 32,
-            1 if quick else rounds,
-            modes=("hydragen", "llamacpp"),
-        )
-        tables.append(
-            write_table(
-                data["real"],
-                ["engine", "n", "prompt", "decode tok/s", "vs llama.cpp", "t(1) s", "t(T) s"],
-                out,
-                "quant-real",
-                f"A model of real size: random {real_size}, side by side",
-                "",
-                **common,
-            )
-        )
+    extra = {"bandwidth GB/s": bw / 1e9, "fp32 GEMM GFLOP/s": gemm / 1e9, "shape": [n, k]}
+    notes = (
+        f"{n} x {k} weights, read from memory (copies cycled through more than the last-level cache). "
+        f"Measured here: read bandwidth {bw / 1e9:.1f} GB/s (a sum over 512 MB, every thread), float32 GEMM "
+        f"{gemm / 1e9:.0f} GFLOP/s (2,048^3, oneDNN). GB/s counts the weight bytes a call reads; GFLOP/s "
+        "2 M N K. hydragen's kernels run with their default 15-bit activations."
+    )
+    return rows, extra, notes
+
+
+def _accuracy(a, quick: bool) -> tuple[list[dict], dict, str]:
+    tokens = 8 if quick else 32
+    rows = quant_accuracy.run(a.model, 8 if quick else a.prompts, tokens, _say)
+    notes = (
+        "Each model is fed the reference's tokens (teacher forcing); KL(reference || model) of the "
+        f"next-token distribution, top-1 agreement, then {tokens} greedy tokens each. Reference: the same "
+        "file dequantized to float32 and run by hydragen (float64 KL), or llama.cpp's logits where named."
+    )
+    return rows, {"greedy tokens": tokens}, notes
+
+
+def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
+    points = ((1, 64), (4, 64)) if quick else DECODE_POINTS
+    new_tokens = 4 if quick else a.new_tokens
+    rows = decode_rows(a.model, points, new_tokens, 1 if quick else a.rounds)
+    notes = (
+        "n completions of one prompt (its KV shared by every engine); hydragen samples at temperature 0.8, "
+        "top_p 0.95, llama.cpp picks greedily from its logits. Decode-only rate n (T - 1) / (t(T) - t(1)); "
+        f"best of {1 if quick else a.rounds} alternating rounds."
+    )
+    return rows, {"points": points, "new_tokens": new_tokens}, notes
+
+
+def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
+    rows = [quant_memory.memory_row(a.model, str(a.model or "embedded SmolLM2-135M Q4_1"))]
+    if a.real_size:
+        rows.append(quant_memory.memory_row(_real_file(a.real_size), a.real_size))
+    notes = (
+        "Fresh process per model; runtime = resident memory after importing hydragen, loading the C++ ops "
+        "and running a tiny one-layer model once; model = resident memory after loading the model (weights "
+        "only, no KV cache) and running it once, minus the runtime."
+    )
+    return rows, {}, notes
+
+
+def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
+    if not a.real_size:
+        raise SystemExit("hydragen bench quant: the part 'real' needs --real-size PRESET:SCHEME")
+    points = ((1, 256), (16, 256))
+    new_tokens = 4 if quick else a.real_tokens
+    rows = decode_rows(_real_file(a.real_size), points, new_tokens, 1 if quick else a.rounds, REAL_MODES)
+    notes = (
+        f"A random-weights {a.real_size} GGUF (model/gguf_write.py: llama-quantize's type mix), "
+        "the same file for both engines; one 256-token prompt, n completions, as the decode table."
+    )
+    return rows, {"points": points, "new_tokens": new_tokens}, notes
+
+
+REAL_MODES = ("hydragen", "llamacpp")
+# part -> (measure, table title, columns or None for every column of the first row)
+MEASURES = {
+    "kernels": (_kernels, "Kernels: every format at M activation rows", quant_kernels.KERNEL_COLUMNS),
+    "accuracy": (
+        _accuracy,
+        "Accuracy: computing in the file's format against its float32 dequantization",
+        None,
+    ),
+    "decode": (_decode, "Decode side by side, same GGUF, one run", DECODE_COLUMNS),
+    "memory": (_memory, "Resident memory after load", None),
+    "real": (_real, "A model of real size (random weights), side by side", DECODE_COLUMNS),
+}
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Measure ``a.parts`` (each its own quant-PART.json/.md in ``a.out``), then rebuild quant.json/.md and
+    the plots from every part's results in ``a.out`` of the same kind (quick or not): parts can be measured
+    in separate runs, each under its own lock."""
+    if a.quick:
+        say_quick("quant")
+    for part in a.parts:
+        measure, title, columns = MEASURES[part]
+        _say(f"part {part}")
+        rows, extra, notes = measure(a, a.quick)
+        params = dict(model=str(a.model or "embedded SmolLM2-135M"), real_size=a.real_size, **extra)
+        write_table(rows, columns or list(rows[0]), a.out, f"{RESULT_NAME}-{part}", title, notes,
+                    quick=a.quick, params=params)  # fmt: skip
+    data = combine(a.out, a.quick)
+    print((a.out / f"{RESULT_NAME}.md").read_text())
+    return data
+
+
+def combine(out: Path, quick: bool) -> dict:
+    """quant.json ({part: rows}, and per part its machine, commit and parameters), quant.md and the plots
+    from the quant-PART.json files in ``out`` whose quick flag is ``quick``."""
+    data: dict = {"machine": machine_description(), "commit": code_commit(), "quick": quick, "runs": {}}
+    md = []
+    for part in PARTS:
+        path = out / f"{RESULT_NAME}-{part}.json"
+        if not path.is_file():
+            continue
+        saved = json.loads(path.read_text())
+        if saved.get("quick", False) != quick:
+            continue
+        data[part] = saved.pop("rows")
+        data["runs"][part] = saved
+        md.append((out / f"{RESULT_NAME}-{part}.md").read_text())
     (out / f"{RESULT_NAME}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{RESULT_NAME}.md").write_text("\n".join(md))
     plots(data, out)
-    md = "\n".join(tables)
-    (out / f"{RESULT_NAME}.md").write_text(md)
-    print(md)
     return data
 
 
@@ -338,7 +270,8 @@ def plots(data: dict, out: Path) -> list[Path]:
             ("GB/s", "quant_kernels_bandwidth.png", "weight bytes read, GB/s", "measured read bandwidth"),
             ("GFLOP/s", "quant_kernels_gflops.png", "GFLOP/s", "float32 GEMM rate"),
         ):
-            level = data["bandwidth GB/s"] if key == "GB/s" else data["fp32 GEMM GFLOP/s"]
+            measured = data["runs"]["kernels"]["params"]
+            level = measured["bandwidth GB/s"] if key == "GB/s" else measured["fp32 GEMM GFLOP/s"]
             panels = []
             for title, labels in KERNEL_PANELS.items():
                 series: dict[str, tuple[list, list]] = {}
@@ -377,26 +310,35 @@ def plots(data: dict, out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="hydragen bench quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a GGUF (default: the embedded SmolLM2-135M Q4_1)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--parts", default=None, help=f"comma-separated, of {', '.join(PARTS)} (default: all; "
+                   "'real' only with --real-size)")  # fmt: skip
     p.add_argument(
         "--real-size",
         default=None,
         metavar="PRESET:SCHEME",
-        help="also a random GGUF of a real shape, e.g. llama-3.1-8b:Q4_K_M (written once, ~5 GB)",
+        help="also a random GGUF of a real shape, e.g. llama-3.2-1b:Q4_K_M (written once to the cache)",
     )
     p.add_argument("--new-tokens", type=int, default=64, help="T, tokens per completion (default 64)")
+    p.add_argument("--real-tokens", type=int, default=32, help="T for the real-size model (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds, best kept (default 2)")
     p.add_argument("--prompts", type=int, default=128, help="accuracy prompts (default 128)")
     p.add_argument("--kernel-shape", type=int, nargs=2, default=(4096, 4096), metavar=("N", "K"))
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     a = p.parse_args(argv)
-    parts = [x.strip() for x in a.parts.split(",") if x.strip()]
-    bad = [x for x in parts if x not in PARTS]
+    if a.parts is None:
+        a.parts = [x for x in PARTS if x != "real" or a.real_size]
+    else:
+        a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
+    bad = [x for x in a.parts if x not in PARTS]
     if bad:
         p.error(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
-    shape = (256, 512) if a.quick else tuple(a.kernel_shape)
-    run(a.model, parts, a.real_size, a.new_tokens, a.rounds, a.prompts, shape, a.out, a.quick)
+    if "real" in a.parts and not a.real_size:
+        p.error("the part 'real' needs --real-size PRESET:SCHEME")
+    if a.quick:
+        a.kernel_shape = (256, 512)
+    a.out.mkdir(parents=True, exist_ok=True)
+    run(a)
 
 
 if __name__ == "__main__":

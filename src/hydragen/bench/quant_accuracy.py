@@ -1,11 +1,12 @@
 """The accuracy part of ``hydragen bench quant``: how far computing in a GGUF's own format moves the model
 from the same file dequantized to float32, over 128 chat prompts.
 
-Compared, each against the float32-dequantized model (``LLM(dequantize=True)``, the reference):
-* hydragen as it runs by default (15-bit activations), and with int8 activations (llama.cpp's choice);
-* llama.cpp on the same file, where ``llama-cpp-python`` is installed.
+Compared: hydragen as it runs by default (15-bit activations) and with int8 activations (llama.cpp's
+choice), each against the float32-dequantized model (``LLM(dequantize=True)``) and, where
+``llama-cpp-python`` is installed, against llama.cpp's logits on the same file; and llama.cpp against the
+float32-dequantized model.
 
-Per prompt, with every model fed the reference's tokens (teacher forcing): KL(reference || model) of the
+Per prompt, every model fed the same prompt tokens: KL(reference || model) of the
 next-token distribution at every prompt position and at the last one (the first generated token), and
 whether the most likely token agrees. Then 32 greedy tokens from each model: the fraction of prompts whose
 whole continuation is the reference's, and how many leading tokens agree on average.
@@ -147,17 +148,22 @@ def continuation_agreement(reference: list[list[int]], other: list[list[int]]) -
 
 
 def run(model, count: int, tokens: int, progress: Callable[[str], None]) -> list[dict]:
-    """One row per compared model (see the module docstring)."""
+    """Rows: each hydragen activation width against the float32 reference and against llama.cpp, and
+    llama.cpp against the float32 reference (see the module docstring)."""
     from hydragen import LLM
 
     reference = LLM(model, dequantize=True, kv_cache_tokens=16384)
     prompts = chat_prompts(reference.tokenizer, count)
     progress(f"accuracy: {len(prompts)} prompts, float32 reference")
-    ref_logits = [model_logits(reference)(p) for p in prompts]
-    ref_greedy = greedy_llm(reference, prompts, tokens)
+    float32 = ([model_logits(reference)(p) for p in prompts], greedy_llm(reference, prompts, tokens))
     path = reference.model_path
     del reference
-    candidates: dict[str, tuple[Callable, Callable]] = {}
+    peer = llamacpp_logits(path)
+    llamacpp = None
+    if peer is not None:
+        progress("accuracy: llama.cpp")
+        llamacpp = ([peer(p) for p in prompts], greedy_llamacpp(path, prompts, tokens))
+    rows = []
     for bits in (15, 8):
         os.environ["HYDRAGEN_QUANT_ACT_BITS"] = str(bits)
         try:
@@ -165,27 +171,32 @@ def run(model, count: int, tokens: int, progress: Callable[[str], None]) -> list
         finally:
             del os.environ["HYDRAGEN_QUANT_ACT_BITS"]
         name = f"hydragen, {bits}-bit activations" + (" (default)" if bits == 15 else "")
-        candidates[name] = (model_logits(llm), lambda ps, llm=llm: greedy_llm(llm, ps, tokens))
-    peer = llamacpp_logits(path)
-    if peer is not None:
-        candidates["llama.cpp"] = (peer, lambda ps: greedy_llamacpp(path, ps, tokens))
-    rows = []
-    for name, (logits, greedy) in candidates.items():
         progress(f"accuracy: {name}")
-        per = [compare(r, logits(p)) for r, p in zip(ref_logits, prompts, strict=True)]
-        same, lead = continuation_agreement(ref_greedy, greedy(prompts))
-        kl_last = np.array([x["kl_last"] for x in per])
-        rows.append(
-            {
-                "model": name,
-                "prompts": len(prompts),
-                "KL mean (all positions)": float(np.mean([x["kl_all"] for x in per])),
-                "KL mean (next token)": float(kl_last.mean()),
-                "KL p99 (next token)": float(np.quantile(kl_last, 0.99)),
-                "top-1 agreement (all positions)": float(np.mean([x["top1_all"] for x in per])),
-                "top-1 agreement (next token)": float(np.mean([x["top1_last"] for x in per])),
-                f"identical {tokens}-token greedy continuations": same,
-                "mean agreeing greedy tokens": lead,
-            }
-        )
+        run_logits = model_logits(llm)
+        got = ([run_logits(p) for p in prompts], greedy_llm(llm, prompts, tokens))
+        rows.append(_row(name, "float32 dequantized", float32, got, tokens))
+        if llamacpp is not None:
+            rows.append(_row(name, "llama.cpp", llamacpp, got, tokens))
+        del llm, got
+    if llamacpp is not None:
+        rows.append(_row("llama.cpp", "float32 dequantized", float32, llamacpp, tokens))
     return rows
+
+
+def _row(name: str, ref_name: str, reference: tuple, got: tuple, tokens: int) -> dict:
+    """``reference`` and ``got``: (logits per prompt, greedy continuation per prompt)."""
+    per = [compare(r, g) for r, g in zip(reference[0], got[0], strict=True)]
+    same, lead = continuation_agreement(reference[1], got[1])
+    kl_last = np.array([x["kl_last"] for x in per])
+    return {
+        "model": name,
+        "reference": ref_name,
+        "prompts": len(per),
+        "KL mean (all positions)": float(np.mean([x["kl_all"] for x in per])),
+        "KL mean (next token)": float(kl_last.mean()),
+        "KL p99 (next token)": float(np.quantile(kl_last, 0.99)),
+        "top-1 agreement (all positions)": float(np.mean([x["top1_all"] for x in per])),
+        "top-1 agreement (next token)": float(np.mean([x["top1_last"] for x in per])),
+        f"identical {tokens}-token greedy continuations": same,
+        "mean agreeing greedy tokens": lead,
+    }
