@@ -39,13 +39,15 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     ours = [r for r in data["kernels"] if r["kernel"] == "hydragen"]
     formats = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"}
     assert {r["format"] for r in ours} == formats
+    int8 = {r["format"] for r in data["kernels"] if r["kernel"] == "hydragen, int8 activations"}
+    assert int8 == {"Q4_1", "Q8_0", "Q4_K", "Q6_K"}
     assert all(r["GB/s"] > 0 and r["GFLOP/s"] > 0 for r in data["kernels"])
     models = [r["model"] for r in data["accuracy"] if r["reference"] == "float32 dequantized"]
     assert models[:2] == ["hydragen, 15-bit activations (default)", "hydragen, 8-bit activations"]
     for r in data["accuracy"]:
         assert 0 <= r["top-1 agreement (all positions)"] <= 1 and r["KL mean (all positions)"] >= -1e-9
     engines = {r["mode"] for r in data["decode"]}
-    assert {"hydragen", "hydragen-fp32"} <= engines
+    assert {"hydragen", "hydragen-int8", "hydragen-fp32"} <= engines
     assert [r["model"] for r in data["memory"]] == ["embedded SmolLM2-135M Q4_1", f"{config}:Q4_K_M"]
     assert all(r["file MB"] > 0 and r["runtime MB"] > 0 for r in data["memory"])
     assert {r["n"] for r in data["real"]} == {1, 16}

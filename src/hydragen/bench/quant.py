@@ -33,9 +33,10 @@ RESULT_NAME = "quant"
 PARTS = ("kernels", "accuracy", "decode", "memory", "real")
 # (n, prompt tokens, one shared prompt): the three points
 DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
-MODES = ("hydragen", "hydragen-fp32", "llamacpp")
+MODES = ("hydragen", "hydragen-int8", "hydragen-fp32", "llamacpp")
 MODE_LABELS = {
     "hydragen": "hydragen (GGUF kept quantized)",
+    "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
     "llamacpp": "llama.cpp",
 }
@@ -49,6 +50,8 @@ def _say(message: str) -> None:
 def _engine(model, mode: str, kv_tokens: int):
     from hydragen import LLM
 
+    if mode == "hydragen-int8":
+        return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens)
     return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens)
 
 
@@ -132,7 +135,7 @@ def _kernels(a, quick: bool) -> tuple[list[dict], dict, str]:
         f"{n} x {k} weights, read from memory (copies cycled through more than the last-level cache). "
         f"Measured here: read bandwidth {bw / 1e9:.1f} GB/s (a sum over 512 MB, every thread), float32 GEMM "
         f"{gemm / 1e9:.0f} GFLOP/s (2,048^3, oneDNN). GB/s counts the weight bytes a call reads; GFLOP/s "
-        "2 M N K. hydragen's kernels run with their default 15-bit activations."
+        "2 M N K. hydragen's kernels run with their default 15-bit activations unless the row says int8."
     )
     return rows, extra, notes
 
@@ -162,8 +165,8 @@ def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
 
 def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
     rows = [quant_memory.memory_row(a.model, str(a.model or "embedded SmolLM2-135M Q4_1"))]
-    if a.real_size:
-        rows.append(quant_memory.memory_row(_real_file(a.real_size), a.real_size))
+    for spec in _specs(a.real_size):
+        rows.append(quant_memory.memory_row(_real_file(spec), spec))
     notes = (
         "Fresh process per model; runtime = resident memory after importing hydragen, loading the C++ ops "
         "and running a tiny one-layer model once; model = resident memory after loading the model (weights "
@@ -173,19 +176,21 @@ def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
 
 
 def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
-    if not a.real_size:
-        raise SystemExit("hydragen bench quant: the part 'real' needs --real-size PRESET:SCHEME")
     points = ((1, 256), (16, 256))
     new_tokens = 4 if quick else a.real_tokens
-    rows = decode_rows(_real_file(a.real_size), points, new_tokens, 1 if quick else a.rounds, REAL_MODES)
+    rows = []
+    for spec in _specs(a.real_size):
+        rounds = 1 if quick else a.rounds
+        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, REAL_MODES):
+            rows.append({"model": spec, **row})
     notes = (
-        f"A random-weights {a.real_size} GGUF (model/gguf_write.py: llama-quantize's type mix), "
-        "the same file for both engines; one 256-token prompt, n completions, as the decode table."
+        "Random-weights GGUFs (model/gguf_write.py: llama-quantize's type mix), the same file for both "
+        "engines; one 256-token prompt, n completions, as the decode table."
     )
     return rows, {"points": points, "new_tokens": new_tokens}, notes
 
 
-REAL_MODES = ("hydragen", "llamacpp")
+REAL_MODES = ("hydragen", "hydragen-int8", "llamacpp")
 # part -> (measure, table title, columns or None for every column of the first row)
 MEASURES = {
     "kernels": (_kernels, "Kernels: every format at M activation rows", quant_kernels.KERNEL_COLUMNS),
@@ -196,7 +201,7 @@ MEASURES = {
     ),
     "decode": (_decode, "Decode side by side, same GGUF, one run", DECODE_COLUMNS),
     "memory": (_memory, "Resident memory after load", None),
-    "real": (_real, "A model of real size (random weights), side by side", DECODE_COLUMNS),
+    "real": (_real, "A model of real size (random weights), side by side", ["model", *DECODE_COLUMNS]),
 }
 
 
@@ -239,6 +244,10 @@ def combine(out: Path, quick: bool) -> dict:
     return data
 
 
+def _specs(real_size: str | None) -> list[str]:
+    return [x.strip() for x in (real_size or "").split(",") if x.strip()]
+
+
 def _real_file(spec: str) -> Path:
     from hydragen.model.gguf_write import random_gguf_file
 
@@ -255,11 +264,16 @@ KERNEL_PANELS = {
         "torch int4 op, bf16 activations",
         "torch bf16, bf16 activations",
     ),
+    "15-bit (default) against int8 activations": tuple(
+        f + w for f in ("Q4_1", "Q8_0", "Q4_K", "Q6_K") for w in ("", ", int8 activations")
+    ),
 }
 
 
 def _kernel_label(row: dict) -> str:
-    return row["format"] if row["kernel"] == "hydragen" else row["kernel"]
+    if row["kernel"].startswith("hydragen"):
+        return row["format"] + row["kernel"].removeprefix("hydragen")
+    return row["kernel"]
 
 
 def plots(data: dict, out: Path) -> list[Path]:
@@ -316,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         "--real-size",
         default=None,
         metavar="PRESET:SCHEME",
-        help="also a random GGUF of a real shape, e.g. llama-3.2-1b:Q4_K_M (written once to the cache)",
+        help="random GGUFs of real shapes, comma-separated, e.g. llama-3.2-1b:Q4_K_M,llama-3.1-8b:Q4_K_M "
+        "(written once to the cache): their memory, and decode at n = 1 and 16 (part 'real')",
     )
     p.add_argument("--new-tokens", type=int, default=64, help="T, tokens per completion (default 64)")
     p.add_argument("--real-tokens", type=int, default=32, help="T for the real-size model (default 32)")

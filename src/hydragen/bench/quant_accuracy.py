@@ -70,6 +70,17 @@ def chat_prompts(tokenizer, count: int = 128) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts]
 
 
+def llm_with_act_bits(model, bits: int, kv_tokens: int):
+    """An LLM whose quantized projections quantize activations to ``bits`` (15 or 8) bits."""
+    from hydragen import LLM
+
+    os.environ["HYDRAGEN_QUANT_ACT_BITS"] = str(bits)  # read when the projections are built
+    try:
+        return LLM(model, kv_cache_tokens=kv_tokens)
+    finally:
+        del os.environ["HYDRAGEN_QUANT_ACT_BITS"]
+
+
 def plain_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over one prompt's own tokens (no KV cache): runs a model outside the engine."""
     g = q.shape[1] // k.shape[1]
@@ -165,11 +176,7 @@ def run(model, count: int, tokens: int, progress: Callable[[str], None]) -> list
         llamacpp = ([peer(p) for p in prompts], greedy_llamacpp(path, prompts, tokens))
     rows = []
     for bits in (15, 8):
-        os.environ["HYDRAGEN_QUANT_ACT_BITS"] = str(bits)
-        try:
-            llm = LLM(model, kv_cache_tokens=16384)
-        finally:
-            del os.environ["HYDRAGEN_QUANT_ACT_BITS"]
+        llm = llm_with_act_bits(model, bits, 16384)
         name = f"hydragen, {bits}-bit activations" + (" (default)" if bits == 15 else "")
         progress(f"accuracy: {name}")
         run_logits = model_logits(llm)

@@ -2,9 +2,11 @@
 and 512 activation rows, against the machine's measured memory bandwidth and float32 GEMM rate, beside the
 candidates it was chosen over.
 
-One N x K matrix per format (4,096 x 4,096 by default: a 7B model's attention projection), in enough copies
-that the copies cycled through overflow the last-level cache: every call reads its weights from memory, as
-a decode step of a real model does. GB/s counts the weight bytes one call reads; GFLOP/s counts 2 M N K.
+hydragen's kernels run with their default 15-bit activations, and for the formats of the embedded
+model and of Q4_K_M also with int8 activations. One N x K matrix per format (4,096 x 4,096 by default: a
+7B model's attention projection), in enough copies that the copies cycled through overflow the last-level
+cache: every call reads its weights from memory, as a decode step of a real model does. GB/s counts the
+weight bytes one call reads; GFLOP/s counts 2 M N K.
 
 Candidates beside hydragen's kernels (native/csrc/quant_*):
 * float32 weights through torch (``F.linear``, oneDNN): what hydragen ran before (GGUF dequantized at load);
@@ -31,6 +33,8 @@ from hydragen.native import quant
 Q = gguf.GGMLQuantizationType
 FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16)
 ROWS = (1, 8, 64, 512)
+# Formats also measured with int8 activations (HYDRAGEN_QUANT_ACT_BITS=8): the embedded model's and Q4_K_M's
+INT8_TOO = (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 CYCLED_BYTES = 192 * 2**20  # at least this much weight memory cycled through: 6x a 32 MB L3
 
 
@@ -68,11 +72,17 @@ def format_rows(n: int, k: int, rows: tuple[int, ...], repeats: int, seed: int =
         one = random_blocks(qtype, n, k, 0.02, rng)
         data = quant.pack(torch.from_numpy(one), qtype) if qtype in PACKED_TYPES else torch.from_numpy(one)
         copies = [data] + [data.clone() for _ in range(_copies(data.numel()) - 1)]
+        widths = (15, 8) if qtype in INT8_TOO else (15,)
         for m in rows:
             x = torch.randn(m, k)
-            calls = [lambda w=w, x=x, t=int(qtype): quant.linear(x, [w], [t], [n]) for w in copies]
-            t = _cycled(calls, repeats if m < 512 else max(1, repeats // 3))
-            out.append(_row(qtype.name, "hydragen", m, n, k, data.numel(), t))
+            for bits in widths:
+                calls = [
+                    lambda w=w, x=x, t=int(qtype), b=bits: quant.linear(x, [w], [t], [n], act_bits=b)
+                    for w in copies
+                ]
+                t = _cycled(calls, repeats if m < 512 else max(1, repeats // 3))
+                kernel = "hydragen" if bits == 15 else "hydragen, int8 activations"
+                out.append(_row(qtype.name, kernel, m, n, k, data.numel(), t))
     return out
 
 
