@@ -51,7 +51,8 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     assert [r["model"] for r in data["memory"]] == ["embedded SmolLM2-135M Q4_1", f"{config}:Q4_K_M"]
     assert all(r["file MB"] > 0 and r["runtime MB"] > 0 for r in data["memory"])
     assert {r["n"] for r in data["real"]} == {1, 16}
-    for name in ("quant_kernels_bandwidth.png", "quant_kernels_gflops.png", "quant_decode.png"):
+    for kind in ("kernels_bandwidth", "kernels_gflops", "decode", "real"):
+        name = f"quant_{kind}.png"
         assert (out / name).read_bytes()[:8] == PNG
     assert "QUICK RUN" in (out / "quant.md").read_text()
     assert set(data["runs"]) == {"kernels", "accuracy", "decode", "memory", "real"}

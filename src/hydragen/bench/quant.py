@@ -315,8 +315,20 @@ def plots(data: dict, out: Path) -> list[Path]:
             ys.append(r["decode tok/s"])
         paths.append(
             plot_lines(series, out / "quant_decode.png", "Decode throughput, same GGUF, side by side",
-                       "completions n (n = 1, 8: one 512-token prompt; 64: one shared 2,048-token prompt)",
+                       "completions n (1, 8: a 512-token prompt; 64: a shared 2,048-token one)",
                        "decode tokens/s", logx=True, logy=True, quick=quick)
+        )  # fmt: skip
+    if data.get("real"):
+        series = {}
+        for r in data["real"]:
+            name = f"{r.get('model', data['runs']['real']['params'].get('real_size'))}: {r['engine']}"
+            xs, ys = series.setdefault(name, ([], []))
+            xs.append(r["n"])
+            ys.append(r["decode tok/s"])
+        paths.append(
+            plot_lines(series, out / "quant_real.png", "Models of real size (random weights), side by side",
+                       "completions n of one 256-token prompt", "decode tokens/s", logx=True, logy=True,
+                       quick=quick)
         )  # fmt: skip
     return paths
 
