@@ -119,9 +119,18 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_llm():
+    """The embedded model as users get it: its Q4_1/Q8_0 blocks kept quantized."""
     from hydragen import LLM
 
     return LLM(kv_cache_tokens=32768)
+
+
+@pytest.fixture(scope="session")
+def embedded_llm_fp32():
+    """The embedded model dequantized to float32 at load: the engine's exact-math reference."""
+    from hydragen import LLM
+
+    return LLM(kv_cache_tokens=32768, dequantize=True)
 
 
 @pytest.fixture(scope="session")

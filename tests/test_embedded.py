@@ -1,6 +1,8 @@
-"""The embedded SmolLM2-135M-Instruct GGUF: same greedy tokens as transformers, chat, sampling, stops.
+"""The embedded SmolLM2-135M-Instruct GGUF: same greedy tokens as transformers (dequantized to float32),
+chat, sampling, stops, and what sharing and batching change (float32, and quantized as users run it).
 
-The CLI on this model is tested in test_cli.py and test_chat_tty.py.
+The CLI on this model is tested in test_cli.py and test_chat_tty.py; the quantized model's agreement with
+the float32 one is measured by `hydragen bench quant` (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from hydragen import SamplingParams
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 
-def test_greedy_matches_transformers_on_gguf(embedded_llm, hf_gguf_model):
+def test_greedy_matches_transformers_on_gguf(embedded_llm_fp32, hf_gguf_model):
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
-    outs = embedded_llm.chat(convs, params, use_tqdm=False)
+    outs = embedded_llm_fp32.chat(convs, params, use_tqdm=False)
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
         # An explicit mask: the prompt contains <|im_end|> (id 2), which is also this GGUF's pad token,
@@ -37,9 +39,11 @@ def test_greedy_matches_transformers_on_gguf(embedded_llm, hf_gguf_model):
 
 
 def test_chat_stops_at_eos_and_shares_system_prompt(embedded_llm):
-    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    convs = [[{"role": "user", "content": q}] for q in ("Name three primary colors.", "Name a large ocean.")]
+    greedy = SamplingParams(temperature=0, max_tokens=64)
+    outs = embedded_llm.chat(convs[:1], greedy, use_tqdm=False)
     before = embedded_llm.engine.stats.cache_hit_tokens
-    outs = embedded_llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    outs += embedded_llm.chat(convs[1:], greedy, use_tqdm=False)
     for out in outs:
         c = out.outputs[0]
         assert c.finish_reason == "stop" and c.text and "<|im_end|>" not in c.text
@@ -87,30 +91,42 @@ def test_every_completion_has_its_text_when_samples_finish_together(embedded_llm
         assert c.text == expected and c.text
 
 
-def test_logprobs_agree_with_sharing_on_and_off_alone_batched_and_warm(embedded_llm):
+@pytest.mark.parametrize(
+    ("llm", "tokens", "drift"),
+    [
+        ("embedded_llm_fp32", 1.0, 1e-4),
+        # The kernels round activations to 15-bit integers per 32 values: a 1e-6 difference from attention
+        # (batch, sharing) can move one value across a rounding step of max|x| / 16191. Measured on 48
+        # prompts (this test's modes): every token identical, worst log-probability drift 0.0068.
+        ("embedded_llm", 1.0, 0.02),
+    ],
+)
+def test_logprobs_agree_with_sharing_on_and_off_alone_batched_and_warm(request, llm, tokens, drift):
     """The logit-level check tiny peaky models cannot make: on the real model, sharing, batching and a
-    warm cache change only fp32 rounding. Measured drift is ~1e-5 in log-probability (`hydragen bench
-    exactness`); a wrong merge, mask or position shows up as 1e-2 or more."""
+    warm cache change only rounding. Measured drift in float32 is ~1e-5 in log-probability (`hydragen bench
+    exactness`); a wrong merge, mask or position shows up as 1e-2 or more in float32, and as many
+    changed tokens in the quantized model."""
     from hydragen.bench.exactness import compare, make_prompts, run_mode
     from hydragen.engine.engine import Engine
 
+    llm = request.getfixturevalue(llm)
     prompts = make_prompts(6, seed=0)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
-    off = copy.copy(embedded_llm)  # the same weights, an engine with sharing off
-    e = embedded_llm.engine
+    off = copy.copy(llm)  # the same weights, an engine with sharing off
+    e = llm.engine
     off.engine = Engine(
         e.model, e.cfg, e.tokenizer, e.device, torch.float32, prefix_sharing=False, kv_cache_tokens=8192
     )
     reference = run_mode(off, prompts, "off-alone", params)
     runs = {
         "off-batched": run_mode(off, prompts, "off-batched", params),
-        "on-batched": run_mode(embedded_llm, prompts, "on-batched", params),
-        "on-warm": run_mode(embedded_llm, prompts, "on-warm", params),
+        "on-batched": run_mode(llm, prompts, "on-batched", params),
+        "on-warm": run_mode(llm, prompts, "on-warm", params),
     }
-    assert embedded_llm.engine.stats.cache_hit_tokens > 0  # the shared path really ran
+    assert llm.engine.stats.cache_hit_tokens > 0  # the shared path really ran
     for mode, got in runs.items():
         identical, worst = compare(got, reference)
-        assert identical == 1.0, mode
-        assert worst < 1e-4, (mode, worst)
+        assert identical >= tokens, mode
+        assert worst < drift, (mode, worst)
     # the comparison really compared something: every position carries the chosen token and its top 5
     assert all(len(lp) >= 5 for _, lps in reference for lp in lps)

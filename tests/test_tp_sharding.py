@@ -45,13 +45,39 @@ def _expected_slices(full, cfg, shard: Shard) -> dict[str, torch.Tensor]:
     return want
 
 
-def _check_rank(path, world: int, rank: int, full, cfg) -> int:
-    net, got_cfg, _, shard = load_shard(path, rank, world, CPU, torch.float32)
+def _check_rank(path, world: int, rank: int, full, cfg, dequantize: bool = False) -> int:
+    """Rank ``rank``'s weights equal the slices of ``full`` (a float model); returns the bytes it holds.
+    A rank that kept its GGUF slices quantized is read back through quant.rows (checked against the gguf
+    package's dequantizer in test_quant_kernels)."""
+    net, got_cfg, _, shard = load_shard(path, rank, world, CPU, torch.float32, dequantize=dequantize)
     assert got_cfg == cfg
-    params = dict(net.named_parameters())
+    params = dict(net.named_parameters()) | _dequantized(net)
     for name, want in _expected_slices(full, cfg, shard).items():
         assert torch.equal(params[name], want), (rank, name)
-    return sum(p.numel() * p.element_size() for p in params.values())
+    held = [p for p in net.parameters()] + [b for b in net.buffers()]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+def _dequantized(net) -> dict[str, torch.Tensor]:
+    """The float weights of a model's packed modules, named as the float model names them."""
+    from hydragen.model.linear import PackedEmbedding, PackedProjection
+    from hydragen.model.qtensor import PACKED_TYPES
+    from hydragen.native import quant
+
+    def rows(data, qtype, n, cols):
+        if qtype in PACKED_TYPES:
+            return quant.rows(data, qtype, cols, torch.arange(n))
+        half = {1: torch.float16, 30: torch.bfloat16}.get(qtype, torch.float32)
+        return data.view(half).float().reshape(n, cols)
+
+    out = {}
+    for name, module in net.named_modules():
+        if isinstance(module, PackedProjection) and name != "lm_head":
+            parts = zip(module.weights, module.qtypes, module.rows, strict=True)
+            out[f"{name}.weight"] = torch.cat([rows(w, t, n, module.in_features) for w, t, n in parts])
+        elif isinstance(module, PackedEmbedding):
+            out[f"{name}.weight"] = rows(module.table, module.qtype, module.num_embeddings, module.cols)
+    return out
 
 
 @pytest.mark.parametrize("name", ["llama", "llama3_mqa", "qwen2", "mistral"])
@@ -97,16 +123,19 @@ def test_gguf_rank_reads_exactly_its_slices(tmp_path) -> None:
     Q = gguf.GGMLQuantizationType
     quant = {"token_embd.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.F16, "blk.0.ffn_down.weight": Q.Q4_0}
     _write_tiny(tmp_path / "tiny.gguf", "llama", stored, quant)
-    full, cfg, _ = load_model(tmp_path / "tiny.gguf", CPU, torch.float32)
+    full, cfg, _ = load_model(tmp_path / "tiny.gguf", CPU, torch.float32, dequantize=True)
     for rank in range(2):
-        _check_rank(tmp_path / "tiny.gguf", 2, rank, full, cfg)
+        _check_rank(tmp_path / "tiny.gguf", 2, rank, full, cfg, dequantize=True)  # dequantized slices
+        _check_rank(tmp_path / "tiny.gguf", 2, rank, full, cfg)  # slices kept in their blocks
 
 
 @pytest.mark.slow
 def test_quantized_gguf_rank_reads_exactly_its_slices(embedded_llm) -> None:
-    """The embedded SmolLM2 GGUF (Q4_1 / Q8_0, llama.cpp's permuted q/k): 9 heads, 3 KV heads -> TP = 3."""
-    full, cfg, path = embedded_llm.model, embedded_llm.config, embedded_llm.model_path
-    whole = sum(p.numel() * p.element_size() for p in full.parameters())
+    """The embedded SmolLM2 GGUF (Q4_1 / Q8_0, llama.cpp's permuted q/k): 9 heads, 3 KV heads -> TP = 3,
+    each rank's slices kept quantized (about a third of the quantized model's bytes)."""
+    path = embedded_llm.model_path
+    full, cfg, _ = load_model(path, CPU, torch.float32, dequantize=True)
+    whole = sum(t.numel() * t.element_size() for t in embedded_llm.model.buffers())
     held = _check_rank(path, 3, 2, full, cfg)
     assert held < 0.4 * whole
 

@@ -24,6 +24,7 @@ EXTRA_BENCHMARKS = {
     "tp": "hydragen.bench.tp",
     "tools": "hydragen.bench.tools",
     "schema-defaults": "hydragen.bench.schema_defaults",
+    "quant": "hydragen.bench.quant",
 }
 ALL_BENCHMARKS = {**BENCHMARKS, **EXTRA_BENCHMARKS}
 

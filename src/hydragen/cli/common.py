@@ -101,6 +101,7 @@ def load_llm(
         kv_cache_tokens=kv_cache_tokens,
         tensor_parallel_size=tp_size(args),
         jump_forward=jump_forward,
+        dequantize=args.dequantize,
         threads=threads_option(args),
         literal_json_schema=literal_json_schema,
     )
@@ -144,7 +145,9 @@ def torchrun_worker(args: argparse.Namespace) -> int | None:
     from hydragen.distributed.launcher import run_torchrun_worker
     from hydragen.model.loader import resolve_device, resolve_dtype
 
-    return run_torchrun_worker(args.model, resolve_device(args.device), resolve_dtype(args.dtype))
+    return run_torchrun_worker(
+        args.model, resolve_device(args.device), resolve_dtype(args.dtype), dequantize=args.dequantize
+    )
 
 
 def kv_for(context: int | None, n: int) -> int | None:

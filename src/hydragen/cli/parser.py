@@ -45,6 +45,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     _add_threads_arg(p)
     p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="convert GGUF quantized and 16-bit weights to --dtype at load (default: keep them compact)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -211,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     _add_threads_arg(v)
+    v.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="convert GGUF quantized and 16-bit weights to --dtype at load (default: keep them compact)",
+    )
     v.add_argument(
         "--log-level",
         default="info",

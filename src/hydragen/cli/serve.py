@@ -76,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
             prefix_sharing=not args.no_sharing,
             tensor_parallel_size=tp,
             jump_forward=not args.no_jump_forward,
+            dequantize=args.dequantize,
             threads=threads_option(args),
             literal_json_schema=args.literal_json_schema,
             tool_format=args.tool_format,

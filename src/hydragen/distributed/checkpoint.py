@@ -1,9 +1,11 @@
 """Load one rank's shard of a checkpoint, reading only its slices from disk.
 
 safetensors files are opened lazily and sliced (``safe_open(...).get_slice``); ``pytorch_model*.bin`` files
-are memory-mapped (``torch.load(mmap=True)``) and sliced; a GGUF's tensors are dequantized only for the
-rows wanted (a column slice is dequantized a few rows at a time). So no rank ever holds the whole model,
-only, for a moment, one slice of one tensor on top of its shard.
+are memory-mapped (``torch.load(mmap=True)``) and sliced. A GGUF's quantized tensors are sliced as blocks
+(rows are byte ranges, columns whole blocks: sharding.SplitBlocks) and stay quantized, as 16-bit weights
+stay 16-bit; with ``dequantize`` they are dequantized only for the rows wanted (a column slice a few rows
+at a time). So no rank ever holds the whole model, only, for a moment, one slice of one tensor on top of
+its shard.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ from pathlib import Path
 import torch
 
 from hydragen.distributed.sharded_model import ShardedLlamaModel
-from hydragen.distributed.sharding import Shard
+from hydragen.distributed.sharding import Shard, SplitBlocks
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError, first_line
 from hydragen.model.loader import (
     build_model,
+    keeps_compact,
+    kept_16bit,
     parse_config,
     random_config,
+    random_gguf_or,
     random_model,
     read_hf_config,
+    release_freed_memory,
     resolve_model_path,
     weight_files,
 )
+from hydragen.model.qtensor import QuantTensor
 
 
 class SafetensorsFiles:
@@ -75,10 +82,11 @@ class TorchBinFiles:
 
 
 class ShardState:
-    """What ``LlamaModel.load_hf_state_dict`` pops by name, each tensor cut to this rank's slice as read."""
+    """What ``LlamaModel.load_hf_state_dict`` pops by name, each tensor cut to this rank's slice as read
+    (``keep``: 16-bit safetensors slices stay 16-bit; a GGUF's files decide for themselves)."""
 
-    def __init__(self, files, shard: Shard, dtype: torch.dtype):
-        self.files, self.shard, self.dtype = files, shard, dtype
+    def __init__(self, files, shard: Shard, dtype: torch.dtype, keep: bool = False):
+        self.files, self.shard, self.dtype, self.keep = files, shard, dtype, keep
         self._left = dict.fromkeys(files.names)
 
     def __iter__(self):
@@ -94,22 +102,36 @@ class ShardState:
             raise KeyError(name)
         del self._left[name]
         piece = self.shard.piece(name)
-        t = self.files.read(name, piece.dim, piece.lo, piece.hi).to(self.dtype)
+        t = kept_16bit(self.files.read(name, piece.dim, piece.lo, piece.hi), self.keep)
+        if isinstance(t, QuantTensor):
+            return t if piece.pad_to is None else t.pad_rows(piece.pad_to)
+        t = t.to(self.dtype)
         if piece.pad_to is not None and t.shape[0] < piece.pad_to:
             pad = torch.zeros((piece.pad_to - t.shape[0], *t.shape[1:]), dtype=t.dtype)
             t = torch.cat([t, pad])
         return t
 
 
-def read_config(model: str | Path | None) -> tuple[ModelConfig, Path]:
-    """The model's config from its header alone (no weights read): enough to check a split."""
+def read_config(model: str | Path | None, keep: bool = False) -> tuple[ModelConfig, Path, SplitBlocks]:
+    """The model's config and the block sizes a split must respect, from its header alone (no weights read):
+    enough to check a split."""
     path = resolve_model_path(model)
     if path.suffix == ".gguf":
         from hydragen.model.gguf import open_gguf_tensors
 
-        hf_cfg, _ = open_gguf_tensors(path)
-        return parse_config(hf_cfg, path), path
-    return parse_config(read_hf_config(path), path / "config.json"), path
+        hf_cfg, files = open_gguf_tensors(path, keep)
+        cfg = parse_config(hf_cfg, path)
+        return cfg, path, split_blocks(files, cfg) if keep else SplitBlocks()
+    return parse_config(read_hf_config(path), path / "config.json"), path, SplitBlocks()
+
+
+def split_blocks(files, cfg: ModelConfig) -> SplitBlocks:
+    """The largest block along the input of any layer's down and o projection (1 when all are float)."""
+    blocks = {"down": 1, "o": 1}
+    for i in range(cfg.num_layers):
+        for kind, name in (("down", "mlp.down_proj"), ("o", "self_attn.o_proj")):
+            blocks[kind] = max(blocks[kind], files.block(f"model.layers.{i}.{name}.weight"))
+    return SplitBlocks(**blocks)
 
 
 def load_shard(
@@ -119,30 +141,38 @@ def load_shard(
     device: torch.device,
     dtype: torch.dtype,
     random_weights: bool = False,
+    dequantize: bool = False,
 ) -> tuple[ShardedLlamaModel, ModelConfig, Path, Shard]:
     """(this rank's model shard, the full config, the resolved path, the shard's description).
 
     ``random_weights``: each rank draws its own slices (seeded by rank): the right shapes for throughput
-    measurements, but not the same numbers as a TP = 1 random model.
+    measurements, but not the same numbers as a TP = 1 random model. A random spec naming a quantization
+    (``llama-3.1-8b:Q4_K_M``) is a random GGUF file, sliced like any other. ``dequantize``: as in
+    ``load_model``.
     """
+    model, random_weights = random_gguf_or(model, random_weights)
     if random_weights:
         cfg, path = random_config(model)
         shard = Shard(cfg, rank, world)
         net = random_model(shard.local_config(), device, dtype, seed=rank, model_class=ShardedLlamaModel)
         return net, cfg, path, shard
     path = resolve_model_path(model)
+    keep = keeps_compact(device, dtype, dequantize)
+    blocks = SplitBlocks()
     if path.suffix == ".gguf":
         from hydragen.model.gguf import open_gguf_tensors
 
-        hf_cfg, files = open_gguf_tensors(path)
+        hf_cfg, files = open_gguf_tensors(path, keep)
         cfg = parse_config(hf_cfg, path)
+        blocks = split_blocks(files, cfg) if keep else blocks
     else:
         cfg = parse_config(read_hf_config(path), path / "config.json")
         found = weight_files(path)
         files = SafetensorsFiles(found) if found[0].suffix == ".safetensors" else TorchBinFiles(found)
-    shard = Shard(cfg, rank, world)
-    state = ShardState(files, shard, dtype)
+    shard = Shard(cfg, rank, world, blocks)
+    state = ShardState(files, shard, dtype, keep and dtype == torch.float32)
     net = build_model(shard.local_config(), state, device, dtype, path, model_class=ShardedLlamaModel)
+    release_freed_memory()
     net.setup_rotary(device)
     net.eval()
     return net, cfg, path, shard

@@ -37,7 +37,7 @@ from hydragen.distributed.coordinator import Coordinator, TPPagePool, TPRunner
 from hydragen.distributed.group import TPGroup, join_group, torchrun_env
 from hydragen.distributed.sharding import Shard, check_split
 from hydragen.distributed.worker import serve_rank
-from hydragen.model.loader import random_config
+from hydragen.model.loader import keeps_compact, random_config, random_gguf_or
 
 START_TIMEOUT_S = float(os.environ.get("HYDRAGEN_TP_START_TIMEOUT", "600"))
 
@@ -119,13 +119,23 @@ def _take_down(coordinator: Coordinator, procs: list[subprocess.Popen], group: T
 
 
 def start(
-    model, world: int, device: torch.device, dtype: torch.dtype, attention: str, random_weights: bool = False
+    model,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: str,
+    random_weights: bool = False,
+    dequantize: bool = False,
 ) -> TensorParallel:
     """Rank 0 of a new (spawned) or existing (torchrun) group, with its shard loaded and workers ready."""
     if attention == "triton":
         raise ValueError("attention='triton' is not supported with tensor_parallel_size > 1")
-    cfg, _ = random_config(model) if random_weights else read_config(model)
-    check_split(cfg, world)
+    model, random_weights = random_gguf_or(model, random_weights)
+    if random_weights:
+        check_split(random_config(model)[0], world)
+    else:
+        cfg, _, blocks = read_config(model, keeps_compact(device, dtype, dequantize))
+        check_split(cfg, world, blocks)
     env = torchrun_env()
     if env is not None:
         if env.world != world:
@@ -137,7 +147,13 @@ def start(
             raise RuntimeError("only rank 0 builds the LLM; other ranks run run_torchrun_worker()")
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", env.world))))
         return _start_rank0(
-            model, world, rank_device(device, env.local_rank), dtype, random_weights, "env://"
+            model,
+            world,
+            rank_device(device, env.local_rank),
+            dtype,
+            random_weights,
+            "env://",
+            dequantize=dequantize,
         )
     if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
         raise ValueError(
@@ -151,11 +167,13 @@ def start(
     procs, pipes = [], []
     try:
         for rank in range(1, world):
-            proc, pipe = _spawn(rank, world, init_method, model, device, dtype, random_weights)
+            proc, pipe = _spawn(rank, world, init_method, model, device, dtype, random_weights, dequantize)
             procs.append(proc)
             pipes.append(pipe)
         _await(procs, pipes, "started")
-        tp = _start_rank0(model, world, device, dtype, random_weights, init_method, procs, store_dir)
+        tp = _start_rank0(
+            model, world, device, dtype, random_weights, init_method, procs, store_dir, dequantize
+        )
     except BaseException:
         for p in procs:
             if p.poll() is None:
@@ -174,10 +192,12 @@ def start(
     return tp
 
 
-def _start_rank0(model, world, device, dtype, random_weights, init_method, procs=(), store_dir=None):
+def _start_rank0(
+    model, world, device, dtype, random_weights, init_method, procs=(), store_dir=None, dequantize=False
+):
     group = join_group(0, world, init_method, device)
     try:
-        net, cfg, path, shard = load_shard(model, 0, world, device, dtype, random_weights)
+        net, cfg, path, shard = load_shard(model, 0, world, device, dtype, random_weights, dequantize)
     except BaseException:
         for p in procs:
             p.kill()
@@ -195,7 +215,7 @@ def _prepare_native_ops(device: torch.device) -> None:
         load_ops()
 
 
-def _spawn(rank, world, init_method, model, device, dtype, random_weights):
+def _spawn(rank, world, init_method, model, device, dtype, random_weights, dequantize=False):
     read_fd, write_fd = os.pipe()
     spec = {
         "rank": rank,
@@ -205,6 +225,7 @@ def _spawn(rank, world, init_method, model, device, dtype, random_weights):
         "device": str(rank_device(device, rank)),
         "dtype": str(dtype).removeprefix("torch."),
         "random_weights": bool(random_weights),
+        "dequantize": bool(dequantize),
         "parent": os.getpid(),
         "status_fd": write_fd,
     }
@@ -253,7 +274,9 @@ def _await(procs: list[subprocess.Popen], pipes, stage: str) -> None:
             )
 
 
-def run_torchrun_worker(model, device: torch.device, dtype: torch.dtype, random_weights: bool = False) -> int:
+def run_torchrun_worker(
+    model, device: torch.device, dtype: torch.dtype, random_weights: bool = False, dequantize: bool = False
+) -> int:
     """A non-zero torchrun rank: join, load the shard, follow rank 0 until it stops. Returns an exit code."""
     env = torchrun_env()
     if env is None or env.rank == 0:
@@ -262,7 +285,7 @@ def run_torchrun_worker(model, device: torch.device, dtype: torch.dtype, random_
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", env.world))))
     group = join_group(env.rank, env.world, "env://", device)
     try:
-        net, cfg, _, shard = load_shard(model, env.rank, env.world, device, dtype, random_weights)
+        net, cfg, _, shard = load_shard(model, env.rank, env.world, device, dtype, random_weights, dequantize)
         net.attach(group, shard.vocab[0], cfg.vocab_size)
         return serve_rank(group, net, cfg, shard, dtype)
     finally:

@@ -18,6 +18,7 @@ from hydragen.model.llama import LlamaModel
 
 
 class ShardedLlamaModel(LlamaModel):
+    fuse_residual = False  # o and down give partial sums: all-reduced before they join the residual
     group: TPGroup
     vocab_lo: int = 0  # first token id of this rank's vocabulary rows
     full_vocab: int = 0  # the model's real vocabulary (the shards are padded to equal sizes)
@@ -27,10 +28,10 @@ class ShardedLlamaModel(LlamaModel):
         return self
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.embed.weight.shape[0]
+        rows = self.embed.num_embeddings
         local = input_ids - self.vocab_lo
         outside = (local < 0) | (local >= rows)
-        h = self.embed(local.clamp(0, rows - 1))
+        h = self.embed(local.clamp(0, rows - 1)).to(self.norm.dtype)
         h.masked_fill_(outside.unsqueeze(-1), 0)
         return self.reduce(h)
 

@@ -8,7 +8,11 @@
   pads the same way); the padding rows are zero and their logits are cut off after the gather.
 * KV heads: split when there are at least as many as ranks; otherwise each KV head is replicated on the
   ``world // num_kv_heads`` consecutive ranks whose query heads read it (vLLM's rule).
-Norms are replicated. Splits that would give ranks unequal heads or columns are refused at start.
+Norms are replicated. Splits that would give ranks unequal heads are refused at start. MLP columns split
+equally, except for a quantized model whose down projection is stored in blocks (32 or 256 weights along
+its input): there each rank takes whole blocks, as equal as they come (11,008 columns in 256-blocks over 2
+ranks: 5,632 and 5,376), so each rank's slice stays quantized. The o projection's input is split by heads,
+and a head split that cuts its blocks is refused.
 """
 
 from __future__ import annotations
@@ -24,18 +28,19 @@ class TPSplitError(ValueError):
     """A model that cannot be split over the requested number of ranks; the message says why."""
 
 
-def check_split(cfg: ModelConfig, world: int) -> None:
+def check_split(cfg: ModelConfig, world: int, blocks: SplitBlocks | None = None) -> None:
     """Raise TPSplitError naming the reason, and the sizes that work, when ``cfg`` cannot run on ``world``
-    tensor-parallel ranks."""
+    tensor-parallel ranks (``blocks``: the block sizes of a quantized checkpoint's row-parallel weights)."""
+    blocks = blocks or SplitBlocks()
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise TPSplitError(f"tensor_parallel_size must be a positive integer, got {world!r}")
-    why = _split_problem(cfg, world)
+    why = _split_problem(cfg, world, blocks)
     if why is not None:
-        sizes = [n for n in range(1, cfg.num_heads + 1) if _split_problem(cfg, n) is None]
+        sizes = [n for n in range(1, cfg.num_heads + 1) if _split_problem(cfg, n, blocks) is None]
         raise TPSplitError(f"{why} (sizes that work for this model: {', '.join(map(str, sizes))})")
 
 
-def _split_problem(cfg: ModelConfig, world: int) -> str | None:
+def _split_problem(cfg: ModelConfig, world: int, blocks: SplitBlocks) -> str | None:
     heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     if heads % world:
         return (
@@ -52,12 +57,28 @@ def _split_problem(cfg: ModelConfig, world: int) -> str | None:
             f"cannot replicate {kv} KV heads over {world} ranks: with fewer KV heads than ranks, "
             "tensor_parallel_size must be a multiple of the number of KV heads"
         )
-    if inter % world:
+    if blocks.down == 1 and inter % world:
         return (
             f"cannot split the MLP's {inter} columns over {world} ranks: tensor_parallel_size must divide "
             "intermediate_size"
         )
+    if blocks.down > 1 and inter // blocks.down < world:
+        units = inter // blocks.down
+        return f"cannot split the MLP's {units} quantized blocks of {blocks.down} columns over {world} ranks"
+    if heads % world == 0 and (heads // world * cfg.head_dim) % blocks.o:
+        return (
+            f"cannot split the o projection's quantized blocks of {blocks.o} columns by heads over {world} "
+            f"ranks: each rank's {heads // world} heads hold {heads // world * cfg.head_dim} columns"
+        )
     return None
+
+
+@dataclass(frozen=True)
+class SplitBlocks:
+    """Weights per block along the input of the row-parallel projections (1: float weights)."""
+
+    down: int = 1
+    o: int = 1
 
 
 @dataclass(frozen=True)
@@ -67,9 +88,10 @@ class Shard:
     cfg: ModelConfig
     rank: int
     world: int
+    blocks: SplitBlocks = SplitBlocks()
 
     def __post_init__(self) -> None:
-        check_split(self.cfg, self.world)
+        check_split(self.cfg, self.world, self.blocks)
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} outside [0, {self.world})")
 
@@ -94,8 +116,12 @@ class Shard:
 
     @property
     def columns(self) -> tuple[int, int]:
-        per = self.cfg.intermediate_size // self.world
-        return self.rank * per, (self.rank + 1) * per
+        """This rank's MLP columns [lo, hi): an equal share, in whole blocks of the down projection."""
+        block = self.blocks.down
+        units = self.cfg.intermediate_size // block
+        per, extra = divmod(units, self.world)
+        lo = self.rank * per + min(self.rank, extra)
+        return lo * block, (lo + per + (self.rank < extra)) * block
 
     @property
     def vocab_per_rank(self) -> int:
@@ -113,7 +139,7 @@ class Shard:
             self.cfg,
             num_heads=self.heads,
             num_kv_heads=self.kv_heads,
-            intermediate_size=self.cfg.intermediate_size // self.world,
+            intermediate_size=self.columns[1] - self.columns[0],
             vocab_size=self.vocab_per_rank,
         )
 

@@ -55,7 +55,9 @@ def main(argv: list[str]) -> int:
     rank, world = spec["rank"], spec["world"]
     try:
         group = join_group(rank, world, spec["init_method"], device)
-        net, cfg, _, shard = load_shard(spec["model"], rank, world, device, dtype, spec["random_weights"])
+        net, cfg, _, shard = load_shard(
+            spec["model"], rank, world, device, dtype, spec["random_weights"], spec["dequantize"]
+        )
         net.attach(group, shard.vocab[0], cfg.vocab_size)
     except BaseException as e:  # noqa: BLE001  reported to rank 0, which raises it for the user
         report(f"error {type(e).__name__}: {e}")

@@ -54,7 +54,12 @@ class LLM:
     (0: one batched call for everything held by two sequences). ``page_size`` is the KV allocation unit
     in tokens (16 by default); only whole pages are shared and cached.
     ``random_weights=True`` builds the model named by ``model`` (a preset such as "codellama-7b", a
-    config.json or a model directory) with random weights: for throughput benchmarks without downloads.
+    config.json or a model directory) with random weights: for throughput benchmarks without downloads;
+    "llama-3.1-8b:Q4_K_M" (a preset and a quantization) writes such a model once as a GGUF file of that
+    quantization (cached) and loads it like a downloaded one.
+    GGUF weights stay in their quantized format on CPU, and 16-bit checkpoints stay 16-bit when the model
+    runs in float32 (docs/quantization.md); ``dequantize=True`` converts them to ``dtype`` at load instead
+    (several times the memory: the reference the quantized kernels are measured against).
     ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.distributed``): this one is
     rank 0 and starts the others itself, or joins the ranks torchrun started; ``close()`` (or leaving a
     ``with`` block, or the end of the program) stops them.
@@ -84,6 +89,7 @@ class LLM:
         page_size: int = 16,
         tensor_parallel_size: int = 1,
         jump_forward: bool = True,
+        dequantize: bool = False,
         threads: int | str | None = None,
         literal_json_schema: bool = False,
         tool_format: str | None = None,
@@ -107,11 +113,11 @@ class LLM:
         if tp > 1:
             from hydragen.distributed.launcher import start
 
-            self.parallel = start(model, tp, dev, dt, attention, random_weights)
+            self.parallel = start(model, tp, dev, dt, attention, random_weights, dequantize)
             self.model, self.config = self.parallel.model, self.parallel.config
             self.model_path = self.parallel.model_path
         else:
-            self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights)
+            self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights, dequantize)
         try:
             self._start_engine(
                 dev,

@@ -1,7 +1,9 @@
-"""Read a llama.cpp GGUF file into a Hugging Face-style config and float32 state dict.
+"""Read a llama.cpp GGUF file into a Hugging Face-style config and state dict.
 
-Dequantizing up front keeps the rest of the engine format-agnostic: it only ever sees HF Llama/Qwen2 names
-and layouts, whether the weights came from safetensors or GGUF.
+The state dict uses HF Llama/Qwen2 names and layouts whatever the file: the model never sees GGUF names.
+Weights in a type the kernels compute in (model/qtensor.py: the legacy and K-quants, F16, BF16) stay in it
+as ``QuantTensor``s over the file's memory map (``keep=True``, the CPU default); otherwise every tensor is
+dequantized to float32 (``keep=False``: CUDA, no C++ compiler, or ``LLM(..., dequantize=True)``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.qtensor import KEPT_TYPES, QuantTensor, block_size, row_bytes
 
 # general.architecture -> (HF architecture, model_type, whether llama.cpp permuted attn_q/attn_k)
 _ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -161,9 +165,20 @@ def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
     return True
 
 
-def _check_quantization(path: Path, tensors: dict[str, Any]) -> None:
-    """Fail before any work if a tensor's quantization type cannot be dequantized, naming both."""
+def _check_quantization(path: Path, tensors: dict[str, Any], keep: bool) -> None:
+    """Fail before any work if a tensor's type can be neither kept nor dequantized, naming both."""
     for name, t in tensors.items():
+        if keep and t.tensor_type not in KEPT_TYPES and t.tensor_type != gguf.GGMLQuantizationType.F32:
+            kept = ", ".join(q.name for q in KEPT_TYPES)
+            also = (
+                " (LLM(..., dequantize=True) reads it as float32)" if _can_dequantize(t.tensor_type) else ""
+            )
+            raise ModelFileError(
+                path,
+                f"tensor {name!r} uses quantization type {t.tensor_type.name}, which hydragen cannot compute "
+                "in "
+                f"(it computes in {kept} and F32){also}",
+            )
         if not _can_dequantize(t.tensor_type):
             readable = sorted(
                 q.name for q in gguf.GGMLQuantizationType if q in gguf.GGML_QUANT_SIZES and _can_dequantize(q)
@@ -224,18 +239,19 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if not long_array(f)}
 
 
-def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Return (HF-style config dict, HF-named float32 state dict) for a llama/mistral/qwen2 GGUF.
+def read_gguf(path: str | Path, keep: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
+    """Return (HF-style config dict, HF-named state dict) for a llama/mistral/qwen2 GGUF: float32 tensors,
+    and with ``keep`` ``QuantTensor``s for the types the kernels compute in.
 
     Any unreadable file raises ModelFileError naming the file and the problem.
     """
-    config, source = open_gguf_tensors(path)
+    config, source = open_gguf_tensors(path, keep)
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # numpy kernels release the GIL
         state = dict(zip(source.names, pool.map(source.read, source.names), strict=True))
     return config, state
 
 
-def open_gguf_tensors(path: str | Path) -> tuple[dict, GGUFTensors]:
+def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFTensors]:
     """(HF-style config dict, the file's tensors under HF names, read on demand): what ``read_gguf`` reads,
     without dequantizing anything yet, so a tensor-parallel rank can read only its slices."""
     path = Path(path)
@@ -271,7 +287,7 @@ def open_gguf_tensors(path: str | Path) -> tuple[dict, GGUFTensors]:
                 hf_name(name)
             except ValueError:
                 raise ModelFileError(path, f"unexpected tensor {name!r} for a {arch} model") from None
-    _check_quantization(path, tensors)
+    _check_quantization(path, tensors, keep)
     n_head = need(f"{arch}.attention.head_count")
     n_kv = int(meta(f"{arch}.attention.head_count_kv", n_head))
     hidden = need(f"{arch}.embedding_length")
@@ -312,7 +328,7 @@ def open_gguf_tensors(path: str | Path) -> tuple[dict, GGUFTensors]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
 
-    return config, GGUFTensors(path, tensors, permuted, n_head, n_kv, head_dim)
+    return config, GGUFTensors(path, tensors, permuted, n_head, n_kv, head_dim, keep)
 
 
 # Rows dequantized at a time when only some columns are kept: bounds the transient float32 copy.
@@ -326,20 +342,30 @@ class GGUFTensors:
     blocks; a column slice dequantizes a few rows at a time and keeps the wanted columns.
     """
 
-    def __init__(self, path: Path, tensors: dict[str, Any], permuted: bool, n_head: int, n_kv: int, d: int):
-        self.path, self.permuted = path, permuted
+    def __init__(
+        self, path: Path, tensors: dict[str, Any], permuted: bool, n_head: int, n_kv: int, d: int, keep: bool
+    ):
+        self.path, self.permuted, self.keep = path, permuted, keep
         self._by_hf = {hf_name(n): t for n, t in tensors.items() if n not in _SKIP}
         self._heads = {"attn_q": n_head, "attn_k": n_kv}
         self.head_dim = d
         self.names = list(self._by_hf)
 
+    def block(self, name: str) -> int:
+        """Weights per block along the rows of ``name`` as it is read (1 when it is read as floats)."""
+        t = self._by_hf[name]
+        return block_size(t.tensor_type) if self.keep and t.tensor_type in KEPT_TYPES else 1
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(x) for x in reversed(self._by_hf[name].shape))
 
-    def read(self, name: str, dim: int | None = None, lo: int = 0, hi: int = 0) -> torch.Tensor:
-        """Tensor ``name`` (float32), or its slice [lo, hi) along ``dim`` (0: rows, 1: columns)."""
+    def read(self, name: str, dim: int | None = None, lo: int = 0, hi: int = 0) -> torch.Tensor | QuantTensor:
+        """Tensor ``name``, or its slice [lo, hi) along ``dim`` (0: rows, 1: columns): a ``QuantTensor`` in
+        the file's format when kept, else float32."""
         t = self._by_hf[name]
         qk = next((k for k in self._heads if f".{k}." in t.name), None) if self.permuted else None
+        if self.keep and t.tensor_type in KEPT_TYPES and len(t.shape) == 2:
+            return self._read_kept(t, qk, dim, lo, hi)
         try:
             if dim is None:
                 w = _dequantize(t)
@@ -360,6 +386,27 @@ class GGUFTensors:
             heads = self._heads[qk] if dim is None else (hi - lo) // self.head_dim
             w = np.ascontiguousarray(unpermute_qk(w, heads))  # per head: a slice of whole heads is exact
         return torch.from_numpy(np.ascontiguousarray(w))
+
+    def _read_kept(self, t: Any, qk: str | None, dim: int | None, lo: int, hi: int) -> QuantTensor:
+        rows, cols = (int(x) for x in reversed(t.shape))
+        with warnings.catch_warnings():  # the memory map is read-only, and nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(t.data.view(np.uint8).reshape(rows, -1))
+        if data.shape[1] != row_bytes(t.tensor_type, cols):
+            raise ModelFileError(self.path, f"tensor {t.name!r} is corrupt (its rows are not whole blocks)")
+        whole = QuantTensor(int(t.tensor_type), data, cols)
+        if qk is not None:  # whole heads of rows, put back in HF order (a row reordering: exact)
+            if dim not in (None, 0):
+                raise ValueError(f"{t.name}: llama.cpp's permuted q/k rows can only be sliced by rows")
+            lo, hi = (0, rows) if dim is None else (lo, hi)
+            order = unpermute_qk(np.arange(lo, hi), (hi - lo) // self.head_dim)
+            return whole.take_rows(order)
+        if dim is None:
+            return whole
+        try:
+            return whole.row_slice(lo, hi) if dim == 0 else whole.col_slice(lo, hi)
+        except ValueError as e:
+            raise ModelFileError(self.path, f"tensor {t.name!r}: {e}") from None
 
 
 def _dequantize_rows(t: Any, lo: int, hi: int) -> np.ndarray:

@@ -2,7 +2,11 @@
 
 The model knows nothing about caches or sharing: each layer hands its rotated q/k/v to an attention
 callback supplied by the runner, which stores K/V in the pool and returns the attention output.
-q/k/v and gate/up projections are packed into single matmuls.
+q/k/v and gate/up are packed into single projections, and each projection carries its neighbours
+(model/linear.py): a layer is RMSNorm+qkv+rotary, attention, o+residual, RMSNorm+gate/up+SwiGLU and
+down+residual.
+Weights are float tensors in the model dtype, or kept in the checkpoint's compact format (GGUF quantized
+blocks, 16-bit floats), whichever the loader hands ``load_hf_state_dict``.
 """
 
 from __future__ import annotations
@@ -14,40 +18,52 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydragen.model.config import ModelConfig
-from hydragen.model.rope import Rotary, apply_rotary
+from hydragen.model.linear import (
+    DenseProjection,
+    PackedEmbedding,
+    PackedProjection,
+    Projection,
+    mlp_tail,
+    rms_norm,
+)
+from hydragen.model.qtensor import QuantTensor
+from hydragen.model.rope import Rotary
+
+__all__ = ["AttentionFn", "DecoderLayer", "LlamaModel", "rms_norm"]
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        bias = torch.empty(q + 2 * kv) if cfg.attention_bias else None
+        self.qkv: Projection = DenseProjection(torch.empty(q + 2 * kv, h), bias)
+        self.o: Projection = DenseProjection(torch.empty(h, q))
+        self.gate_up: Projection = DenseProjection(torch.empty(2 * inter, h))
+        self.down: Projection = DenseProjection(torch.empty(h, inter))
+        self.attn_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+        self.mlp_norm = nn.Parameter(torch.ones(h), requires_grad=False)
         self.split = (q, kv, kv)
 
 
 class LlamaModel(nn.Module):
+    fuse_residual = True  # a tensor-parallel shard all-reduces the o/down partials before adding them
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight: no random init (on the meta device it would import torch._dynamo, and with it Triton)
+        self.embed: nn.Embedding | PackedEmbedding = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.lm_head: Projection | None = (
+            None if cfg.tie_word_embeddings else DenseProjection(torch.empty(cfg.vocab_size, cfg.hidden_size))
         )
         self.rotary: Rotary | None = None
 
@@ -64,55 +80,114 @@ class LlamaModel(nn.Module):
         t = input_ids.shape[0]
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, h.dtype)  # once per forward, shared by every layer
+        rope = (cos.view(t, -1), sin.view(t, -1), (c.num_heads + c.num_kv_heads) * c.head_dim)
+        eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = layer.qkv(x).split(layer.split, dim=-1)
-            q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-            o = attention(i, q, k, v.view(t, c.num_kv_heads, c.head_dim))
-            h = h + self.reduce(layer.o(o.reshape(t, -1)))
-            x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + self.reduce(layer.down(F.silu(gate) * up))
-        return rms_norm(h, self.norm, c.rms_norm_eps)
+            qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=rope)
+            q, k, v = qkv.split(layer.split, dim=-1)
+            o = attention(
+                i,
+                q.view(t, c.num_heads, c.head_dim),
+                k.view(t, c.num_kv_heads, c.head_dim),
+                v.view(t, c.num_kv_heads, c.head_dim),
+            )
+            if self.fuse_residual:
+                h = mlp_tail(layer.o, layer.gate_up, layer.down, o.reshape(t, -1), h, layer.mlp_norm, eps)
+            else:
+                h = h.add_(self.reduce(layer.o(o.reshape(t, -1))))
+                mlp = layer.gate_up(h, norm=layer.mlp_norm, eps=eps, swiglu=True)
+                h = h.add_(self.reduce(layer.down(mlp)))
+        return rms_norm(h, self.norm, eps)
 
     # Hooks a tensor-parallel shard overrides (hydragen.distributed.sharded_model): a vocabulary shard's
     # lookup, and the sum over ranks of a row-parallel projection's partial output.
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(input_ids)
+        return self.embed(input_ids).to(self.norm.dtype)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed.weight).float()
 
     @torch.inference_mode()
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in Hugging Face checkpoints, packing q/k/v and gate/up."""
+    def load_hf_state_dict(
+        self, sd, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        """Take weights named as in Hugging Face checkpoints, packing q/k/v and gate/up.
+
+        Each module is replaced by one holding the checkpoint's tensors (moved to ``device``, float tensors
+        cast to ``dtype``); ``QuantTensor`` weights stay in their format. A tensor of the wrong shape raises
+        RuntimeError, a missing one KeyError.
+        """
         c = self.cfg
-        take = lambda name: sd.pop(name)  # noqa: E731
-        self.embed.weight.copy_(take("model.embed_tokens.weight"))
-        self.norm.copy_(take("model.norm.weight"))
+        device = device or self.norm.device
+        dtype = dtype or self.norm.dtype
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h, inter = c.hidden_size, c.intermediate_size
+
+        def vector(name: str, n: int) -> nn.Parameter:
+            t = _checked(name, sd.pop(name), (n,))
+            return nn.Parameter(t.to(device, dtype), requires_grad=False)
+
+        def projection(names: list[tuple[str, int]], cols: int, bias: list[str] | None = None) -> Projection:
+            parts = [_checked(n, sd.pop(n), (rows, cols)) for n, rows in names]
+            b = (
+                None
+                if bias is None
+                else torch.cat([_checked(n, sd.pop(n), (r,)) for n, (_, r) in zip(bias, names, strict=True)])
+            )
+            if any(isinstance(p, QuantTensor) for p in parts) and device.type == "cpu":
+                return PackedProjection.from_parts([_as_kept(p) for p in parts], b)
+            weight = torch.cat([_as_float(p) for p in parts]).to(device, dtype)
+            return DenseProjection(weight, None if b is None else b.to(device, dtype))
+
+        table = _checked("model.embed_tokens.weight", sd.pop("model.embed_tokens.weight"), (c.vocab_size, h))
+        if isinstance(table, QuantTensor) and device.type == "cpu":
+            self.embed = PackedEmbedding(table)
+        else:
+            self.embed = nn.Embedding.from_pretrained(_as_float(table).to(device, dtype))
+        self.norm = vector("model.norm.weight", h)
         if self.lm_head is not None:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
+            self.lm_head = projection([("lm_head.weight", c.vocab_size)], h)
         else:
             sd.pop("lm_head.weight", None)
+            if isinstance(self.embed, PackedEmbedding):
+                self.lm_head = self.embed.as_projection()
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            layer.qkv.weight.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
-            if c.attention_bias:
-                layer.qkv.bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
-            layer.o.weight.copy_(take(a + "o_proj.weight"))
-            layer.gate_up.weight.copy_(
-                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            qkv = [(a + "q_proj.weight", q), (a + "k_proj.weight", kv), (a + "v_proj.weight", kv)]
+            bias = [a + f"{n}_proj.bias" for n in "qkv"] if c.attention_bias else None
+            layer.qkv = projection(qkv, h, bias)
+            layer.o = projection([(a + "o_proj.weight", h)], q)
+            layer.gate_up = projection(
+                [(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)], h
             )
-            layer.down.weight.copy_(take(p + "mlp.down_proj.weight"))
-            layer.attn_norm.copy_(take(p + "input_layernorm.weight"))
-            layer.mlp_norm.copy_(take(p + "post_attention_layernorm.weight"))
+            layer.down = projection([(p + "mlp.down_proj.weight", h)], inter)
+            layer.attn_norm = vector(p + "input_layernorm.weight", h)
+            layer.mlp_norm = vector(p + "post_attention_layernorm.weight", h)
         leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:
             raise ValueError(f"checkpoint has unexpected tensors, e.g. {leftovers[:3]}")
+
+
+def _checked(name: str, t, shape: tuple[int, ...]):
+    if tuple(t.shape) != shape:
+        raise RuntimeError(f"{name} has shape {tuple(t.shape)}, the config calls for {shape}")
+    return t
+
+
+def _as_float(t) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, QuantTensor) else t
+
+
+def _as_kept(t) -> QuantTensor:
+    """A float part beside quantized ones (a q/k/v of mixed types) joins them as float32 rows."""
+    if isinstance(t, QuantTensor):
+        return t
+    w = t.float().contiguous()
+    return QuantTensor(0, w.view(torch.uint8).reshape(w.shape[0], -1), int(w.shape[1]))

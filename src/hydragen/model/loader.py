@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError, first_line
 from hydragen.model.llama import LlamaModel
+from hydragen.model.qtensor import TORCH_16BIT, QuantTensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,12 +82,40 @@ def _load_weights_file(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_hf_dir(path: Path, keep: bool) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
     cfg = read_hf_config(path)
     sd: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
         sd.update(_load_weights_file(f))
-    return cfg, sd
+    return cfg, {name: kept_16bit(t, keep) for name, t in sd.items()}
+
+
+def kept_16bit(t: torch.Tensor, keep: bool) -> torch.Tensor | QuantTensor:
+    """A float16/bfloat16 matrix stays 16-bit (its own bytes) when ``keep``; anything else is unchanged."""
+    if keep and isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in TORCH_16BIT:
+        return QuantTensor.from_16bit(t)
+    return t
+
+
+def keeps_compact(device: torch.device, dtype: torch.dtype, dequantize: bool) -> bool:
+    """Whether weights stay in their file's compact format: on CPU, with the C++ ops, unless asked not to.
+
+    A 16-bit checkpoint loaded as float32 then stays 16-bit; GGUF blocks stay quantized in any dtype.
+    """
+    if dequantize or device.type != "cpu":
+        return False
+    from hydragen.native import quant
+
+    if not quant.available():
+        from hydragen.native.build import build_error
+
+        warnings.warn(
+            f"hydragen's C++ ops are unavailable ({build_error()}): quantized and 16-bit weights are "
+            "converted to float at load, which takes several times the memory",
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def read_hf_config(path: Path) -> dict:
@@ -113,13 +143,14 @@ def weight_files(path: Path) -> list[Path]:
 def build_model(cfg: ModelConfig, sd, device, dtype, where: Path, model_class=LlamaModel) -> LlamaModel:
     """The model with the checkpoint's weights; a missing or misshapen tensor names the checkpoint.
 
-    ``sd`` is a dict, or any mapping with ``pop`` and iteration (a tensor-parallel rank's lazy shard).
+    ``sd`` is a dict, or any mapping with ``pop`` and iteration (a tensor-parallel rank's lazy shard). The
+    model is built on the meta device and each module replaced by the checkpoint's (nothing is allocated
+    twice).
     """
     with torch.device("meta"):
         net = model_class(cfg)
-    net = net.to_empty(device=device).to(dtype)
     try:
-        net.load_hf_state_dict(sd)
+        net.load_hf_state_dict(sd, device, dtype)
     except KeyError as e:
         raise ModelFileError(
             where, f"the weights lack the tensor {e.args[0]!r} that the config calls for"
@@ -129,6 +160,18 @@ def build_model(cfg: ModelConfig, sd, device, dtype, where: Path, model_class=Ll
     except ValueError as e:
         raise ModelFileError(where, first_line(e)) from None
     return net
+
+
+def release_freed_memory() -> None:
+    """Hand the load's freed temporaries back to the OS. glibc keeps freed heap memory mapped, and the
+    reads and repacking of a load leave holes between the weights that stay: resident memory would count
+    them as the model's (on the embedded model, ~90 MB over its 96 MB of weights)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def parse_config(hf_cfg: dict, cfg_file: Path) -> ModelConfig:
@@ -142,29 +185,49 @@ def parse_config(hf_cfg: dict, cfg_file: Path) -> ModelConfig:
 
 
 def load_model(
-    model: str | Path | None, device: torch.device, dtype: torch.dtype, random_weights: bool = False
+    model: str | Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    random_weights: bool = False,
+    dequantize: bool = False,
 ):
     """Returns (LlamaModel on device in dtype, ModelConfig, resolved path).
 
     ``random_weights``: ``model`` is a preset name (see hydragen.model.presets), a config.json or a model
     directory, and the weights are drawn at random on the device (for throughput benchmarks).
+    ``dequantize``: GGUF blocks and 16-bit weights become float tensors in ``dtype`` at load (the reference
+    the quantized kernels are measured against) instead of staying in their format (keeps_compact).
     """
+    model, random_weights = random_gguf_or(model, random_weights)
     if random_weights:
         return _random_model(model, device, dtype)
     path = resolve_model_path(model)
+    keep = keeps_compact(device, dtype, dequantize)
     if path.suffix == ".gguf":
         from hydragen.model.gguf import read_gguf
 
-        hf_cfg, sd = read_gguf(path)
+        hf_cfg, sd = read_gguf(path, keep)
         cfg_file = path
     else:
-        hf_cfg, sd = _read_hf_dir(path)
+        hf_cfg, sd = _read_hf_dir(path, keep and dtype == torch.float32)
         cfg_file = path / "config.json"
     cfg = parse_config(hf_cfg, cfg_file)
-    net = build_model(cfg, {k: v.to(dtype) for k, v in sd.items()}, device, dtype, path)
+    net = build_model(cfg, sd, device, dtype, path)
+    del sd
+    release_freed_memory()
     net.setup_rotary(device)
     net.eval()
     return net, cfg, path
+
+
+def random_gguf_or(model, random_weights: bool):
+    """(model, random_weights), with a random spec that names a quantization (``PRESET:SCHEME``) replaced by
+    its random-weights GGUF file (model/gguf_write.py), which then loads like any downloaded model."""
+    if random_weights and isinstance(model, str) and ":" in model and not Path(model).exists():
+        from hydragen.model.gguf_write import random_gguf_file
+
+        return random_gguf_file(model), False
+    return model, random_weights
 
 
 def _random_model(spec, device: torch.device, dtype: torch.dtype, seed: int = 0):

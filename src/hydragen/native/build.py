@@ -23,7 +23,11 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("step_attention.cpp", "sampling.cpp"))
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(
+    _CSRC / name for name in ("step_attention.cpp", "sampling.cpp", "quant_pack.cpp", "quant_matmul.cpp")
+)
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # included by the sources: copied beside them and part of the key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 
@@ -48,7 +52,7 @@ def _cpu_identity() -> str:
 
 
 def build_key() -> str:
-    parts = [source.read_bytes() for source in SOURCES]
+    parts = [source.read_bytes() for source in SOURCES + HEADERS]
     parts += [torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode()]
     parts.append(_cpu_identity().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -96,8 +100,8 @@ def _build() -> object:
         # Built from copies inside the folder: build.ninja then never names a checkout, so two checkouts of
         # one version share one build instead of rebuilding it for each other.
         copies = [where / source.name for source in SOURCES]
-        for source, copy in zip(SOURCES, copies, strict=True):
-            copy.write_bytes(source.read_bytes())
+        for source in SOURCES + HEADERS:
+            (where / source.name).write_bytes(source.read_bytes())
         start = time.perf_counter()
         cpp_extension.load(
             name=name,

@@ -1,0 +1,372 @@
+"""``hydragen bench quant``: GGUF weights computed in their own format, measured.
+
+Five parts, each a table (Markdown + JSON) and where it helps a plot:
+* ``kernels``: every format at M = 1, 8, 64, 512 against the measured memory bandwidth and float32 GEMM
+  rate, beside torch's candidates (bench/quant_kernels.py);
+* ``accuracy``: hydragen (15-bit and int8 activations) and llama.cpp against the float32-dequantized model
+  over 128 chat prompts (bench/quant_accuracy.py);
+* ``decode``: side by side in one run on the same GGUF, decode tokens/s at n = 1 and 8 (one 512-token
+  prompt) and 64 (one shared 2,048-token prompt): hydragen as it runs, hydragen on the dequantized float32
+  weights (what it ran before), llama.cpp (its ``batched`` example's scheme: bench/llamacpp_peer.py);
+* ``memory``: resident memory after load against the file's size, in a fresh process per model; the fixed
+  runtime (Python, torch, the ops, a tiny model) measured first and subtracted;
+* ``real``: a random-weights GGUF of a real shape (``--real-size llama-3.1-8b:Q4_K_M``, written once to
+  hydragen's cache, never into the repository): its memory and decode at n = 1 and 16 against llama.cpp.
+
+hydragen samples at temperature 0.8, top_p 0.95; llama.cpp picks greedily from its logits (its sampling is
+not what is measured). Decode-only rate: n (T - 1) / (t(T) - t(1)); rounds alternate the engines and each
+point keeps its best round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hydragen.bench import quant_accuracy, quant_kernels, quant_memory
+from hydragen.bench.common import code_commit, machine_description, matmul_rate, say_quick, write_table
+from hydragen.bench.plots import Panel, plot, plot_lines
+
+RESULT_NAME = "quant"
+PARTS = ("kernels", "accuracy", "decode", "memory", "real")
+# (n, prompt tokens, one shared prompt): the issue's three points
+DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
+MODES = ("hydragen", "hydragen-int8", "hydragen-fp32", "llamacpp")
+MODE_LABELS = {
+    "hydragen": "hydragen (GGUF kept quantized)",
+    "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
+    "hydragen-fp32": "hydragen, dequantized to float32 (before)",
+    "llamacpp": "llama.cpp",
+}
+
+
+def _say(message: str) -> None:
+    print(f"[quant] {message}", file=sys.stderr, flush=True)
+
+
+# ---- decode, side by side ---------------------------------------------------------------------------
+def _engine(model, mode: str, kv_tokens: int):
+    from hydragen import LLM
+
+    if mode == "hydragen-int8":
+        return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens)
+    return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens)
+
+
+def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> list[dict]:
+    """Decode tok/s per (mode, n, prompt), the best of ``rounds`` alternating rounds."""
+    from hydragen.bench import e2e, llamacpp_peer
+    from hydragen.model.loader import resolve_model_path
+
+    e2e.ENGINE_SAMPLING.update(temperature=0.8, top_p=0.95)
+    path = resolve_model_path(model) if not isinstance(model, Path) else model
+    vocab = None
+    runners = {}
+    for mode in modes:
+        if mode == "llamacpp":
+            why = llamacpp_peer.unavailable(path, False)
+            if why:
+                _say(f"llama.cpp skipped: {why}")
+                continue
+            runners[mode] = (
+                llamacpp_peer.Peer(path, max(p for _, p in points), new_tokens, max(n for n, _ in points)),
+                llamacpp_peer.timer,
+            )
+        else:
+            kv = max(p + n * new_tokens for n, p in points) + 64 * new_tokens
+            llm = _engine(path, mode, kv)
+            vocab = llm.config.vocab_size
+            runners[mode] = (llm, e2e.time_engine)
+    best: dict[tuple[str, int, int], tuple[float, float]] = {}
+    for r in range(rounds):
+        for mode, (runner, timer) in runners.items():
+            for n, p in points:
+                prompt = e2e.synthetic_prompt(vocab, p)
+                t1, tt = timer(runner, prompt, n, 1), timer(runner, prompt, n, new_tokens)
+                key = (mode, n, p)
+                old = best.get(key, (float("inf"), float("inf")))
+                best[key] = (min(old[0], t1), min(old[1], tt))
+                _say(
+                    f"round {r + 1}: {mode:13s} n={n:3d} P={p}: "
+                    f"decode {e2e.decode_rate(n, new_tokens, t1, tt):7.1f} tok/s"
+                )
+    rows = []
+    for (mode, n, p), (t1, tt) in best.items():
+        rows.append(
+            {
+                "engine": MODE_LABELS[mode],
+                "mode": mode,
+                "n": n,
+                "prompt": p,
+                "new_tokens": new_tokens,
+                "decode tok/s": e2e.decode_rate(n, new_tokens, t1, tt),
+                "t(1) s": t1,
+                "t(T) s": tt,
+            }
+        )
+    for row in rows:
+        peer = next(
+            (
+                x
+                for x in rows
+                if x["mode"] == "llamacpp" and (x["n"], x["prompt"]) == (row["n"], row["prompt"])
+            ),
+            None,
+        )
+        row["vs llama.cpp"] = row["decode tok/s"] / peer["decode tok/s"] if peer else float("nan")
+    return rows
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+DECODE_COLUMNS = ["engine", "n", "prompt", "new_tokens", "decode tok/s", "vs llama.cpp", "t(1) s", "t(T) s"]
+
+
+def _kernels(a, quick: bool) -> tuple[list[dict], dict, str]:
+    bw, gemm = quant_kernels.read_bandwidth(64 if quick else 512), matmul_rate(512 if quick else 2048)
+    _say(f"read bandwidth {bw / 1e9:.1f} GB/s, float32 GEMM {gemm / 1e9:.0f} GFLOP/s")
+    n, k = a.kernel_shape
+    rows = quant_kernels.kernel_table(
+        n, k, (1, 8) if quick else quant_kernels.ROWS, 2 if quick else 5, bw, gemm
+    )
+    extra = {"bandwidth GB/s": bw / 1e9, "fp32 GEMM GFLOP/s": gemm / 1e9, "shape": [n, k]}
+    notes = (
+        f"{n} x {k} weights, read from memory (copies cycled through more than the last-level cache). "
+        f"Measured here: read bandwidth {bw / 1e9:.1f} GB/s (a sum over 512 MB, every thread), float32 GEMM "
+        f"{gemm / 1e9:.0f} GFLOP/s (2,048^3, oneDNN). GB/s counts the weight bytes a call reads; GFLOP/s "
+        "2 M N K. hydragen's kernels run with their default 15-bit activations unless the row says int8."
+    )
+    return rows, extra, notes
+
+
+def _accuracy(a, quick: bool) -> tuple[list[dict], dict, str]:
+    tokens = 8 if quick else 32
+    rows = quant_accuracy.run(a.model, 8 if quick else a.prompts, tokens, _say)
+    notes = (
+        "Each model is fed the reference's tokens (teacher forcing); KL(reference || model) of the "
+        f"next-token distribution, top-1 agreement, then {tokens} greedy tokens each. Reference: the same "
+        "file dequantized to float32 and run by hydragen (float64 KL), or llama.cpp's logits where named."
+    )
+    return rows, {"greedy tokens": tokens}, notes
+
+
+def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
+    points = ((1, 64), (4, 64)) if quick else DECODE_POINTS
+    new_tokens = 4 if quick else a.new_tokens
+    rows = decode_rows(a.model, points, new_tokens, 1 if quick else a.rounds)
+    notes = (
+        "n completions of one prompt (its KV shared by every engine); hydragen samples at temperature 0.8, "
+        "top_p 0.95, llama.cpp picks greedily from its logits. Decode-only rate n (T - 1) / (t(T) - t(1)); "
+        f"best of {1 if quick else a.rounds} alternating rounds."
+    )
+    return rows, {"points": points, "new_tokens": new_tokens}, notes
+
+
+def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
+    rows = [quant_memory.memory_row(a.model, str(a.model or "embedded SmolLM2-135M Q4_1"))]
+    for spec in _specs(a.real_size):
+        rows.append(quant_memory.memory_row(_real_file(spec), spec))
+    notes = (
+        "Fresh process per model; runtime = resident memory after importing hydragen, loading the C++ ops "
+        "and running a tiny one-layer model once; model = resident memory after loading the model (weights "
+        "only, no KV cache) and running it once, minus the runtime."
+    )
+    return rows, {}, notes
+
+
+def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
+    points = ((1, 256), (16, 256))
+    new_tokens = 4 if quick else a.real_tokens
+    rows = []
+    for spec in _specs(a.real_size):
+        rounds = 1 if quick else a.rounds
+        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, REAL_MODES):
+            rows.append({"model": spec, **row})
+    notes = (
+        "Random-weights GGUFs (model/gguf_write.py: llama-quantize's type mix), the same file for both "
+        "engines; one 256-token prompt, n completions, as the decode table."
+    )
+    return rows, {"points": points, "new_tokens": new_tokens}, notes
+
+
+REAL_MODES = ("hydragen", "hydragen-int8", "llamacpp")
+# part -> (measure, table title, columns or None for every column of the first row)
+MEASURES = {
+    "kernels": (_kernels, "Kernels: every format at M activation rows", quant_kernels.KERNEL_COLUMNS),
+    "accuracy": (
+        _accuracy,
+        "Accuracy: computing in the file's format against its float32 dequantization",
+        None,
+    ),
+    "decode": (_decode, "Decode side by side, same GGUF, one run", DECODE_COLUMNS),
+    "memory": (_memory, "Resident memory after load", None),
+    "real": (_real, "A model of real size (random weights), side by side", ["model", *DECODE_COLUMNS]),
+}
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Measure ``a.parts`` (each its own quant-PART.json/.md in ``a.out``), then rebuild quant.json/.md and
+    the plots from every part's results in ``a.out`` of the same kind (quick or not): parts can be measured
+    in separate runs, each under its own lock."""
+    if a.quick:
+        say_quick("quant")
+    for part in a.parts:
+        measure, title, columns = MEASURES[part]
+        _say(f"part {part}")
+        rows, extra, notes = measure(a, a.quick)
+        params = dict(model=str(a.model or "embedded SmolLM2-135M"), real_size=a.real_size, **extra)
+        write_table(rows, columns or list(rows[0]), a.out, f"{RESULT_NAME}-{part}", title, notes,
+                    quick=a.quick, params=params)  # fmt: skip
+    data = combine(a.out, a.quick)
+    print((a.out / f"{RESULT_NAME}.md").read_text())
+    return data
+
+
+def combine(out: Path, quick: bool) -> dict:
+    """quant.json ({part: rows}, and per part its machine, commit and parameters), quant.md and the plots
+    from the quant-PART.json files in ``out`` whose quick flag is ``quick``."""
+    data: dict = {"machine": machine_description(), "commit": code_commit(), "quick": quick, "runs": {}}
+    md = []
+    for part in PARTS:
+        path = out / f"{RESULT_NAME}-{part}.json"
+        if not path.is_file():
+            continue
+        saved = json.loads(path.read_text())
+        if saved.get("quick", False) != quick:
+            continue
+        data[part] = saved.pop("rows")
+        data["runs"][part] = saved
+        md.append((out / f"{RESULT_NAME}-{part}.md").read_text())
+    (out / f"{RESULT_NAME}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{RESULT_NAME}.md").write_text("\n".join(md))
+    plots(data, out)
+    return data
+
+
+def _specs(real_size: str | None) -> list[str]:
+    return [x.strip() for x in (real_size or "").split(",") if x.strip()]
+
+
+def _real_file(spec: str) -> Path:
+    from hydragen.model.gguf_write import random_gguf_file
+
+    return random_gguf_file(spec)
+
+
+KERNEL_PANELS = {
+    "32-weight blocks": ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"),
+    "256-weight K-quants": ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+    "16-bit, and torch's candidates": (
+        "F16",
+        "BF16",
+        "torch float32 (before)",
+        "torch int4 op, bf16 activations",
+        "torch bf16, bf16 activations",
+    ),
+    "15-bit (default) against int8 activations": tuple(
+        f + w for f in ("Q4_1", "Q8_0", "Q4_K", "Q6_K") for w in ("", ", int8 activations")
+    ),
+}
+
+
+def _kernel_label(row: dict) -> str:
+    if row["kernel"].startswith("hydragen"):
+        return row["format"] + row["kernel"].removeprefix("hydragen")
+    return row["kernel"]
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    paths = []
+    quick = data.get("quick", False)
+    if data.get("kernels"):
+        for key, name, ylabel, ref in (
+            ("GB/s", "quant_kernels_bandwidth.png", "weight bytes read, GB/s", "measured read bandwidth"),
+            ("GFLOP/s", "quant_kernels_gflops.png", "GFLOP/s", "float32 GEMM rate"),
+        ):
+            measured = data["runs"]["kernels"]["params"]
+            level = measured["bandwidth GB/s"] if key == "GB/s" else measured["fp32 GEMM GFLOP/s"]
+            panels = []
+            for title, labels in KERNEL_PANELS.items():
+                series: dict[str, tuple[list, list]] = {}
+                for r in data["kernels"]:
+                    if _kernel_label(r) in labels:
+                        xs, ys = series.setdefault(_kernel_label(r), ([], []))
+                        xs.append(r["M"])
+                        ys.append(r[key])
+                panels.append(Panel(series, title=title, hline=(level, ref)))
+            paths.append(
+                plot(
+                    panels,
+                    out / name,
+                    "Quantized matmul by weight format (hydragen's kernels unless named)",
+                    "activation rows M",
+                    ylabel,
+                    logx=True,
+                    logy=True,
+                    quick=quick,
+                )
+            )
+    if data.get("decode"):
+        series = {}
+        for r in data["decode"]:
+            xs, ys = series.setdefault(r["engine"], ([], []))
+            xs.append(r["n"])
+            ys.append(r["decode tok/s"])
+        paths.append(
+            plot_lines(series, out / "quant_decode.png", "Decode throughput, same GGUF, side by side",
+                       "completions n (1, 8: a 512-token prompt; 64: a shared 2,048-token one)",
+                       "decode tokens/s", logx=True, logy=True, quick=quick)
+        )  # fmt: skip
+    if data.get("real"):
+        series = {}
+        for r in data["real"]:
+            name = f"{r.get('model', data['runs']['real']['params'].get('real_size'))}: {r['engine']}"
+            xs, ys = series.setdefault(name, ([], []))
+            xs.append(r["n"])
+            ys.append(r["decode tok/s"])
+        paths.append(
+            plot_lines(series, out / "quant_real.png", "Models of real size (random weights), side by side",
+                       "completions n of one 256-token prompt", "decode tokens/s", logx=True, logy=True,
+                       quick=quick)
+        )  # fmt: skip
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="hydragen bench quant", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a GGUF (default: the embedded SmolLM2-135M Q4_1)")
+    p.add_argument("--parts", default=None, help=f"comma-separated, of {', '.join(PARTS)} (default: all; "
+                   "'real' only with --real-size)")  # fmt: skip
+    p.add_argument(
+        "--real-size",
+        default=None,
+        metavar="PRESET:SCHEME",
+        help="random GGUFs of real shapes, comma-separated, e.g. llama-3.2-1b:Q4_K_M,llama-3.1-8b:Q4_K_M "
+        "(written once to the cache): their memory, and decode at n = 1 and 16 (part 'real')",
+    )
+    p.add_argument("--new-tokens", type=int, default=64, help="T, tokens per completion (default 64)")
+    p.add_argument("--real-tokens", type=int, default=32, help="T for the real-size model (default 32)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds, best kept (default 2)")
+    p.add_argument("--prompts", type=int, default=128, help="accuracy prompts (default 128)")
+    p.add_argument("--kernel-shape", type=int, nargs=2, default=(4096, 4096), metavar=("N", "K"))
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    a = p.parse_args(argv)
+    if a.parts is None:
+        a.parts = [x for x in PARTS if x != "real" or a.real_size]
+    else:
+        a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
+    bad = [x for x in a.parts if x not in PARTS]
+    if bad:
+        p.error(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
+    if "real" in a.parts and not a.real_size:
+        p.error("the part 'real' needs --real-size PRESET:SCHEME")
+    if a.quick:
+        a.kernel_shape = (256, 512)
+    a.out.mkdir(parents=True, exist_ok=True)
+    run(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The model's projections and token table, in float or kept in the checkpoint's compact format.
+
+A projection computes ``x @ W^T`` with the neighbours the model always runs around it fused in, so that a
+decoder layer is four calls: RMSNorm before (``norm``), and after, one of rotary embedding of the leading
+q/k columns (``rope``), SwiGLU (``swiglu``), or accumulation into the residual stream (``residual``,
+updated in place). Two implementations share that call:
+
+* ``DenseProjection``: a float weight in the model's dtype, torch ops (safetensors in the model dtype,
+  random weights, CUDA, and GGUF files when the C++ ops are unavailable or ``dequantize=True``);
+* ``PackedProjection``: one or more parts (q, k, v may differ in type, as in Q4_K_M) in GGUF quantized
+  blocks repacked for the C++ kernels, or 16-bit floats as stored, one C++ call (hydragen/native/quant.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydragen.model.qtensor import PACKED_TYPES, Q, QuantTensor, cat_rows
+from hydragen.native import quant
+
+# rope: (cos, signed sin) [T, head_dim] tables and how many leading output columns to rotate
+Rope = tuple[torch.Tensor, torch.Tensor, int]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_leading(y: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """The first ``cols`` columns of y [T, N] rotated per head (rotate-half), the rest unchanged."""
+    cos, sin, cols = rope
+    d = cos.shape[-1]
+    t = y.shape[0]
+    x = y[:, :cols].view(t, cols // d, d)
+    swapped = torch.cat([x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    rotated = x * cos.unsqueeze(1) + swapped * sin.unsqueeze(1)
+    return torch.cat([rotated.reshape(t, cols), y[:, cols:]], dim=1)
+
+
+class DenseProjection(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        residual: torch.Tensor | None = None,
+        rope: Rope | None = None,
+        swiglu: bool = False,
+    ) -> torch.Tensor:
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
+        y = F.linear(x, self.weight, self.bias)
+        if rope is not None:
+            y = rotate_leading(y, (rope[0].to(y.dtype), rope[1].to(y.dtype), rope[2]))
+        if swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        if residual is not None:
+            return residual.add_(y)
+        return y
+
+
+class PackedProjection(nn.Module):
+    """Parts kept in their file format; float32 in and out (another dtype is converted around the call)."""
+
+    def __init__(
+        self,
+        qtypes: list[int],
+        rows: list[int],
+        in_features: int,
+        buffers: list[torch.Tensor],
+        bias: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.qtypes, self.rows, self.in_features = qtypes, rows, in_features
+        for i, data in enumerate(buffers):
+            self.register_buffer(f"part{i}", data, persistent=False)
+        self.weights = list(buffers)  # the same tensors, as the op takes them (packed modules never move)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.isa, self.act_bits = quant.requested_isa(), quant.requested_act_bits()
+
+    @classmethod
+    def from_parts(cls, parts: list[QuantTensor], bias: torch.Tensor | None = None) -> PackedProjection:
+        """Packs the parts (neighbours of one type first become one matrix: fewer, longer runs)."""
+        merged: list[QuantTensor] = []
+        for p in parts:
+            if merged and merged[-1].qtype == p.qtype and merged[-1].cols == p.cols:
+                merged[-1] = cat_rows([merged[-1], p])
+            else:
+                merged.append(p)
+        buffers = [packed_bytes(p) for p in merged]
+        return cls([p.qtype for p in merged], [p.rows for p in merged], merged[0].cols, buffers, bias)
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.rows)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        residual: torch.Tensor | None = None,
+        rope: Rope | None = None,
+        swiglu: bool = False,
+    ) -> torch.Tensor:
+        dtype = x.dtype
+        if self.bias is not None:  # (Qwen2's q/k/v) the bias goes before the epilogue: only norm is fused
+            y = self(x, norm=norm, eps=eps) + self.bias
+            y = y if rope is None else rotate_leading(y, rope)
+            y = F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if swiglu else y
+            return y.to(dtype) if residual is None else residual.add_(y.to(dtype))
+        if dtype != torch.float32:  # the kernels take float32: convert around them
+            y = self(
+                x.float(),
+                norm=None if norm is None else norm.float(),
+                eps=eps,
+                rope=_float(rope),
+                swiglu=swiglu,
+            )
+            return y.to(dtype) if residual is None else residual.add_(y.to(dtype))
+        cos, sin, cols = rope if rope is not None else (None, None, 0)
+        return _quant_linear(
+            x.contiguous(),
+            self.weights,
+            self.qtypes,
+            self.rows,
+            norm,
+            eps,
+            residual,
+            cos,
+            sin,
+            cols,
+            swiglu,
+            self.act_bits,
+            self.isa,
+        )
+
+
+class PackedEmbedding(nn.Module):
+    """A token table kept in its file format: looked up row by row (the tied LM head reads the same bytes)."""
+
+    def __init__(self, table: QuantTensor):
+        super().__init__()
+        self.qtype, self.cols, self.num_embeddings = table.qtype, table.cols, table.rows
+        self.register_buffer("table", packed_bytes(table), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype in PACKED_TYPES:
+            return quant.rows(self.table, self.qtype, self.cols, ids)
+        return self.table[ids].view(torch.bfloat16 if self.qtype == Q.BF16 else torch.float16).float()
+
+    def as_projection(self) -> PackedProjection:
+        """The tied LM head over the same bytes (no second copy)."""
+        return PackedProjection([self.qtype], [self.num_embeddings], self.cols, [self.table])
+
+
+def packed_bytes(t: QuantTensor) -> torch.Tensor:
+    """What the kernels read: quantized rows repacked into 16-row tiles, 16-bit rows as stored."""
+    return quant.pack(t.data, t.qtype) if t.qtype in PACKED_TYPES else t.data.contiguous()
+
+
+def _float(rope: Rope | None) -> Rope | None:
+    return None if rope is None else (rope[0].float(), rope[1].float(), rope[2])
+
+
+def _quant_linear(*args):
+    return torch.ops.hydragen.quant_linear(*args)
+
+
+Projection = DenseProjection | PackedProjection
+
+
+def mlp_tail(
+    o: Projection,
+    gate_up: Projection,
+    down: Projection,
+    attn: torch.Tensor,
+    h: torch.Tensor,
+    norm,
+    eps: float,
+) -> torch.Tensor:
+    """h + o(attn), then + down(swiglu(gate_up(norm(h)))): a decoder layer after attention, h updated in
+    place. One C++ call when all three are packed (float32, no bias), else the three projections."""
+    if (
+        all(isinstance(p, PackedProjection) and p.bias is None for p in (o, gate_up, down))
+        and h.dtype == torch.float32
+    ):
+        return torch.ops.hydragen.quant_mlp_tail(
+            attn.contiguous(), h, o.weights, o.qtypes, o.rows, norm, eps,
+            gate_up.weights, gate_up.qtypes, gate_up.rows, down.weights, down.qtypes, down.rows,
+            o.act_bits, o.isa,
+        )  # fmt: skip
+    h = o(attn, residual=h)
+    return down(gate_up(h, norm=norm, eps=eps, swiglu=True), residual=h)

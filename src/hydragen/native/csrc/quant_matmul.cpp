@@ -1,0 +1,481 @@
+// hydragen::quant_linear: y = x @ W^T for a projection whose weight is one or more parts in GGUF formats
+// (quantized parts repacked by quant_pack, float parts in the file's row-major layout), their outputs
+// side by side, with the model's neighbours fused in so that a layer is a few calls, not dozens:
+//   prologue: RMSNorm of x (norm weight, eps) before it is used;
+//   epilogue: rotary embedding of the first rope_cols output columns (rotate-half, the model's tables),
+//             SwiGLU (silu(first half) * second half), or accumulation into a residual tensor.
+// The instruction set is chosen at run time (best_isa), never above what the CPU has; `isa` lowers it.
+// The twin and oracle is hydragen/model/quant_twin.py: the same activation quantization and the same sums in
+// torch, on weights dequantized by the gguf package.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HQ_X86 1
+#else
+#define HQ_X86 0
+#endif
+
+#include "quant_decode.h"
+
+namespace hq {
+
+// Pointers to up to 4 quantized activation rows (quant_kernels.h): q is the int8 plane (with 15-bit
+// activations, the high plane), lo the low plane (null for int8 activations).
+struct ActRows {
+  const int8_t* q[4];
+  const int8_t* lo[4];
+  const float* dx[4];
+  const float* xs[4];
+  const int32_t* qs16[4];
+};
+
+#if HQ_X86
+#define HQ_STR(x) #x
+#if defined(__clang__)
+#define HQ_BEGIN(t) _Pragma(HQ_STR(clang attribute push(__attribute__((target(t))), apply_to = function)))
+#define HQ_END _Pragma("clang attribute pop")
+#else
+#define HQ_BEGIN(t) _Pragma("GCC push_options") _Pragma(HQ_STR(GCC target(t)))
+#define HQ_END _Pragma("GCC pop_options")
+#endif
+
+HQ_BEGIN("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")
+namespace v512 {
+#include "quant_v512.h"
+#include "quant_kernels.h"
+}  // namespace v512
+HQ_END
+
+HQ_BEGIN("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+namespace v256evex {
+#define HQ_DOT 1
+#include "quant_v256.h"
+#undef HQ_DOT
+#include "quant_kernels.h"
+}  // namespace v256evex
+HQ_END
+
+#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12)
+#define HQ_AVXVNNI 1
+HQ_BEGIN("avxvnni,avx2,fma,f16c")
+namespace v256vex {
+#define HQ_DOT 2
+#include "quant_v256.h"
+#undef HQ_DOT
+#include "quant_kernels.h"
+}  // namespace v256vex
+HQ_END
+#else
+#define HQ_AVXVNNI 0
+#endif
+
+HQ_BEGIN("avx2,fma,f16c")
+namespace v256 {
+#define HQ_DOT 0
+#include "quant_v256.h"
+#undef HQ_DOT
+#include "quant_kernels.h"
+}  // namespace v256
+HQ_END
+#endif  // HQ_X86
+
+// Instruction-set levels, as hydragen/native/quant.py names them.
+enum Isa : int { kScalar = 1, kAvx2 = 2, kAvxVnni = 3, kAvx512 = 4 };
+
+int best_isa() {
+#if HQ_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq"))
+    return kAvx512;
+#if HQ_AVXVNNI
+  if (avx2 && __builtin_cpu_supports("avxvnni")) return kAvxVnni;
+#endif
+  if (avx2) return kAvx2;
+#endif
+  return kScalar;
+}
+
+// The portable path: the same integer sums per group, one row at a time.
+void scalar_packed(int qtype, const uint8_t* tile, int64_t nblocks, const ActRows& a, int mt, float* const* out,
+                   bool accumulate) {
+  const Format f = format_of(qtype);
+  const Head h = head_of(qtype);
+  const int tb_bytes = tile_block_bytes(qtype), groups = f.block / 32;
+  uint8_t u[32];
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int m = 0; m < mt; ++m) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const uint8_t* tb = tile + b * tb_bytes;
+        const float d = fp16_to_float(load16(tb + 2 * r));
+        const float dm = h.dm >= 0 ? fp16_to_float(load16(tb + h.dm + 2 * r)) : 0.0f;
+        for (int g = 0; g < groups; ++g) {
+          const int64_t gi = b * groups + g;
+          read_group_u(qtype, tb, g, r, u);
+          int32_t q[32], w[32];
+          for (int k = 0; k < 32; ++k) {
+            q[k] = a.q[m][32 * gi + k];
+            if (a.lo[m] != nullptr) q[k] = 128 * q[k] + a.lo[m][32 * gi + k];
+            w[k] = qtype == kQ8_0 ? static_cast<int8_t>(u[k]) : static_cast<int>(u[k]);
+          }
+          int32_t s0 = 0, s1 = 0;
+          for (int k = 0; k < 16; ++k) {
+            s0 += w[k] * q[k];
+            s1 += w[k + 16] * q[k + 16];
+          }
+          const int32_t qs0 = a.qs16[m][2 * gi], qs1 = a.qs16[m][2 * gi + 1];
+          const float dx = a.dx[m][gi], xs = a.xs[m][gi];
+          switch (qtype) {
+            case kQ4_0: acc += static_cast<float>(s0 + s1 - 8 * (qs0 + qs1)) * (d * dx); break;
+            case kQ5_0: acc += static_cast<float>(s0 + s1 - 16 * (qs0 + qs1)) * (d * dx); break;
+            case kQ8_0: acc += static_cast<float>(s0 + s1) * (d * dx); break;
+            case kQ4_1:
+            case kQ5_1: acc += static_cast<float>(s0 + s1) * (d * dx) + dm * xs; break;
+            case kQ4_K:
+            case kQ5_K: {
+              const float scale = d * static_cast<float>(tb[h.sc + 16 * g + r]);
+              const float minimum = dm * static_cast<float>(tb[h.mn + 16 * g + r]);
+              acc += static_cast<float>(s0 + s1) * (scale * dx) - minimum * xs;
+              break;
+            }
+            case kQ6_K:
+            case kQ3_K: {
+              const int off = qtype == kQ6_K ? 32 : 4;
+              const int sc0 = static_cast<int8_t>(tb[h.sc + 16 * (2 * g) + r]);
+              const int sc1 = static_cast<int8_t>(tb[h.sc + 16 * (2 * g + 1) + r]);
+              acc += static_cast<float>((s0 - off * qs0) * sc0 + (s1 - off * qs1) * sc1) * (d * dx);
+              break;
+            }
+            case kQ2_K: {
+              const int b0 = tb[h.sc + 16 * (2 * g) + r], b1 = tb[h.sc + 16 * (2 * g + 1) + r];
+              const int tot = s0 * (b0 & 15) + s1 * (b1 & 15), mins = qs0 * (b0 >> 4) + qs1 * (b1 >> 4);
+              acc += static_cast<float>(tot) * (d * dx) - static_cast<float>(mins) * (dm * dx);
+              break;
+            }
+            default: break;
+          }
+        }
+      }
+      out[m][r] = accumulate ? out[m][r] + acc : acc;
+    }
+  }
+}
+
+void scalar_float(int qtype, const uint8_t* w, int64_t stride, int nr, int64_t k, const float* const* x, int mt,
+                  float* const* out, bool accumulate) {
+  for (int r = 0; r < nr; ++r) {
+    const uint8_t* row = w + r * stride;
+    for (int m = 0; m < mt; ++m) {
+      float s = 0.0f;
+      for (int64_t c = 0; c < k; ++c) {
+        float wc;
+        if (qtype == kF32) std::memcpy(&wc, row + 4 * c, 4);
+        else if (qtype == kF16) wc = fp16_to_float(load16(row + 2 * c));
+        else wc = bf16_to_float(load16(row + 2 * c));
+        s += wc * x[m][c];
+      }
+      out[m][r] = accumulate ? out[m][r] + s : s;
+    }
+  }
+}
+
+}  // namespace hq
+
+namespace {
+
+using namespace hq;
+
+constexpr int kMaxMt = 4;  // activation rows per kernel call
+constexpr int64_t kRowChunk = 64;  // activation rows per task
+
+// An activation matrix quantized for the packed kernels (see quant_kernels.h): per group of 32, integers q
+// with |q| <= kQMax[bits] (int8, or 15 bits stored as q = 128 * hi + lo), the scale dx = max|x| / kQMax, the
+// float sum xs = dx * sum q and the integer sums per 16.
+struct QuantizedActs {
+  std::vector<int8_t> q, lo;
+  std::vector<float> dx, xs;
+  std::vector<int32_t> qs16;
+};
+
+constexpr float kQMax8 = 127.0f, kQMax15 = 16191.0f;  // 15 bits: hi = floor((q + 64) / 128) stays in int8
+
+void quantize_rows(const float* x, int64_t m_rows, int64_t k, int bits, QuantizedActs& out) {
+  const int64_t groups = k / 32;
+  const float qmax = bits == 15 ? kQMax15 : kQMax8;
+  out.q.resize(m_rows * k);
+  out.lo.resize(bits == 15 ? m_rows * k : 0);
+  out.dx.resize(m_rows * groups);
+  out.xs.resize(m_rows * groups);
+  out.qs16.resize(m_rows * groups * 2);
+  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* v = x + m * k + 32 * g;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float d = amax / qmax;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int8_t* q = out.q.data() + m * k + 32 * g;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int qi = static_cast<int>(std::nearbyint(v[i] * id));
+          if (bits == 15) {
+            const int hi = (qi + 64) >> 7;  // floor: lo = qi - 128 * hi in [-64, 63]
+            q[i] = static_cast<int8_t>(hi);
+            out.lo[m * k + 32 * g + i] = static_cast<int8_t>(qi - 128 * hi);
+          } else {
+            q[i] = static_cast<int8_t>(qi);
+          }
+          (i < 16 ? s0 : s1) += qi;
+        }
+        out.dx[m * groups + g] = d;
+        out.xs[m * groups + g] = d * static_cast<float>(s0 + s1);
+        out.qs16[(m * groups + g) * 2] = s0;
+        out.qs16[(m * groups + g) * 2 + 1] = s1;
+      }
+    }
+  });
+}
+
+// RMSNorm with the sum of squares in double: the result is then the exactly rounded one whatever the
+// summation order, so the twin (quant_twin.kernel_rms_norm) reproduces it bit for bit, and with it every
+// rounding of the activation quantization that follows.
+void rms_norm_rows(const float* x, const float* w, double eps, int64_t m_rows, int64_t k, float* out) {
+  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* v = x + m * k;
+      double ss = 0.0;
+      for (int64_t i = 0; i < k; ++i) ss += static_cast<double>(v[i]) * v[i];
+      const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(k) + eps));
+      for (int64_t i = 0; i < k; ++i) out[m * k + i] = w[i] * (v[i] * r);
+    }
+  });
+}
+
+// out[:, :cols] rotated per head of cos.size(1) columns: x * cos + rotate_half(x) * signed_sin.
+void rope_rows(float* y, int64_t ld, int64_t m_rows, int64_t cols, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(d);
+    for (int64_t m = begin; m < end; ++m) {
+      const float* c = cos + m * d;
+      const float* s = sin + m * d;
+      for (int64_t h0 = 0; h0 < cols; h0 += d) {
+        float* x = y + m * ld + h0;
+        for (int64_t i = 0; i < d; ++i) tmp[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
+        std::memcpy(x, tmp.data(), d * sizeof(float));
+      }
+    }
+  });
+}
+
+struct Part {
+  const uint8_t* data;
+  int qtype;
+  int64_t rows, col0, units, stride;  // stride: bytes per tile (packed) or per row (float)
+};
+
+void run_unit(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, const float* xf, int64_t k,
+              int64_t m0, int64_t m1, float* y, int64_t ldy, bool accumulate) {
+  const Format f = format_of(p.qtype);
+  const int64_t n0 = unit * kTileRows, nvalid = std::min<int64_t>(kTileRows, p.rows - n0);
+  float tmp[kMaxMt][kTileRows];
+  for (int64_t m = m0; m < m1; m += kMaxMt) {
+    const int mt = static_cast<int>(std::min<int64_t>(kMaxMt, m1 - m));
+    float* outs[kMaxMt];
+    const bool direct = nvalid == kTileRows;
+    for (int i = 0; i < mt; ++i) {
+      outs[i] = direct ? y + (m + i) * ldy + p.col0 + n0 : tmp[i];
+      if (!direct && accumulate) std::memcpy(tmp[i], y + (m + i) * ldy + p.col0 + n0, nvalid * sizeof(float));
+    }
+    if (f.float_type) {
+      const float* xs[kMaxMt];
+      for (int i = 0; i < mt; ++i) xs[i] = xf + (m + i) * k;
+      for (int64_t r = 0; r < nvalid; r += 4) {
+        const int nr = static_cast<int>(std::min<int64_t>(4, nvalid - r));
+        const uint8_t* w = p.data + (n0 + r) * p.stride;
+        for (int i0 = 0; i0 < mt; i0 += 2) {
+          const int mt2 = std::min(2, mt - i0);
+          float* o2[2] = {outs[i0] + r, mt2 > 1 ? outs[i0 + 1] + r : nullptr};
+#if HQ_X86
+          if (isa == kAvx512) { v512::run_float(p.qtype, w, p.stride, nr, k, xs + i0, mt2, o2, accumulate); continue; }
+          if (isa >= kAvx2) { v256::run_float(p.qtype, w, p.stride, nr, k, xs + i0, mt2, o2, accumulate); continue; }
+#endif
+          scalar_float(p.qtype, w, p.stride, nr, k, xs + i0, mt2, o2, accumulate);
+        }
+      }
+    } else {
+      const int64_t groups = k / 32, nblocks = k / f.block;
+      ActRows a{};
+      for (int i = 0; i < mt; ++i) {
+        a.q[i] = qa.q.data() + (m + i) * k;
+        a.lo[i] = qa.lo.empty() ? nullptr : qa.lo.data() + (m + i) * k;
+        a.dx[i] = qa.dx.data() + (m + i) * groups;
+        a.xs[i] = qa.xs.data() + (m + i) * groups;
+        a.qs16[i] = qa.qs16.data() + (m + i) * groups * 2;
+      }
+      const uint8_t* tile = p.data + unit * p.stride;
+#if HQ_X86
+      if (isa >= kAvx2) {
+        if (isa == kAvx512) v512::run_packed(p.qtype, tile, nblocks, a, mt, outs, accumulate);
+        else if (isa == kAvxVnni) {
+#if HQ_AVXVNNI
+          if (__builtin_cpu_supports("avxvnni"))
+            v256vex::run_packed(p.qtype, tile, nblocks, a, mt, outs, accumulate);
+          else
+#endif
+            v256evex::run_packed(p.qtype, tile, nblocks, a, mt, outs, accumulate);
+        } else {
+          v256::run_packed(p.qtype, tile, nblocks, a, mt, outs, accumulate);
+        }
+      } else
+#endif
+        scalar_packed(p.qtype, tile, nblocks, a, mt, outs, accumulate);
+    }
+    if (!direct)
+      for (int i = 0; i < mt; ++i) std::memcpy(y + (m + i) * ldy + p.col0 + n0, tmp[i], nvalid * sizeof(float));
+  }
+}
+
+int64_t isa_level(int64_t requested) {
+  static const int best = best_isa();
+  return requested <= 0 ? best : std::min<int64_t>(requested, best);
+}
+
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows,
+                        const c10::optional<at::Tensor>& norm, double eps, const c10::optional<at::Tensor>& residual,
+                        const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin,
+                        int64_t rope_cols, bool swiglu, int64_t act_bits, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size() && !weights.empty(),
+              "quant_linear: weights, qtypes and rows must be non-empty and of one length");
+  TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_linear: act_bits must be 8 or 15, got ", act_bits);
+  const int64_t m_rows = x.size(0), k = x.size(1);
+  const int level = static_cast<int>(isa_level(isa));
+  std::vector<Part> parts;
+  int64_t n_total = 0, units = 0;
+  bool any_packed = false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int qt = static_cast<int>(qtypes[i]);
+    TORCH_CHECK(supported(qt), "quant_linear: GGML type ", qt, " is not supported");
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+                "quant_linear: weights must be contiguous 2-D uint8 tensors");
+    const Format f = format_of(qt);
+    TORCH_CHECK(k % f.block == 0 && (f.float_type || k % 32 == 0), "quant_linear: ", k,
+                " input columns are not whole blocks of GGML type ", qt);
+    const int64_t tiles = (rows[i] + kTileRows - 1) / kTileRows;
+    if (f.float_type) {
+      TORCH_CHECK(w.size(0) == rows[i] && w.size(1) == k * f.file_bytes, "quant_linear: float part ", i,
+                  " has the wrong shape");
+    } else {
+      TORCH_CHECK(w.size(0) == tiles && w.size(1) == (k / f.block) * tile_block_bytes(qt), "quant_linear: packed part ",
+                  i, " has the wrong shape for ", k, " columns");
+      any_packed = true;
+    }
+    parts.push_back({w.data_ptr<uint8_t>(), qt, rows[i], n_total, tiles, w.size(1)});
+    n_total += rows[i];
+    units += tiles;
+  }
+
+  const float* xf = x.data_ptr<float>();
+  static thread_local std::vector<float> normed;
+  if (norm.has_value()) {
+    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->numel() == k && norm->is_contiguous(),
+                "quant_linear: norm must be a contiguous float32 vector of ", k);
+    normed.resize(m_rows * k);
+    rms_norm_rows(xf, norm->data_ptr<float>(), eps, m_rows, k, normed.data());
+    xf = normed.data();
+  }
+  // Scratch reused across calls. A thread_local named inside the parallel region below would be each worker
+  // thread's own (empty) copy, so the region sees it through this reference.
+  static thread_local QuantizedActs scratch;
+  QuantizedActs& qa = scratch;
+  if (any_packed) quantize_rows(xf, m_rows, k, static_cast<int>(act_bits), qa);
+
+  at::Tensor y;
+  bool accumulate = false;
+  if (residual.has_value() && !swiglu) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->is_contiguous() && residual->dim() == 2 &&
+                    residual->size(0) == m_rows && residual->size(1) == n_total,
+                "quant_linear: residual must be a contiguous float32 [", m_rows, ", ", n_total, "] tensor");
+    y = *residual;
+    accumulate = true;
+  } else {
+    y = at::empty({m_rows, n_total}, x.options());
+  }
+  float* yp = y.data_ptr<float>();
+  const int64_t chunks = (m_rows + kRowChunk - 1) / kRowChunk;
+  std::vector<std::pair<int, int64_t>> unit_of(units);
+  for (size_t i = 0, u = 0; i < parts.size(); ++i)
+    for (int64_t t = 0; t < parts[i].units; ++t) unit_of[u++] = {static_cast<int>(i), t};
+  at::parallel_for(0, units * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [pi, unit] = unit_of[task / chunks];
+      const int64_t m0 = (task % chunks) * kRowChunk, m1 = std::min(m_rows, m0 + kRowChunk);
+      run_unit(level, parts[pi], unit, qa, xf, k, m0, m1, yp, n_total, accumulate);
+    }
+  });
+
+  if (rope_cols > 0) {
+    TORCH_CHECK(rope_cos.has_value() && rope_sin.has_value(), "quant_linear: rope needs cos and sin tables");
+    const at::Tensor& c = *rope_cos;
+    const at::Tensor& s = *rope_sin;
+    TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && c.is_contiguous() &&
+                    s.is_contiguous() && c.dim() == 2 && c.size(0) == m_rows && c.sizes() == s.sizes() &&
+                    rope_cols % c.size(1) == 0 && rope_cols <= n_total,
+                "quant_linear: rope tables must be contiguous float32 [rows, head_dim] dividing rope_cols");
+    rope_rows(yp, n_total, m_rows, rope_cols, c.data_ptr<float>(), s.data_ptr<float>(), c.size(1));
+  }
+  if (swiglu) {
+    TORCH_CHECK(n_total % 2 == 0, "quant_linear: swiglu needs an even number of outputs");
+    const int64_t half = n_total / 2;
+    return at::silu(y.narrow(1, 0, half)).mul_(y.narrow(1, half, half));
+  }
+  return y;
+}
+
+// The rest of a decoder layer after attention, in one call: h += o(attn); h += down(swiglu(gate_up(norm(h)))).
+// Three projections, one dispatch: at batch 1 the per-call cost (Python, the dispatcher, the parallel
+// region) is a sizeable share of each small projection. h is updated in place and returned.
+at::Tensor quant_mlp_tail(const at::Tensor& attn, const at::Tensor& h, at::TensorList o_w, at::IntArrayRef o_t,
+                          at::IntArrayRef o_r, const at::Tensor& norm, double eps, at::TensorList gu_w,
+                          at::IntArrayRef gu_t, at::IntArrayRef gu_r, at::TensorList d_w, at::IntArrayRef d_t,
+                          at::IntArrayRef d_r, int64_t act_bits, int64_t isa) {
+  const c10::optional<at::Tensor> none;
+  quant_linear(attn, o_w, o_t, o_r, none, 0.0, h, none, none, 0, false, act_bits, isa);
+  const at::Tensor act = quant_linear(h, gu_w, gu_t, gu_r, norm, eps, none, none, none, 0, true, act_bits, isa);
+  quant_linear(act, d_w, d_t, d_r, none, 0.0, h, none, none, 0, false, act_bits, isa);
+  return h;
+}
+
+int64_t quant_isa() { return isa_level(0); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hydragen, m) {
+  m.def(
+      "quant_linear(Tensor x, Tensor[] weights, int[] qtypes, int[] rows, Tensor? norm, float eps, Tensor? residual, "
+      "Tensor? rope_cos, Tensor? rope_sin, int rope_cols, bool swiglu, int act_bits, int isa) -> Tensor");
+  m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
+  m.def(
+      "quant_mlp_tail(Tensor attn, Tensor h, Tensor[] o_w, int[] o_t, int[] o_r, Tensor norm, float eps, "
+      "Tensor[] gu_w, int[] gu_t, int[] gu_r, Tensor[] d_w, int[] d_t, int[] d_r, int act_bits, int isa) -> Tensor");
+  m.impl("quant_mlp_tail", c10::DispatchKey::CPU, &quant_mlp_tail);
+  m.def("quant_isa() -> int", &quant_isa);
+}

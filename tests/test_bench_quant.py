@@ -1,0 +1,91 @@
+"""``hydragen bench quant --quick``: every part runs and writes its tables, JSON and plots (the numbers of a
+quick run are noise; the full run's are in docs/quantization.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hydragen.native import quant
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="hydragen's C++ ops are unavailable")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_quant_quick(tmp_path, monkeypatch):
+    from hydragen import cli
+
+    monkeypatch.setenv("HYDRAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            dict(
+                architectures=["LlamaForCausalLM"],
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=320,
+                max_position_embeddings=512,
+            )
+        )
+    )
+    out = tmp_path / "out"
+    assert cli.main(["bench", "quant", "--quick", "--real-size", f"{config}:Q4_K_M", "--out", str(out)]) == 0
+    data = json.loads((out / "quant.json").read_text())
+    assert data["quick"] is True and data["commit"]
+    ours = [r for r in data["kernels"] if r["kernel"] == "hydragen"]
+    formats = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"}
+    assert {r["format"] for r in ours} == formats
+    int8 = {r["format"] for r in data["kernels"] if r["kernel"] == "hydragen, int8 activations"}
+    assert int8 == {"Q4_1", "Q8_0", "Q4_K", "Q6_K"}
+    assert all(r["GB/s"] > 0 and r["GFLOP/s"] > 0 for r in data["kernels"])
+    models = [r["model"] for r in data["accuracy"] if r["reference"] == "float32 dequantized"]
+    assert models[:2] == ["hydragen, 15-bit activations (default)", "hydragen, 8-bit activations"]
+    for r in data["accuracy"]:
+        assert 0 <= r["top-1 agreement (all positions)"] <= 1 and r["KL mean (all positions)"] >= -1e-9
+    engines = {r["mode"] for r in data["decode"]}
+    assert {"hydragen", "hydragen-int8", "hydragen-fp32"} <= engines
+    assert [r["model"] for r in data["memory"]] == ["embedded SmolLM2-135M Q4_1", f"{config}:Q4_K_M"]
+    assert all(r["file MB"] > 0 and r["runtime MB"] > 0 for r in data["memory"])
+    assert {r["n"] for r in data["real"]} == {1, 16}
+    for kind in ("kernels_bandwidth", "kernels_gflops", "decode", "real"):
+        name = f"quant_{kind}.png"
+        assert (out / name).read_bytes()[:8] == PNG
+    assert "QUICK RUN" in (out / "quant.md").read_text()
+    assert set(data["runs"]) == {"kernels", "accuracy", "decode", "memory", "real"}
+
+
+def test_bench_quant_parts_run_alone_and_combine(tmp_path):
+    """A part measured in its own run joins the results already in the folder; a quick run never mixes
+    with a full one's."""
+    from hydragen import cli
+
+    out = tmp_path / "out"
+    full = {"machine": "m", "commit": "c", "quick": False, "params": {}, "rows": [{"model": "x"}]}
+    (out).mkdir()
+    (out / "quant-kernels.json").write_text(json.dumps(full))
+    (out / "quant-kernels.md").write_text("## full kernel table\n")
+    assert cli.main(["bench", "quant", "--quick", "--parts", "memory", "--out", str(out)]) == 0
+    data = json.loads((out / "quant.json").read_text())
+    assert data["memory"][0]["model"] == "embedded SmolLM2-135M Q4_1" and set(data["runs"]) == {"memory"}
+    (out / "quant-accuracy.json").write_text(json.dumps(full | {"quick": True}))
+    (out / "quant-accuracy.md").write_text("## quick accuracy table\n")
+    assert cli.main(["bench", "quant", "--quick", "--parts", "memory", "--out", str(out)]) == 0
+    data = json.loads((out / "quant.json").read_text())
+    assert set(data["runs"]) == {"memory", "accuracy"}
+    md = (out / "quant.md").read_text()
+    assert "quick accuracy table" in md and "full kernel table" not in md
+
+
+def test_bench_quant_refuses_bad_parts(capsys):
+    from hydragen import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "quant", "--parts", "kernels,speed"])
+    assert "unknown part 'speed'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "quant", "--parts", "real"])
+    assert "needs --real-size" in capsys.readouterr().err

@@ -1,0 +1,158 @@
+"""The quantized-matmul ops against their twin (hydragen/model/quant_twin.py): every GGUF type hydragen
+computes in, on every instruction-set path this CPU has (HYDRAGEN_QUANT_ISA's levels), every batch shape
+the kernels treat differently (1-4 rows per call, 64-row tasks, partial 16-row tiles), and each fused
+prologue and epilogue."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hydragen.model.gguf_quantize import quantize, random_blocks
+from hydragen.model.qtensor import PACKED_TYPES, QuantTensor
+from hydragen.model.quant_twin import quant_linear_reference, quantize_activations
+from hydragen.native import quant
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="hydragen's C++ ops are unavailable")
+
+Q = gguf.GGMLQuantizationType
+ALL = PACKED_TYPES + (Q.F16, Q.BF16, Q.F32)
+# The paths this CPU can run: the best it has and every level below.
+ISAS = [
+    level
+    for name, level in quant.ISA_LEVELS.items()
+    if quant.available() and level <= quant.ISA_LEVELS[quant.isa_name(0)]
+]
+
+
+def _tensor(qtype, rows, cols, seed=0, std=0.5) -> QuantTensor:
+    rng = np.random.default_rng(seed)
+    data = random_blocks(qtype, rows, cols, std, rng)
+    return QuantTensor(int(qtype), torch.from_numpy(data), cols)
+
+
+def _cols(qtype, blocks=3) -> int:
+    return gguf.GGML_QUANT_SIZES[qtype][0] * blocks if qtype in PACKED_TYPES else 96 * blocks + 5
+
+
+def _close(got, want, x, parts, bits=15):
+    """Within float32 summation error of the magnitudes involved: |got - want| <= 1e-5 * (|x| @ |W|^T)."""
+    xa = (quantize_activations(x, bits) if parts[0].qtype in PACKED_TYPES else x).abs().double()
+    mag = torch.cat([xa @ p.dequantize().abs().double().T for p in parts], dim=1)
+    err = (got.double() - want.double()).abs()
+    assert (err <= 1e-5 * mag + 1e-6).all(), float((err / (mag + 1e-30)).max())
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
+def test_packed_rows_read_back_as_the_gguf_package_dequantizes(qtype) -> None:
+    t = _tensor(qtype, 37, _cols(qtype))
+    packed = quant.pack(t.data, t.qtype)
+    got = quant.rows(packed, t.qtype, t.cols, torch.arange(37))
+    assert torch.equal(got, t.dequantize())
+
+
+@pytest.mark.parametrize("bits", [15, 8])
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 70])
+def test_kernel_matches_the_twin(qtype, isa, m, bits) -> None:
+    cols = _cols(qtype) if qtype in PACKED_TYPES else 96 * 3 + 5
+    t = _tensor(qtype, 37, cols, seed=m)  # 37 rows: two whole 16-row tiles and a partial one
+    data = quant.pack(t.data, t.qtype) if qtype in PACKED_TYPES else t.data
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    x[0, :32] *= 1e4  # one group at the top of the range: 15-bit integers near their bound
+    got = quant.linear(x, [data], [t.qtype], [37], act_bits=bits, isa=isa)
+    _close(got, quant_linear_reference(x, [t], act_bits=bits), x, [t], bits)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
+def test_mixed_parts_with_norm_rope_and_residual(isa) -> None:
+    """q/k/v of three types in one call (Q4_K_M's q/k Q4_K, v Q6_K), RMSNorm before, rotary on q and k."""
+    cols, d = 512, 64
+    parts = [_tensor(Q.Q4_K, 128, cols, 1), _tensor(Q.Q4_K, 64, cols, 2), _tensor(Q.Q6_K, 64, cols, 3)]
+    x = torch.randn(5, cols)
+    norm = torch.rand(cols) + 0.5
+    pos = torch.arange(5, dtype=torch.float32)[:, None] * torch.rand(d // 2)
+    cos = torch.cat([pos, pos], 1).cos()
+    sin = torch.cat([-pos.sin(), pos.sin()], 1)
+    rope = (cos, sin, 192)
+    got = quant.linear(
+        x,
+        [quant.pack(p.data, p.qtype) for p in parts],
+        [p.qtype for p in parts],
+        [128, 64, 64],
+        norm=norm,
+        eps=1e-5,
+        rope=rope,
+        isa=isa,
+    )
+    want = quant_linear_reference(x, parts, norm=norm, eps=1e-5, rope=rope)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    residual = torch.randn(5, 256)
+    before = residual.clone()
+    out = quant.linear(
+        x,
+        [quant.pack(p.data, p.qtype) for p in parts],
+        [p.qtype for p in parts],
+        [128, 64, 64],
+        residual=residual,
+        isa=isa,
+    )
+    assert out.data_ptr() == residual.data_ptr()
+    want = quant_linear_reference(x, parts, residual=before)
+    assert torch.allclose(residual, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
+def test_swiglu_epilogue(isa) -> None:
+    gate_up = _tensor(Q.Q4_1, 96, 128, 4)
+    x = torch.randn(3, 128)
+    got = quant.linear(
+        x, [quant.pack(gate_up.data, gate_up.qtype)], [gate_up.qtype], [96], swiglu=True, isa=isa
+    )
+    want = quant_linear_reference(x, [gate_up], swiglu=True)
+    assert got.shape == (3, 48)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [15, 8])
+def test_activation_quantization_is_the_kernels(bits) -> None:
+    """Groups of 32 with scale max|x| / QMAX, rounded half to even; an all-zero group stays zero; the 15-bit
+    integers' error is 1/16191 of the group's largest value, the int8 ones' 1/127."""
+    x = torch.zeros(1, 64)
+    x[0, :32] = torch.linspace(-1.0, 1.0, 32)
+    q = quantize_activations(x, bits)
+    assert q[0, 32:].eq(0).all()
+    step = 1.0 / {15: 16191, 8: 127}[bits]
+    assert (q[0, :32] - x[0, :32]).abs().max() <= step / 2 * 1.0001
+
+
+def test_the_quantizers_round_trip_within_their_step() -> None:
+    """The numpy K-quant writers (model/gguf_quantize.py) give blocks the gguf package reads back close to
+    the input: within one quantization step of each sub-block."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 512)).astype(np.float32)
+    for qtype, levels in ((Q.Q2_K, 3), (Q.Q3_K, 7), (Q.Q4_K, 15), (Q.Q5_K, 31), (Q.Q6_K, 63)):
+        back = gguf.quants.dequantize(quantize(x, qtype), qtype).reshape(x.shape)
+        sub = 16 if qtype in (Q.Q2_K, Q.Q3_K, Q.Q6_K) else 32
+        spread = np.ptp(x.reshape(-1, sub), axis=1).repeat(sub).reshape(x.shape)
+        assert (np.abs(back - x) <= spread / levels * 1.6 + 1e-3).all(), qtype.name
+
+
+def test_isa_cap_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("HYDRAGEN_QUANT_ISA", "avx2")
+    assert quant.requested_isa() == 2
+    monkeypatch.setenv("HYDRAGEN_QUANT_ISA", "avx9000")
+    with pytest.raises(ValueError, match="HYDRAGEN_QUANT_ISA='avx9000' is not one of scalar, avx2"):
+        quant.requested_isa()
+
+
+def test_bad_shapes_are_refused() -> None:
+    t = _tensor(Q.Q4_0, 16, 64)
+    packed = quant.pack(t.data, t.qtype)
+    with pytest.raises(RuntimeError, match="wrong shape for 96 columns"):
+        quant.linear(torch.randn(1, 96), [packed], [t.qtype], [16])
+    with pytest.raises(RuntimeError, match="is not supported"):
+        quant.linear(torch.randn(1, 64), [packed], [20], [16])
