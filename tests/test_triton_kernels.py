@@ -15,6 +15,7 @@ import torch
 
 from hydragen import LLM, SamplingParams
 from hydragen.attention.reference import reference_attention
+from hydragen.attention.step_work import cut_runs
 from hydragen.attention.tree_plan import build_tree_plan
 from hydragen.engine.model_runner import ModelRunner
 
@@ -112,19 +113,8 @@ def test_tail_kernel_ragged(tk, hq, hkv, d, dtype):
     # Split-KV: split s of sequence b is its own partial over tail positions [32 s, 32 s + 32).
     out, lse = tk.tail_attention(q, k, v, pages, 4, lens, 0.3, split_len=32, num_splits=3, block_n=16)
     for sp in range(3):
-        split_runs = [[r for r in _positions(rs, 32 * sp, 32 * sp + 32)] for rs in runs]
+        split_runs = [cut_runs(rs, 32 * sp, 32 * sp + 32) for rs in runs]
         check(out[:, sp], lse[:, sp], *reference(q, k, v, split_runs, 0.3), dtype)
-
-
-def _positions(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The slot runs holding positions [lo, hi) of the concatenation of ``runs``."""
-    out, pos = [], 0
-    for a, b in runs:
-        s, e = max(a, a + lo - pos), min(b, a + hi - pos)
-        if s < e:
-            out.append((s, e))
-        pos += b - a
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -91,7 +91,7 @@ def _pairs_tensor(pairs: list[tuple[int, int]]) -> Tensor:
     return torch.tensor([x for pair in pairs for x in pair], dtype=torch.int64).view(-1, 2)
 
 
-def _cut(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+def cut_runs(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """The slot runs holding keys [lo, hi) of the concatenation of ``runs``."""
     out, pos = [], 0
     for a, b in runs:
@@ -137,7 +137,7 @@ class _WorkItems:
         for group in [[r] for r in long] + ([short] if short else []):
             bounds = _key_chunks(sum(b - a for a, b in group))
             for c0, c1 in zip(bounds, bounds[1:], strict=False):
-                self._pieces(tok_lo, tok_hi, _cut(group, c0, c1), c1 - c0, c1 - c0)
+                self._pieces(tok_lo, tok_hi, cut_runs(group, c0, c1), c1 - c0, c1 - c0)
 
     def add_causal(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int) -> None:
         """Token i sees keys 0..i. Per tile [a, b): a causal square on the diagonal, and keys [0, a) to its
@@ -156,9 +156,9 @@ class _WorkItems:
         bounds = _key_chunks(max(seen_last, 0)) if split else [0, total]
         for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
             j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
-            self._pieces(tok_lo + j0, tok_hi, _cut(runs, c0, c1), visible + j0 - c0, c1 - c0)
+            self._pieces(tok_lo + j0, tok_hi, cut_runs(runs, c0, c1), visible + j0 - c0, c1 - c0)
         c0 = bounds[-2]
-        r0, r1 = self._runs(_cut(runs, c0, total)) if c0 else (first_run, first_run + len(runs))
+        r0, r1 = self._runs(cut_runs(runs, c0, total)) if c0 else (first_run, first_run + len(runs))
         for t0 in range(tok_lo, tok_hi, TOKENS_PER_BLOCK):
             t1 = min(t0 + TOKENS_PER_BLOCK, tok_hi)
             self.blocks.append((t0, t1, r0, r1, visible + t0 - tok_lo - c0, total - c0))
