@@ -222,6 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert GGUF quantized and 16-bit weights to --dtype at load (default: keep them compact)",
     )
     v.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ZMQ_ADDRESS",
+        help="publish the prefix cache's stored/removed pages as vLLM KV events on this ZMQ PUB address "
+        "(e.g. tcp://127.0.0.1:5557; port 0 picks one), for a cache-aware router (default: off)",
+    )
+    v.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ZMQ_ADDRESS",
+        help="with --kv-events-endpoint: a ZMQ ROUTER address where subscribers ask for missed batches",
+    )
+    v.add_argument(
         "--log-level",
         default="info",
         help="critical, error, warning, info (one line per request; default) or debug",

@@ -50,6 +50,13 @@ def run_serve(args: argparse.Namespace) -> int:
         options.check()
     except ValueError as e:
         problems.append(str(e))
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        problems.append("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        address = getattr(args, name)
+        if address is not None and not address.startswith(("tcp://", "ipc://")):
+            flag = "--" + name.replace("_", "-")
+            problems.append(f"{flag} must be a ZMQ address like tcp://127.0.0.1:5557, got {address!r}")
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2
@@ -58,6 +65,12 @@ def run_serve(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        events = kv_event_publisher(args)  # bound before the model loads, like the port
+    except Exception as e:
+        sock.close()
+        print(f"error: cannot publish KV events: {e}", file=sys.stderr)
         return 2
     configure_logging(log_level)
 
@@ -83,6 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except BaseException:
         sock.close()
+        if events is not None:
+            events.close()
         raise
     name = args.served_model_name or llm.model_path.stem
     kv = llm.engine.pool.num_slots
@@ -96,8 +111,24 @@ def run_serve(args: argparse.Namespace) -> int:
         f" | API key {'required' if api_key else 'not required'}"
         + (f" | {governor.describe()}" if governor is not None else "")
     )
+    if events is not None:
+        llm.engine.publish_kv_events(events.publish)
+        ready += f" | KV events {events.endpoint}" + (
+            f" (replay {events.replay_endpoint})" if events.replay_endpoint else ""
+        )
     try:
         run(create_app(llm, name, options), sock, options, log_level, ready)
     finally:
         llm.close()
+        if events is not None:
+            events.close()
     return 0
+
+
+def kv_event_publisher(args: argparse.Namespace):
+    """The KV event publisher ``--kv-events-endpoint`` asks for, or None."""
+    if not args.kv_events_endpoint:
+        return None
+    from hydragen.dp.kv_events import KVEventPublisher
+
+    return KVEventPublisher(args.kv_events_endpoint, args.page_size, args.kv_events_replay_endpoint)

@@ -18,6 +18,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from hydragen.engine.stats import EngineSnapshot, EngineStats
 from hydragen.engine.step_plan import StepPlan
 from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import PagePool
+from hydragen.kv.radix import PageEvent
 from hydragen.structured.controller import StructuredOutputs
 from hydragen.structured.matcher import GrammarViolation
 
@@ -127,6 +129,7 @@ class Engine:
         self.last_plan = StepPlan()
         self.snapshot = EngineSnapshot.of(self)
         self.threads = None  # a cpu_threads.ThreadGovernor, when the caller wants the thread count managed
+        self._kv_sink: Callable[[list[PageEvent]], None] | None = None
         self._ids = itertools.count()
 
     # ---- views ----------------------------------------------------------------------------------
@@ -188,6 +191,20 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
         self.kv.evict_idle()
+        self._flush_kv_events()
+
+    def publish_kv_events(self, sink: Callable[[list[PageEvent]], None]) -> None:
+        """Report every page that enters or leaves the prefix tree to ``sink``, starting with the pages
+        cached now; called after each step, abort and cache reset that changed the tree (from the thread
+        that runs the engine, so ``sink`` must only hand the events off). ``serve --kv-events-endpoint``
+        publishes them for a router."""
+        self.tree.record_events()
+        self._kv_sink = sink
+        self._flush_kv_events()
+
+    def _flush_kv_events(self) -> None:
+        if self._kv_sink is not None and (events := self.tree.drain_events()):
+            self._kv_sink(events)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -224,6 +241,7 @@ class Engine:
         for s in req.seqs:
             self.outputs.end(s, "abort")
         self.scheduler.remove(req.seqs)
+        self._flush_kv_events()
         self.snapshot = EngineSnapshot.of(self)  # no step may follow: /metrics sees the abort now
         return True
 
@@ -302,6 +320,7 @@ class Engine:
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self.pool.used_pages * self.pool.page_size)
         failed = [o for r in self.failed if (o := self._finish_request(r)) is not None]
         self.failed = []
+        self._flush_kv_events()
         self.snapshot = EngineSnapshot.of(self)
         return failed + done
 

@@ -12,6 +12,10 @@ instead of computing them again); such a node is only ever written by the sequen
 Eviction is least recently used, leaves first: the tree keeps no hold on pages, so a cached page nobody
 holds is *idle*, and every descendant of an idle page is idle too (a context that holds a page holds every
 page before it). The tree evicts idle leaves until enough pages are freed.
+
+When ``record_events()`` was called, the tree also keeps a log of what entered and left it (``PageEvent``,
+drained by the engine after each step), naming pages by their chained hash (``kv.page_hash``) so that a
+router in another process can match token ids against this cache exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+
+from hydragen.kv.page_hash import page_hash
 
 _clock = itertools.count(1)
 
@@ -32,6 +38,17 @@ class PageNode:
     children: dict[tuple[int, ...], PageNode] = field(default_factory=dict)
     computed: bool = False
     last_used: int = 0
+    hash: int | None = None  # chained page hash, set while the tree records events
+
+
+@dataclass(frozen=True)
+class PageEvent:
+    """A page entered the tree (``stored``: its tokens and its parent's hash) or left it (``removed``)."""
+
+    stored: bool
+    hash: int
+    parent_hash: int | None = None
+    tokens: tuple[int, ...] = ()
 
 
 class PrefixTree:
@@ -40,6 +57,28 @@ class PrefixTree:
         self.root = PageNode(-1, (), None, -1, computed=True)
         self.nodes: dict[int, PageNode] = {}  # page -> node
         self._idle: list[tuple[int, int, int, PageNode]] = []  # (last_used, -depth, tie, node) heap
+        self.events: list[PageEvent] | None = None  # None: not recording
+
+    def record_events(self) -> None:
+        """Start logging pages stored and removed; a page already cached is reported as stored first."""
+        self.events = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            self._stored(node)
+            stack += node.children.values()
+
+    def drain_events(self) -> list[PageEvent]:
+        """The events since the last drain, oldest first (a parent's ``stored`` before its children's)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
+
+    def _stored(self, node: PageNode) -> None:
+        parent = node.parent.hash if node.parent is not self.root else None
+        node.hash = page_hash(parent, node.key)
+        self.events.append(PageEvent(True, node.hash, parent, node.key))
 
     def __contains__(self, page: int) -> bool:
         return page in self.nodes
@@ -74,6 +113,8 @@ class PrefixTree:
         node = PageNode(page, key, parent, parent.depth + 1, computed=computed, last_used=next(_clock))
         parent.children[key] = node
         self.nodes[page] = node
+        if self.events is not None:
+            self._stored(node)
         return node
 
     def remove(self, node: PageNode) -> None:
@@ -82,6 +123,8 @@ class PrefixTree:
             raise RuntimeError("only a leaf of the prefix tree can be removed")
         del node.parent.children[node.key]
         del self.nodes[node.page]
+        if self.events is not None and node.hash is not None:
+            self.events.append(PageEvent(False, node.hash))
 
     def touch(self, pages: list[int]) -> None:
         """Mark pages as just used (LRU); deeper pages get older times so a path is evicted from its end."""

@@ -1,0 +1,1 @@
+"""Data-parallel serving: replicas, their KV events, and the router in front of them."""
