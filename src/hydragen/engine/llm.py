@@ -140,12 +140,10 @@ class LLM:
 
     def _start_engine(self, dev, dt, kv_cache_tokens, max_num_seqs, **engine_options) -> None:
         """The tokenizer, the KV budget and the engine; ``engine_options`` go to ``Engine`` unchanged."""
-        has_tokenizer = self.model_path.suffix == ".gguf" or any(
-            (self.model_path / f).exists()
-            for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-        )
+        from hydragen.model.tokenizer import has_tokenizer_files
+
         # A directory without tokenizer files still runs on token-id prompts (texts are then empty).
-        if has_tokenizer:
+        if has_tokenizer_files(self.model_path):
             from hydragen.model.tokenizer import load_tokenizer
             from hydragen.tools.formats import resolve_format
 
