@@ -1,0 +1,282 @@
+"""hydragen on Ray Serve: engine replicas on any machines of a Ray cluster, one OpenAI endpoint in front,
+each request routed to the replica whose prefix cache holds the most of its prompt.
+
+Two deployments (``build_app``):
+
+* ``HydragenReplica`` (``data_parallel_size`` of them, placed by Ray on any node): an ``LLM`` and
+  hydragen's own OpenAI app (``server.app.create_app``), which each request runs through in-process
+  (``dp.asgi_call``), so a replica answers exactly as ``hydragen serve`` does, errors and streaming
+  included. It publishes its prefix cache's KV events (``dp.kv_events``) on its node's address and gives
+  that address to the router through ``record_replica_metadata``. Ray Serve health-checks it
+  (``check_health``: a failed engine restarts the replica).
+* ``HydragenIngress`` (behind Ray Serve's HTTP proxy): reads the body, computes the exact prompt token
+  ids the replica will see (``dp.prompts``), and calls a replica through a handle whose request router is
+  ``dp.ray_router.HydragenRequestRouter``; the replica's response streams back as it comes, with an
+  ``x-hydragen-replica`` header naming the replica. Its ``/metrics`` gives the router's figures.
+
+``hydragen serve --ray`` runs it (``run``); ``serve run hydragen.dp.ray_serve:app_builder`` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+
+from hydragen.dp.asgi_call import call_asgi, http_scope
+from hydragen.dp.kv_events import KVEventPublisher
+from hydragen.dp.prompts import RequestPrompts
+from hydragen.dp.ray_router import KV_EVENTS_KEY, ROUTE_KWARG, HydragenRequestRouter, live_routers
+from hydragen.dp.router import POLICIES
+from hydragen.server.body import read_body
+from hydragen.server.errors import APIError
+from hydragen.server.options import ServerOptions
+from hydragen.server.responses import SSE_DONE, sse
+
+log = logging.getLogger("hydragen.dp")
+REPLICA_HEADER = "x-hydragen-replica"
+ROUTED_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+DROPPED_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}  # set again by the proxy
+
+
+class HydragenReplica:
+    """One engine replica: the LLM, its OpenAI app, and its KV-event publisher."""
+
+    def __init__(
+        self, model: str | None, llm_options: dict, served_model_name: str | None, server_options: dict
+    ):
+        from hydragen import LLM
+        from hydragen.server.app import create_app
+
+        self.llm = LLM(model, **llm_options)
+        host = ray.util.get_node_ip_address()
+        self.events = KVEventPublisher(
+            f"tcp://{host}:0", self.llm.engine.pool.page_size, replay_endpoint=f"tcp://{host}:0"
+        )
+        self.llm.engine.publish_kv_events(self.events.publish)
+        name = served_model_name or self.llm.model_path.stem
+        self.app = create_app(self.llm, name, ServerOptions(**server_options))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    def record_replica_metadata(self) -> dict:
+        """Where the router subscribes to this replica's cache (sent once, when the replica is ready)."""
+        return {
+            KV_EVENTS_KEY: {"endpoint": self.events.endpoint, "replay_endpoint": self.events.replay_endpoint}
+        }
+
+    def check_health(self) -> None:
+        """Ray Serve calls it periodically; raising makes Ray replace this replica."""
+        if (err := self.app.state.engine.unavailable()) is not None and err.code == "engine_failed":
+            raise RuntimeError(err.message)
+
+    async def handle(self, method: str, path: str, query: bytes, headers: list, body: bytes, **_: Any):
+        """One HTTP request through the app: first {"status", "headers", "replica"}, then body chunks.
+        (The ingress's ``route`` keyword is for the router; it is ignored here.)"""
+        scope = http_scope(method, path, query, headers)
+        async for message in call_asgi(self.app, scope, body):
+            if message["type"] == "http.response.start":
+                yield {
+                    "status": message["status"],
+                    "headers": message.get("headers", []),
+                    "replica": self.replica_id,
+                }
+            elif message["type"] == "http.response.body" and message.get("body"):
+                yield message["body"]
+
+    def __del__(self) -> None:  # Ray Serve stops the replica
+        engine = getattr(getattr(self, "app", None), "state", None)
+        if engine is not None:
+            engine.engine.shutdown()
+        if hasattr(self, "events"):
+            self.events.close()
+        if hasattr(self, "llm"):
+            self.llm.close()
+
+
+class HydragenIngress:
+    """The HTTP entry: computes each request's prompt ids and hands it to a replica through the router."""
+
+    def __init__(
+        self, replicas, model: str | None, tool_format: str | None, policy: str, server_options: dict
+    ):
+        self.replicas = replicas.options(method_name="handle", stream=True)
+        self.prompts = RequestPrompts.load(model, tool_format, want_text=policy == "approx")
+        self.options = ServerOptions(**server_options)
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if request.method == "GET" and path == "/metrics":
+            return PlainTextResponse(router_metrics(), media_type="text/plain; version=0.0.4")
+        try:
+            body = await read_body(request, self.options.max_request_bytes, self.options.read_timeout)
+        except APIError as e:
+            return e.response()
+        route = None
+        if request.method == "POST" and path in ROUTED_PATHS:
+            try:
+                wanted = await self.prompts.route_request(body, ROUTED_PATHS[path])
+                route = {"token_ids": wanted.token_ids, "text": wanted.text}
+            except APIError:
+                pass  # the replica refuses it with its own exact 4xx
+        call = self.replicas.remote(
+            request.method,
+            path,
+            request.url.query.encode(),
+            request.headers.raw,
+            body,
+            **{ROUTE_KWARG: route},
+        )
+        try:
+            head = await call.__anext__()
+        except Exception as e:  # the replica died before answering, or Ray could not reach it
+            call.cancel()
+            return replica_failed(e).response()
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in head["headers"]
+            if k.lower() not in DROPPED_HEADERS
+        }
+        headers[REPLICA_HEADER] = head["replica"]
+        events = headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(relay(call, events), status_code=head["status"], headers=headers)
+
+
+async def relay(call, events: bool):
+    """The replica's body chunks as they come; a replica lost mid-stream ends an SSE stream with an error
+    event (a plain body just ends: its client sees it cut short)."""
+    try:
+        async for chunk in call:
+            yield chunk
+    except Exception as e:
+        if events:
+            yield sse(replica_failed(e).body())
+            yield SSE_DONE
+    finally:
+        call.cancel()  # the client went away (or the stream ended): the replica aborts the request
+
+
+def replica_failed(e: BaseException) -> APIError:
+    log.warning("replica call failed: %s", e)
+    return APIError(
+        502, f"the replica serving this request failed: {type(e).__name__}", code="replica_failed"
+    )
+
+
+ROUTER_FIGURES = (  # (metric, type, help, how to read it from a Router.snapshot() row)
+    ("hydragen_router_healthy", "gauge", "1 while a live replica holds the slot", lambda s: s["healthy"]),
+    ("hydragen_router_in_flight", "gauge", "requests in flight there", lambda s: s["in_flight"]),
+    (
+        "hydragen_router_cached_pages",
+        "gauge",
+        "pages its KV events say it holds",
+        lambda s: s["cached_pages"],
+    ),
+    (
+        "hydragen_router_matched_tokens_total",
+        "counter",
+        "prompt tokens of requests routed there that it held (or was computing)",
+        lambda s: s["matched_tokens"],
+    ),
+    ("hydragen_router_routed_total", "counter", "requests routed there", lambda s: sum(s["routed"].values())),
+)
+
+
+def router_metrics() -> str:
+    """Prometheus text of the router in this process, one sample per replica slot (``replica="i"``)."""
+    rows = [row for router in live_routers() for row in router.snapshot()]
+    lines = []
+    for name, kind, help_text, read in ROUTER_FIGURES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{replica="{row["replica"]}"}} {float(read(row))}' for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def build_app(
+    model: str | None = None,
+    data_parallel_size: int = 2,
+    policy: str = "cache",
+    balance_bound: int = 4,
+    replica_cpus: float = 1.0,
+    llm_options: dict | None = None,
+    served_model_name: str | None = None,
+    server_options: dict | None = None,
+    max_ongoing_requests: int = 256,
+):
+    """The Ray Serve application: ``data_parallel_size`` replicas of ``LLM(model, **llm_options)`` behind
+    the ingress, routed by ``policy`` (``dp.router.POLICIES``). ``replica_cpus``: Ray CPUs each replica
+    reserves (and its torch threads, unless ``llm_options`` says ``threads``)."""
+    if policy not in POLICIES:
+        raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
+    llm_options = dict(llm_options or {})
+    llm_options.setdefault("threads", max(1, int(replica_cpus)) if replica_cpus >= 1 else 1)
+    server_options = dict(server_options or {})
+    ServerOptions(**server_options).check()
+    router = RequestRouterConfig(
+        request_router_class=HydragenRequestRouter,
+        request_router_kwargs={
+            "policy": policy,
+            "balance_bound": balance_bound,
+            "max_replicas": data_parallel_size,
+        },
+    )
+    replica = serve.deployment(
+        HydragenReplica,
+        name="HydragenReplica",
+        num_replicas=data_parallel_size,
+        ray_actor_options={"num_cpus": replica_cpus},
+        max_ongoing_requests=max_ongoing_requests,
+        request_router_config=router,
+    )
+    ingress = serve.deployment(
+        HydragenIngress,
+        name="HydragenIngress",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max_ongoing_requests * data_parallel_size,
+    )
+    replicas = replica.bind(model, llm_options, served_model_name, server_options)
+    return ingress.bind(replicas, model, llm_options.get("tool_format"), policy, server_options)
+
+
+def app_builder(args: dict[str, str]):
+    """For ``serve run hydragen.dp.ray_serve:app_builder model=PATH data_parallel_size=2 policy=cache``."""
+    known = {"model", "data_parallel_size", "policy", "balance_bound", "replica_cpus", "served_model_name"}
+    if unknown := set(args) - known:
+        raise ValueError(
+            f"unknown argument(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
+        )
+    return build_app(
+        model=args.get("model"),
+        data_parallel_size=int(args.get("data_parallel_size", 2)),
+        policy=args.get("policy", "cache"),
+        balance_bound=int(args.get("balance_bound", 4)),
+        replica_cpus=float(args.get("replica_cpus", 1)),
+        served_model_name=args.get("served_model_name"),
+    )
+
+
+def run(app, address: str | None, host: str, port: int, ready: str) -> int:
+    """Join (``address``) or start a Ray cluster, serve ``app`` on host:port until SIGINT/SIGTERM."""
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name="hydragen", route_prefix="/")
+        print(ready.format(port=port), file=sys.stderr, flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
