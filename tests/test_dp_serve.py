@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server_process import Lines, spawn
 
 from hydragen.cli.parser import build_parser
 from hydragen.dp.launch import build_front, ready_line, serve_front
@@ -382,3 +383,48 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(
     assert m["hydragen_dp_replicas_healthy"] == 2
     assert f'hydragen_requests_finished_total{{replica="{victim}"}}' in m  # its own metrics are back
     complete(back.url, "the restarted replica answers")
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+def test_bad_data_parallel_options_are_one_line_errors(model_dir):
+    cores = len(os.sched_getaffinity(0))
+    dp2 = ["--data-parallel-size", "2", "--threads", "1"]
+    cases = {
+        "zero": (["--data-parallel-size", "0"], 2, "--data-parallel-size must be at least 1, got 0"),
+        "cores": (["--data-parallel-size", str(cores + 1)], 2, f"needs {cores + 1} cores"),
+        "tp": ([*dp2, "--tensor-parallel-size", "2"], 2, "cannot be combined"),
+        "bound": ([*dp2, "--router-balance-bound", "-1"], 2, "--router-balance-bound must be >= 0"),
+        # Only the replicas find this one out (the front reads no weights): it ends the command, once.
+        "replica": ([*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"], 1, "could not start: "),
+    }
+    procs = {name: spawn("--model", model_dir, "--port", "0", *args) for name, (args, _, _) in cases.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        errors = [x for x in err.splitlines() if x.startswith("error:")]
+        assert proc.returncode == cases[name][1], (name, err)
+        assert len(errors) == 1 and cases[name][2] in errors[0], (name, err)
+
+
+def test_the_command_serves_through_n_replicas_and_stops_them_on_sigterm(model_dir):
+    proc = spawn(
+        "--model", model_dir, "--port", "0", "--data-parallel-size", "2", "--threads", "1", api_key="k"
+    )
+    lines = Lines(proc)
+    try:
+        ready = lines.wait_for(
+            r"ready: serving 'tiny' on (http://127\.0\.0\.1:\d+)/v1 \| 2 data-parallel replicas"
+        )
+        pids = [int(lines.wait_for(rf"replica {i} ready: pid (\d+)").group(1)) for i in (0, 1)]
+        assert (
+            "KV cache" in ready.string and "1 thread" in ready.string and "API key required" in ready.string
+        )
+        url, body = ready.group(1), {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert all_gone(pids)
+    finally:
+        proc.kill()

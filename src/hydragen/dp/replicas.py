@@ -210,7 +210,9 @@ class ReplicaSet:
             code = await proc.wait()
             errors = [x for x in lines if x.startswith("error:")]
             raise ReplicaStartError(
-                errors[-1] if errors else f"it {describe_exit(code)}: {' '.join(lines[-3:])}"
+                errors[-1].removeprefix("error: ")
+                if errors
+                else f"it {describe_exit(code)}: {' '.join(lines[-3:])}"
             )
         replica.ready, replica.started_at = ready, time.monotonic()
         self._tasks.append(asyncio.ensure_future(self._forward_log(replica, proc)))
