@@ -19,7 +19,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hydragen import SamplingParams
+from hydragen.dp.kv_events import to_wire
+from hydragen.dp.router import ReplicaState
 from hydragen.engine.step_plan import StepPlan, Work
+from hydragen.kv.page_hash import page_hash
 
 BASES = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
@@ -46,6 +49,10 @@ class EngineMachine(RuleBasedStateMachine):
             prefill_chunk=chunk,
             prefill_budget=max(chunk, 8),
             max_wait_steps=8,
+        )
+        self.mirror = ReplicaState(approx_capacity=1)  # a router's view, built from KV events alone
+        self.engine.publish_kv_events(
+            lambda events: [self.mirror.apply(e) for e in to_wire(events, page_size)]
         )
         self.requests = {}  # id -> (prompt, params, {seq index: {after: forced tokens}})
         self.outputs = {}
@@ -131,6 +138,13 @@ class EngineMachine(RuleBasedStateMachine):
         if hasattr(self, "engine"):
             assert not self.engine.runner.violations, self.engine.runner.violations[0]
             self.engine.kv.check(all_tables(self.engine))
+            tree = self.engine.tree
+            for node in tree.nodes.values():
+                parent = node.parent.hash if node.parent is not tree.root else None
+                assert node.hash == page_hash(parent, node.key)
+            assert self.mirror.cached == {node.hash for node in tree.nodes.values()}, (
+                "KV events lost a change"
+            )
 
     def teardown(self):
         if not hasattr(self, "engine"):

@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kv-events-endpoint: a ZMQ ROUTER address where subscribers ask for missed batches",
     )
     v.add_argument(
+        "--kv-events-topic",
+        default="",
+        help="with --kv-events-endpoint: the ZMQ topic of every message (default: none, as vLLM)",
+    )
+    v.add_argument(
         "--log-level",
         default="info",
         help="critical, error, warning, info (one line per request; default) or debug",

@@ -138,7 +138,9 @@ def kv_event_publisher(args: argparse.Namespace):
         return None
     from hydragen.dp.kv_events import KVEventPublisher
 
-    return KVEventPublisher(args.kv_events_endpoint, args.page_size, args.kv_events_replay_endpoint)
+    return KVEventPublisher(
+        args.kv_events_endpoint, args.page_size, args.kv_events_replay_endpoint, topic=args.kv_events_topic
+    )
 
 
 def data_parallel_problems(args: argparse.Namespace, tensor_parallel: int) -> list[str]:
