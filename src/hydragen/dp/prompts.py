@@ -22,13 +22,12 @@ class RequestPrompts:
         self.want_text = want_text  # the approximate policy routes on text
 
     @classmethod
-    def load(cls, model: str | None, tool_format: str | None, want_text: bool = False) -> RequestPrompts:
-        """From the model's config and tokenizer files only (no weights), as a replica resolves them."""
-        from hydragen.distributed.checkpoint import read_config
+    def from_files(cls, config, path, tool_format: str | None, want_text: bool = False) -> RequestPrompts:
+        """From the model's config (``read_config``) and tokenizer files (no weights), resolved as a
+        replica resolves them."""
         from hydragen.model.tokenizer import has_tokenizer_files, load_tokenizer
         from hydragen.tools.formats import resolve_format
 
-        config, path, _ = read_config(model)
         tok, fmt = None, tool_format
         if has_tokenizer_files(path):
             tok = load_tokenizer(path)

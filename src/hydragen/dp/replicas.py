@@ -209,7 +209,11 @@ class ReplicaSet:
         if ready is None:
             code = await proc.wait()
             errors = [x for x in lines if x.startswith("error:")]
-            raise ReplicaStartError(errors[-1] if errors else f"it {describe_exit(code)}: {' '.join(lines[-3:])}")
+            raise ReplicaStartError(
+                errors[-1].removeprefix("error: ")
+                if errors
+                else f"it {describe_exit(code)}: {' '.join(lines[-3:])}"
+            )
         replica.ready, replica.started_at = ready, time.monotonic()
         self._tasks.append(asyncio.ensure_future(self._forward_log(replica, proc)))
         log.info(
@@ -256,7 +260,9 @@ class ReplicaSet:
             replica.exits += 1
             ran = time.monotonic() - replica.started_at
             replica.failures = 0 if ran >= STABLE_S else replica.failures + 1
-            log.error("replica %d (pid %d) %s after %.1f s", replica.index, proc.pid, describe_exit(code), ran)
+            log.error(
+                "replica %d (pid %d) %s after %.1f s", replica.index, proc.pid, describe_exit(code), ran
+            )
             replica.ready = None
             await self.on_down(replica)
             await self._restart(replica)
@@ -300,7 +306,7 @@ class ReplicaSet:
 
     # ---- stopping -------------------------------------------------------------------------------------
     async def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM every replica (each drains what it still has), SIGKILL whatever is left after ``timeout``."""
+        """SIGTERM every replica (each drains what it still has); SIGKILL what is left after ``timeout``."""
         self._stopping = True
         procs = [r.process for r in self.replicas if r.process is not None and r.process.returncode is None]
         for p in procs:

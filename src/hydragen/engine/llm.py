@@ -32,13 +32,16 @@ def thread_governor(threads, device: torch.device, tensor_parallel_size: int = 1
     return ThreadGovernor(threads)
 
 
-def default_kv_cache_tokens(bytes_per_token: int, device: torch.device, max_tokens_useful: int) -> int:
-    """A quarter of free memory (RAM on CPU, VRAM on GPU), never more than the engine could use."""
+def default_kv_cache_tokens(
+    bytes_per_token: int, device: torch.device, max_tokens_useful: int, share: int = 1
+) -> int:
+    """A quarter of free memory (RAM on CPU, VRAM on GPU), never more than the engine could use; with
+    ``share`` engines on the machine (data-parallel replicas), each gets its part of that quarter."""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(1024, min(int(free * 0.25) // bytes_per_token, max_tokens_useful))
+    return max(1024, min(int(free * 0.25 / share) // bytes_per_token, max_tokens_useful))
 
 
 class LLM:
