@@ -297,6 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --data-parallel-size: the best-matching replica is passed over when it has more than K "
         "requests in flight beyond the least-loaded one (default 4)",
     )
+    v.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the --data-parallel-size replicas as a Ray Serve app, on any machines of a Ray cluster, "
+        "with the same router (needs pip install 'hydragen[ray]'; docs/data_parallel.md)",
+    )
+    v.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --ray: the Ray cluster to join (auto: the one 'ray start' runs on this machine; "
+        "default: start a Ray instance of this machine alone)",
+    )
     v.set_defaults(func=run_serve)
 
     b = sub.add_parser(

@@ -45,7 +45,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except UsageError as e:
         problems.append(str(e))
         tp = 1
-    problems += data_parallel_problems(args, tp)
+    if args.ray or args.ray_address is not None:
+        from hydragen.dp.ray_launch import check as ray_problems
+
+        problems += ray_problems(args, tp)
+    else:
+        problems += data_parallel_problems(args, tp)
     if args.model is not None and not os.path.exists(args.model):
         problems.append(f"--model {args.model!r} does not exist")
     try:
@@ -63,6 +68,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2
     log_level = args.log_level.lower()
+    if args.ray:  # Ray Serve's proxy binds the port
+        from hydragen.dp.ray_launch import run as run_on_ray
+
+        configure_logging(log_level)
+        return run_on_ray(args, options, api_key)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:

@@ -14,15 +14,12 @@ Two deployments (``build_app``):
   ``dp.ray_router.HydragenRequestRouter``; the replica's response streams back as it comes, with an
   ``x-hydragen-replica`` header naming the replica. Its ``/metrics`` gives the router's figures.
 
-``hydragen serve --ray`` runs it (``run``); ``serve run hydragen.dp.ray_serve:app_builder`` too.
+``hydragen serve --ray`` runs it (``dp.ray_launch``); so does ``serve run hydragen.dp.ray_serve:app_builder``.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import sys
-import threading
 from typing import Any
 
 import ray
@@ -108,7 +105,10 @@ class HydragenIngress:
         self, replicas, model: str | None, tool_format: str | None, policy: str, server_options: dict
     ):
         self.replicas = replicas.options(method_name="handle", stream=True)
-        self.prompts = RequestPrompts.load(model, tool_format, want_text=policy == "approx")
+        from hydragen.distributed.checkpoint import read_config
+
+        config, path, _ = read_config(model)
+        self.prompts = RequestPrompts.from_files(config, path, tool_format, want_text=policy == "approx")
         self.options = ServerOptions(**server_options)
 
     async def __call__(self, request: Request) -> Response:
@@ -262,21 +262,3 @@ def app_builder(args: dict[str, str]):
         replica_cpus=float(args.get("replica_cpus", 1)),
         served_model_name=args.get("served_model_name"),
     )
-
-
-def run(app, address: str | None, host: str, port: int, ready: str) -> int:
-    """Join (``address``) or start a Ray cluster, serve ``app`` on host:port until SIGINT/SIGTERM."""
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name="hydragen", route_prefix="/")
-        print(ready.format(port=port), file=sys.stderr, flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(1.0):
-            pass
-        return 0
-    finally:
-        serve.shutdown()
-        ray.shutdown()

@@ -1,0 +1,111 @@
+"""``hydragen serve --ray``: its checks, the Ray Serve app built from the serve flags, and running it.
+
+The replicas get the user's model and engine options; each reserves ``--threads`` Ray CPUs (default 1) and
+runs that many torch threads. Without ``--kv-cache-tokens`` each replica takes its part of the default KV
+budget as if all ran on this machine (a quarter of free memory split N ways): on a cluster of several
+machines, give ``--kv-cache-tokens``. Ray Serve's HTTP proxy listens on ``--host``/``--port`` of the machine
+that runs the command (the head node with ``ray start``; see docs/data_parallel.md, "Across machines").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+RAY_MISSING = "--ray needs Ray Serve, an optional dependency: pip install 'hydragen[ray]'"
+
+
+def check(args: argparse.Namespace, tensor_parallel: int) -> list[str]:
+    """Problems with ``--ray`` and its flags (checked before Ray starts)."""
+    problems = []
+    if args.ray_address is not None and not args.ray:
+        problems.append("--ray-address needs --ray")
+    if not args.ray:
+        return problems
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        problems.append(RAY_MISSING)
+    if args.data_parallel_size < 1:
+        problems.append(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if tensor_parallel > 1:
+        problems.append("--ray and --tensor-parallel-size cannot be combined")
+    if args.router_balance_bound < 0:
+        problems.append(f"--router-balance-bound must be >= 0, got {args.router_balance_bound}")
+    if args.kv_events_endpoint or args.kv_events_replay_endpoint:
+        problems.append("with --ray each replica publishes its KV events on its own node's address")
+    return problems
+
+
+def build_from_args(args: argparse.Namespace, options, api_key: str | None):
+    """The Ray Serve application for these serve flags (``dp.ray_serve.build_app``)."""
+    from hydragen.distributed.checkpoint import read_config
+    from hydragen.dp.launch import replica_kv_tokens
+    from hydragen.dp.ray_serve import build_app
+
+    config, _, _ = read_config(args.model)
+    threads = args.threads or 1
+    llm_options = dict(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_tokens=replica_kv_tokens(args, config),
+        max_num_seqs=args.max_num_seqs,
+        page_size=args.page_size,
+        prefix_sharing=not args.no_sharing,
+        jump_forward=not args.no_jump_forward,
+        dequantize=args.dequantize,
+        threads=threads,
+        literal_json_schema=args.literal_json_schema,
+        tool_format=args.tool_format,
+    )
+    server_options = dict(
+        api_key=api_key,
+        allowed_hosts=options.allowed_hosts,
+        max_request_bytes=options.max_request_bytes,
+        read_timeout=options.read_timeout,
+        shutdown_timeout=options.shutdown_timeout,
+    )
+    return build_app(
+        args.model,
+        data_parallel_size=args.data_parallel_size,
+        policy=args.router_policy,
+        balance_bound=args.router_balance_bound,
+        replica_cpus=threads,
+        llm_options=llm_options,
+        served_model_name=args.served_model_name,
+        server_options=server_options,
+        max_ongoing_requests=args.max_num_seqs,
+    )
+
+
+def run(args: argparse.Namespace, options, api_key: str | None) -> int:
+    """Join ``--ray-address`` (or start a Ray instance on this machine), serve until SIGINT/SIGTERM."""
+    import ray
+    from ray import serve
+
+    app = build_from_args(args, options, api_key)
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="hydragen", route_prefix="/")
+        nodes = sum(1 for n in ray.nodes() if n["Alive"])
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(
+            f"ready: serving on http://{host}:{args.port}/v1 | {args.data_parallel_size} Ray Serve replicas "
+            f"(router policy {args.router_policy}) on a Ray cluster of {nodes} node{'s' * (nodes != 1)} | "
+            f"API key {'required' if api_key else 'not required'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
