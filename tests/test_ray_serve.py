@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is an optional dependency (pi
 from ray import serve  # noqa: E402
 from server_helpers import free_port, tiny_chat_model  # noqa: E402
 
-from hydragen.dp.ray_serve import REPLICA_HEADER, build_app  # noqa: E402
+from hydragen.dp.ray_serve import APP_NAME, REPLICA_HEADER, build_app  # noqa: E402
 
 MODEL = "tiny"
 # Four tenants' system prompts (~250 bytes = tokens): they differ from their first page on, as the chat
@@ -26,28 +26,37 @@ TENANTS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
+def model(tiny_models, tmp_path_factory) -> str:
+    return tiny_chat_model(tiny_models["llama"], tmp_path_factory.mktemp("ray") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
     """A Ray cluster of this machine's processes (GCS, raylet, workers: Ray addresses them by the machine's
     own IP, so nothing leaves the host), Serve's HTTP proxy on a free loopback port."""
-    model = tiny_chat_model(tiny_models["llama"], tmp_path_factory.mktemp("ray") / "tiny")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            model,
-            data_parallel_size=2,
-            replica_cpus=0.5,
-            served_model_name=MODEL,
-            llm_options={"kv_cache_tokens": 4096, "threads": 1},
-        )
-        serve.run(app, name="hydragen", route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
             yield client
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def deploy(model: str, policy: str) -> None:
+    """Two replicas of the tiny model behind the ingress (replacing the app deployed before)."""
+    llm_options = {"kv_cache_tokens": 4096, "threads": 1}
+    app = build_app(model, 2, policy, replica_cpus=0.5, served_model_name=MODEL, llm_options=llm_options)
+    serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, model):
+    deploy(model, "cache")
+    return ray_cluster
 
 
 def chat(client: httpx.Client, system: str, user: str, **extra) -> httpx.Response:
@@ -96,26 +105,58 @@ def test_replicas_answer_completions_streams_and_errors_through_ray(cluster):
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
 
 
-def test_a_request_goes_to_the_replica_that_caches_its_prefix(cluster):
-    first = {}
+def first_turns(client: httpx.Client) -> dict[int, str]:
+    """Each tenant's first chat turn; the replica that served it."""
+    served = {}
     for i, system in enumerate(TENANTS):
-        r = chat(cluster, system, f"first question {i}")
+        r = chat(client, system, f"first question {i}")
         assert r.status_code == 200, r.text
-        first[i] = r.headers[REPLICA_HEADER]
+        served[i] = r.headers[REPLICA_HEADER]
     # Nothing was cached anywhere, so the first turns were spread by load: both replicas took some.
-    assert len(set(first.values())) == 2, first
+    assert len(set(served.values())) == 2, served
+    return served
 
+
+def assert_follow_ups_stick(client: httpx.Client, first: dict[int, str]) -> None:
+    """The second turns come in another order: round-robin or least-loaded would send half elsewhere."""
+    for i in (1, 0, 3, 2):
+        r = chat(client, TENANTS[i], f"second question {i}")
+        assert r.status_code == 200, r.text
+        assert r.headers[REPLICA_HEADER] == first[i], (i, first)
+
+
+def test_a_request_goes_to_the_replica_that_caches_its_prefix(cluster):
+    first = first_turns(cluster)
     # Wait (a hang guard, not a speed assumption) until the router has heard both replicas' KV events.
     deadline = time.monotonic() + 60
     while min(router_figures(cluster).get("hydragen_router_cached_pages", {"": 0}).values()) == 0:
         assert time.monotonic() < deadline, router_figures(cluster)
         time.sleep(0.1)
-
-    # The follow-ups come in another order: round-robin or least-loaded would send half of them elsewhere.
-    for i in (1, 0, 3, 2):
-        r = chat(cluster, TENANTS[i], f"second question {i}")
-        assert r.status_code == 200, r.text
-        assert r.headers[REPLICA_HEADER] == first[i], (i, first)
+    assert_follow_ups_stick(cluster, first)
     figures = router_figures(cluster)
     assert sum(figures["hydragen_router_matched_tokens_total"].values()) >= 4 * 200  # the system prompts
     assert sum(figures["hydragen_router_in_flight"].values()) == 0  # every request counted out again
+
+
+def test_ray_serve_llms_own_prefix_router_drives_hydragen_replicas(ray_cluster, model):
+    """policy ray-prefix: Ray Serve LLM's PrefixCacheAffinityRouter (an approximate tree of the text it
+    routed), with ray[serve] alone (no vLLM): the same stickiness for these chats."""
+    deploy(model, "ray-prefix")
+    assert_follow_ups_stick(ray_cluster, first_turns(ray_cluster))
+    assert "hydragen_router_cached_pages{" not in ray_cluster.get("/metrics").text  # not our router
+
+
+def test_ray_flags_are_one_line_errors_before_anything_starts(capsys, model):
+    from hydragen.cli import main
+
+    cases = [
+        (["--ray-address", "auto"], "--ray-address needs --ray"),
+        (["--router-policy", "ray-prefix"], "--router-policy ray-prefix (Ray Serve LLM's router) needs"),
+        (["--ray", "--tensor-parallel-size", "2"], "--ray and --tensor-parallel-size cannot be combined"),
+        (["--ray", "--kv-events-endpoint", "tcp://127.0.0.1:5557"], "with --ray each replica publishes"),
+        (["--ray", "--router-balance-bound", "-1"], "--router-balance-bound must be >= 0"),
+    ]
+    for argv, message in cases:
+        assert main(["serve", "--model", model, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, (argv, err)

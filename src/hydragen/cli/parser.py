@@ -283,11 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--router-policy",
-        choices=["cache", "approx", "round-robin", "least-loaded"],
+        choices=["cache", "approx", "round-robin", "least-loaded", "ray-prefix"],
         default="cache",
         help="with --data-parallel-size: cache (default) sends a request to the replica whose prefix cache "
         "holds most of its prompt, known from the replicas' KV events; approx guesses that from the text of "
-        "earlier requests (SGLang's router); round-robin; least-loaded",
+        "earlier requests (SGLang's router); round-robin; least-loaded; with --ray also ray-prefix, Ray "
+        "Serve LLM's own approximate router (PrefixCacheAffinityRouter)",
     )
     v.add_argument(
         "--router-balance-bound",

@@ -45,12 +45,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except UsageError as e:
         problems.append(str(e))
         tp = 1
-    if args.ray or args.ray_address is not None:
-        from hydragen.dp.ray_launch import check as ray_problems
+    from hydragen.dp import ray_launch  # imports Ray only when asked to run on it
 
-        problems += ray_problems(args, tp)
+    if args.ray:
+        problems += ray_launch.check(args, tp)
     else:
-        problems += data_parallel_problems(args, tp)
+        problems += data_parallel_problems(args, tp) + ray_launch.flags_without_ray(args)
     if args.model is not None and not os.path.exists(args.model):
         problems.append(f"--model {args.model!r} does not exist")
     try:
@@ -69,10 +69,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     log_level = args.log_level.lower()
     if args.ray:  # Ray Serve's proxy binds the port
-        from hydragen.dp.ray_launch import run as run_on_ray
-
         configure_logging(log_level)
-        return run_on_ray(args, options, api_key)
+        return ray_launch.run(args, options, api_key)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:

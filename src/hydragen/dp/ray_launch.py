@@ -18,13 +18,19 @@ import threading
 RAY_MISSING = "--ray needs Ray Serve, an optional dependency: pip install 'hydragen[ray]'"
 
 
+def flags_without_ray(args: argparse.Namespace) -> list[str]:
+    """The Ray-only flags given without ``--ray``."""
+    problems = []
+    if args.ray_address is not None:
+        problems.append("--ray-address needs --ray")
+    if args.router_policy == "ray-prefix":
+        problems.append("--router-policy ray-prefix (Ray Serve LLM's router) needs --ray")
+    return problems
+
+
 def check(args: argparse.Namespace, tensor_parallel: int) -> list[str]:
     """Problems with ``--ray`` and its flags (checked before Ray starts)."""
     problems = []
-    if args.ray_address is not None and not args.ray:
-        problems.append("--ray-address needs --ray")
-    if not args.ray:
-        return problems
     try:
         import ray.serve  # noqa: F401
     except ImportError:
@@ -86,11 +92,13 @@ def run(args: argparse.Namespace, options, api_key: str | None) -> int:
     import ray
     from ray import serve
 
-    app = build_from_args(args, options, api_key)
+    from hydragen.dp.ray_serve import APP_NAME
+
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     try:
+        app = build_from_args(args, options, api_key)
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app, name="hydragen", route_prefix="/")
+        serve.run(app, name=APP_NAME, route_prefix="/")
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(

@@ -101,14 +101,15 @@ class HydragenRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Our ranks name every candidate: when all are full, wait before asking again (no busy loop).
+            pending_request.routing_context.should_backoff = True
         by_slot = {self.slots[r.replica_id]: r for r in candidate_replicas if r.replica_id in self.slots}
         if not by_slot:
             return [[r] for r in self._by_load(candidate_replicas)]
         route = self.router.choose(route_request(pending_request))
         if pending_request is not None:
             self.chosen[pending_request.metadata.internal_request_id] = route
-            # Our ranks name every candidate: when all are full, wait before asking again (no busy loop).
-            pending_request.routing_context.should_backoff = True
         first = by_slot.get(route.replica)
         rest = [r for r in candidate_replicas if r is not first]
         return ([[first]] if first is not None else []) + [[r] for r in self._by_load(rest)]

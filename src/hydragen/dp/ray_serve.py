@@ -20,6 +20,7 @@ Two deployments (``build_app``):
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -39,9 +40,26 @@ from hydragen.server.options import ServerOptions
 from hydragen.server.responses import SSE_DONE, sse
 
 log = logging.getLogger("hydragen.dp")
+RAY_PREFIX = "ray-prefix"  # Ray Serve LLM's own approximate router (PrefixCacheAffinityRouter)
 REPLICA_HEADER = "x-hydragen-replica"
+REPLICA_DEPLOYMENT = "HydragenReplica"
+APP_NAME = "hydragen"  # the name hydragen serve --ray and the docs deploy the app under
 ROUTED_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 DROPPED_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}  # set again by the proxy
+
+
+@dataclass
+class ReplicaCall:
+    """One HTTP request for a replica. ``prompt``: the text the request is routed on, read by Ray Serve
+    LLM's ``PrefixCacheAffinityRouter`` (from any argument with a ``prompt`` attribute); a call without a
+    prompt (``GET /v1/models``) gives its method and path, as that router needs some text."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    prompt: str
 
 
 class HydragenReplica:
@@ -74,11 +92,11 @@ class HydragenReplica:
         if (err := self.app.state.engine.unavailable()) is not None and err.code == "engine_failed":
             raise RuntimeError(err.message)
 
-    async def handle(self, method: str, path: str, query: bytes, headers: list, body: bytes, **_: Any):
+    async def handle(self, call: ReplicaCall, **_: Any):
         """One HTTP request through the app: first {"status", "headers", "replica"}, then body chunks.
         (The ingress's ``route`` keyword is for the router; it is ignored here.)"""
-        scope = http_scope(method, path, query, headers)
-        async for message in call_asgi(self.app, scope, body):
+        scope = http_scope(call.method, call.path, call.query, call.headers)
+        async for message in call_asgi(self.app, scope, call.body):
             if message["type"] == "http.response.start":
                 yield {
                     "status": message["status"],
@@ -108,7 +126,8 @@ class HydragenIngress:
         from hydragen.distributed.checkpoint import read_config
 
         config, path, _ = read_config(model)
-        self.prompts = RequestPrompts.from_files(config, path, tool_format, want_text=policy == "approx")
+        want_text = policy in ("approx", RAY_PREFIX)
+        self.prompts = RequestPrompts.from_files(config, path, tool_format, want_text=want_text)
         self.options = ServerOptions(**server_options)
 
     async def __call__(self, request: Request) -> Response:
@@ -119,20 +138,16 @@ class HydragenIngress:
             body = await read_body(request, self.options.max_request_bytes, self.options.read_timeout)
         except APIError as e:
             return e.response()
-        route = None
+        route, text = None, f"{request.method} {path}"
         if request.method == "POST" and path in ROUTED_PATHS:
             try:
                 wanted = await self.prompts.route_request(body, ROUTED_PATHS[path])
-                route = {"token_ids": wanted.token_ids, "text": wanted.text}
+                route, text = {"token_ids": wanted.token_ids, "text": wanted.text}, wanted.text or text
             except APIError:
                 pass  # the replica refuses it with its own exact 4xx
+        query = request.url.query.encode()
         call = self.replicas.remote(
-            request.method,
-            path,
-            request.url.query.encode(),
-            request.headers.raw,
-            body,
-            **{ROUTE_KWARG: route},
+            ReplicaCall(request.method, path, query, request.headers.raw, body, text), **{ROUTE_KWARG: route}
         )
         try:
             head = await call.__anext__()
@@ -209,29 +224,28 @@ def build_app(
     served_model_name: str | None = None,
     server_options: dict | None = None,
     max_ongoing_requests: int = 256,
+    app_name: str = APP_NAME,
 ):
     """The Ray Serve application: ``data_parallel_size`` replicas of ``LLM(model, **llm_options)`` behind
     the ingress, routed by ``policy`` (``dp.router.POLICIES``). ``replica_cpus``: Ray CPUs each replica
-    reserves (and its torch threads, unless ``llm_options`` says ``threads``)."""
-    if policy not in POLICIES:
-        raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    reserves (and its torch threads, unless ``llm_options`` says ``threads``). ``app_name``: the name it will
+    be deployed under (``serve.run(app, name=...)``; the ray-prefix policy needs it)."""
+    if policy not in (*POLICIES, RAY_PREFIX):
+        raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, {RAY_PREFIX}; got {policy!r}")
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
     llm_options = dict(llm_options or {})
-    llm_options.setdefault("threads", max(1, int(replica_cpus)) if replica_cpus >= 1 else 1)
+    llm_options.setdefault("threads", max(1, int(replica_cpus)))
     server_options = dict(server_options or {})
     ServerOptions(**server_options).check()
-    router = RequestRouterConfig(
-        request_router_class=HydragenRequestRouter,
-        request_router_kwargs={
-            "policy": policy,
-            "balance_bound": balance_bound,
-            "max_replicas": data_parallel_size,
-        },
-    )
+    if policy == RAY_PREFIX:
+        router = ray_prefix_router(app_name)
+    else:
+        kwargs = {"policy": policy, "balance_bound": balance_bound, "max_replicas": data_parallel_size}
+        router = RequestRouterConfig(request_router_class=HydragenRequestRouter, request_router_kwargs=kwargs)
     replica = serve.deployment(
         HydragenReplica,
-        name="HydragenReplica",
+        name=REPLICA_DEPLOYMENT,
         num_replicas=data_parallel_size,
         ray_actor_options={"num_cpus": replica_cpus},
         max_ongoing_requests=max_ongoing_requests,
@@ -245,6 +259,31 @@ def build_app(
     )
     replicas = replica.bind(model, llm_options, served_model_name, server_options)
     return ingress.bind(replicas, model, llm_options.get("tool_format"), policy, server_options)
+
+
+def ray_prefix_router(app_name: str) -> RequestRouterConfig:
+    """Ray Serve LLM's ``PrefixCacheAffinityRouter`` (an approximate tree of the text routed to each replica,
+    like SGLang's), imported from its implementation module: the public ``ray.serve.llm`` path also imports
+    pyarrow, which ``ray[serve]`` does not install.
+
+    Its tree lives in a named actor that the router creates unless it exists. Created by Ray's default, the
+    actor waits for a free CPU, and replicas that reserved every CPU would leave it waiting forever: when
+    Ray is running it is created here first, under the router's own name, with no CPU reserved."""
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        PrefixCacheAffinityRouter,
+    )
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTreeActor
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    if ray.is_initialized():
+        PrefixTreeActor.options(
+            name="LlmPrefixTreeActor",
+            namespace=f"{SERVE_NAMESPACE}::{app_name}::{REPLICA_DEPLOYMENT}",
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+        ).remote()
+    return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter)
 
 
 def app_builder(args: dict[str, str]):
