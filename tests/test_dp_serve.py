@@ -33,6 +33,7 @@ from tests.tool_helpers import tiny_tool_model, tool_json
 SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
 STEP_DELAY = 0.02  # a 400-token request then runs >= 8 s on any machine
 PAGE = 16
+SHUTDOWN_GRACE = 1.0  # seconds in-flight requests get after a stop; 2 x it < 400 x STEP_DELAY
 
 
 class LiveFront:
@@ -44,7 +45,7 @@ class LiveFront:
         self.front, path = build_front(args, None, "warning", command=command)
         from hydragen.dp.front import create_front_app
 
-        self.options = ServerOptions()
+        self.options = ServerOptions(shutdown_timeout=SHUTDOWN_GRACE)
         self.server = make_server(create_front_app(self.front, self.options), self.options, "warning")
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -77,6 +78,7 @@ class LiveFront:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """Stop as a signal does (drain, grace period, replicas stopped after the front)."""
         self.server.should_exit = True
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "front did not stop"
@@ -106,7 +108,8 @@ def cluster(model_dir):
     argv = ["--model", model_dir, "--data-parallel-size", "2", "--threads", "1", "--kv-cache-tokens", "4096"]
     live = LiveFront(argv, STEP_DELAY)
     yield live
-    live.stop()
+    if live.thread.is_alive():  # the last test stops it itself
+        live.stop()
     assert all_gone([r.pid for r in live.replicas if r.pid is not None])
 
 
@@ -385,24 +388,61 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(
     complete(back.url, "the restarted replica answers")
 
 
+def test_stopping_the_front_ends_requests_in_flight_and_stops_the_replicas(cluster):
+    """Last of the cluster's tests: it stops the shared front, as SIGTERM does."""
+    assert 2 * SHUTDOWN_GRACE < 400 * STEP_DELAY
+    body = {"model": "tiny", "prompt": "held past the grace period", "max_tokens": 400, "ignore_eos": True}
+    result: list[httpx.Response] = []
+    held = threading.Thread(
+        target=lambda: result.append(httpx.post(cluster.url + "/v1/completions", json=body, timeout=120))
+    )
+    held.start()
+    cluster.wait_for(lambda: sum(r["in_flight"] for r in cluster.snapshot()) == 1, "the request in flight")
+    pids = [r.pid for r in cluster.replicas]
+    cluster.stop()
+    held.join(timeout=60)
+    assert result and result[0].status_code == 503, result
+    assert result[0].json()["error"]["code"] == "shutting_down"
+    assert cluster.result == [0]
+    assert all_gone(pids)
+
+
 # ---- the command ----------------------------------------------------------------------------------------
-def test_bad_data_parallel_options_are_one_line_errors(model_dir):
+@pytest.fixture
+def hydragen_logger():
+    """The command configures the "hydragen" logger (its own stderr handler, no propagation): put it back
+    afterwards, so later tests' caplog still sees the server's log lines."""
+    import logging
+
+    logger = logging.getLogger("hydragen")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate = saved[0], saved[1]
+    logger.setLevel(saved[2])
+
+
+def test_bad_data_parallel_options_are_one_line_errors(model_dir, capsys, hydragen_logger):
+    from hydragen.cli import main
+
     cores = len(os.sched_getaffinity(0))
     dp2 = ["--data-parallel-size", "2", "--threads", "1"]
-    cases = {
-        "zero": (["--data-parallel-size", "0"], 2, "--data-parallel-size must be at least 1, got 0"),
-        "cores": (["--data-parallel-size", str(cores + 1)], 2, f"needs {cores + 1} cores"),
-        "tp": ([*dp2, "--tensor-parallel-size", "2"], 2, "cannot be combined"),
-        "bound": ([*dp2, "--router-balance-bound", "-1"], 2, "--router-balance-bound must be >= 0"),
+    cases = [
+        (["--data-parallel-size", "0"], 2, "--data-parallel-size must be at least 1, got 0"),
+        (["--data-parallel-size", str(cores + 1)], 2, f"needs {cores + 1} cores"),
+        ([*dp2, "--tensor-parallel-size", "2"], 2, "cannot be combined"),
+        ([*dp2, "--router-balance-bound", "-1"], 2, "--router-balance-bound must be >= 0"),
+        ([*dp2, "--kv-events-endpoint", "tcp://127.0.0.1:0"], 2, "sets each replica's KV-event addresses"),
         # Only the replicas find this one out (the front reads no weights): it ends the command, once.
-        "replica": ([*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"], 1, "could not start: "),
-    }
-    procs = {name: spawn("--model", model_dir, "--port", "0", *args) for name, (args, _, _) in cases.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        errors = [x for x in err.splitlines() if x.startswith("error:")]
-        assert proc.returncode == cases[name][1], (name, err)
-        assert len(errors) == 1 and cases[name][2] in errors[0], (name, err)
+        (
+            [*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"],
+            1,
+            "could not start: dtype must be one of",
+        ),
+    ]
+    for args, status, message in cases:
+        assert main(["serve", "--model", model_dir, "--port", "0", *args]) == status, args
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (args, errors)
 
 
 def test_the_command_serves_through_n_replicas_and_stops_them_on_sigterm(model_dir):
