@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -316,6 +317,27 @@ def test_metrics_have_per_replica_lines_and_their_totals(cluster):
         for name in ("router_in_flight", "router_cached_pages", "dp_replica_exits_total"):
             assert f'hydragen_{name}{{replica="{i}"}}' in m
     assert sum(v for k, v in m.items() if k.startswith("hydragen_router_requests_total")) >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_its_request_at_the_replica(cluster, stream):
+    body = {"model": "tiny", "prompt": "a request nobody waits for", "max_tokens": 400, "ignore_eos": True}
+    payload = json.dumps({**body, "stream": stream}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(payload)}\r\n\r\n"
+    before = metrics(cluster.url)["hydragen_generation_tokens_total"]
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(head.encode() + payload)
+        cluster.wait_for(
+            lambda: sum(r["in_flight"] for r in cluster.snapshot()) == 1, "the request in flight"
+        )
+        running = lambda: metrics(cluster.url)["hydragen_requests_running"]  # noqa: E731
+        cluster.wait_for(lambda: running() == 1, "the replica to run it")
+    cluster.wait_for(lambda: sum(r["in_flight"] for r in cluster.snapshot()) == 0, "the front to let go")
+    cluster.wait_for(lambda: running() == 0, "the replica to drop it")
+    # Aborted: had the replica not heard of the disconnect, it would have generated all 400 tokens.
+    assert metrics(cluster.url)["hydragen_generation_tokens_total"] - before < 400
 
 
 # ---- a replica dies -------------------------------------------------------------------------------------
