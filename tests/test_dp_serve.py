@@ -181,6 +181,7 @@ def test_front_routes_on_the_exact_ids_the_replica_computes(kind, tmp_path):
     srv = LiveServer(LLM(path, kv_cache_tokens=4096))
     config, resolved, _ = read_config(path)
     prompts = RequestPrompts.from_files(config, resolved, None)
+    with_text = RequestPrompts.from_files(config, resolved, None, want_text=True)
     submitted: list[list[int]] = []
     engine = srv.app.state.engine
     real_submit = engine.submit
@@ -198,8 +199,12 @@ def test_front_routes_on_the_exact_ids_the_replica_computes(kind, tmp_path):
             )
             assert r.status_code == 200, r.text
             raw = json.dumps(body).encode()
-            ours = asyncio.run(prompts.route_request(raw, chat=endpoint == "chat")).token_ids
-            assert ours == submitted[-1], (endpoint, body)
+            ours = asyncio.run(prompts.route_request(raw, chat=endpoint == "chat"))
+            assert ours.token_ids == submitted[-1], (endpoint, body)
+            # The approximate policy routes on text: the prompt as sent, or the rendered chat.
+            text = asyncio.run(with_text.route_request(raw, chat=endpoint == "chat")).text
+            expected = body["prompt"] if isinstance(body.get("prompt"), str) else None
+            assert text == (expected or with_text.tok.decode(ours.token_ids, skip_special_tokens=False))
     finally:
         srv.stop()
     assert len(submitted) == len(BODIES)
