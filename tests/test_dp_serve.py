@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from tests.tool_helpers import tiny_tool_model, tool_json
 SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
 STEP_DELAY = 0.02  # a 400-token request then runs >= 8 s on any machine
 PAGE = 16
+SHUTDOWN_GRACE = 1.0  # seconds in-flight requests get after a stop; 2 x it < 400 x STEP_DELAY
 
 
 class LiveFront:
@@ -44,7 +46,7 @@ class LiveFront:
         self.front, path = build_front(args, None, "warning", command=command)
         from hydragen.dp.front import create_front_app
 
-        self.options = ServerOptions()
+        self.options = ServerOptions(shutdown_timeout=SHUTDOWN_GRACE)
         self.server = make_server(create_front_app(self.front, self.options), self.options, "warning")
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -77,6 +79,7 @@ class LiveFront:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """Stop as a signal does (drain, grace period, replicas stopped after the front)."""
         self.server.should_exit = True
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "front did not stop"
@@ -106,7 +109,8 @@ def cluster(model_dir):
     argv = ["--model", model_dir, "--data-parallel-size", "2", "--threads", "1", "--kv-cache-tokens", "4096"]
     live = LiveFront(argv, STEP_DELAY)
     yield live
-    live.stop()
+    if live.thread.is_alive():  # the last test stops it itself
+        live.stop()
     assert all_gone([r.pid for r in live.replicas if r.pid is not None])
 
 
@@ -177,6 +181,7 @@ def test_front_routes_on_the_exact_ids_the_replica_computes(kind, tmp_path):
     srv = LiveServer(LLM(path, kv_cache_tokens=4096))
     config, resolved, _ = read_config(path)
     prompts = RequestPrompts.from_files(config, resolved, None)
+    with_text = RequestPrompts.from_files(config, resolved, None, want_text=True)
     submitted: list[list[int]] = []
     engine = srv.app.state.engine
     real_submit = engine.submit
@@ -194,8 +199,12 @@ def test_front_routes_on_the_exact_ids_the_replica_computes(kind, tmp_path):
             )
             assert r.status_code == 200, r.text
             raw = json.dumps(body).encode()
-            ours = asyncio.run(prompts.route_request(raw, chat=endpoint == "chat")).token_ids
-            assert ours == submitted[-1], (endpoint, body)
+            ours = asyncio.run(prompts.route_request(raw, chat=endpoint == "chat"))
+            assert ours.token_ids == submitted[-1], (endpoint, body)
+            # The approximate policy routes on text: the prompt as sent, or the rendered chat.
+            text = asyncio.run(with_text.route_request(raw, chat=endpoint == "chat")).text
+            expected = body["prompt"] if isinstance(body.get("prompt"), str) else None
+            assert text == (expected or with_text.tok.decode(ours.token_ids, skip_special_tokens=False))
     finally:
         srv.stop()
     assert len(submitted) == len(BODIES)
@@ -315,6 +324,27 @@ def test_metrics_have_per_replica_lines_and_their_totals(cluster):
     assert sum(v for k, v in m.items() if k.startswith("hydragen_router_requests_total")) >= 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_its_request_at_the_replica(cluster, stream):
+    body = {"model": "tiny", "prompt": "a request nobody waits for", "max_tokens": 400, "ignore_eos": True}
+    payload = json.dumps({**body, "stream": stream}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(payload)}\r\n\r\n"
+    before = metrics(cluster.url)["hydragen_generation_tokens_total"]
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(head.encode() + payload)
+        cluster.wait_for(
+            lambda: sum(r["in_flight"] for r in cluster.snapshot()) == 1, "the request in flight"
+        )
+        running = lambda: metrics(cluster.url)["hydragen_requests_running"]  # noqa: E731
+        cluster.wait_for(lambda: running() == 1, "the replica to run it")
+    cluster.wait_for(lambda: sum(r["in_flight"] for r in cluster.snapshot()) == 0, "the front to let go")
+    cluster.wait_for(lambda: running() == 0, "the replica to drop it")
+    # Aborted: had the replica not heard of the disconnect, it would have generated all 400 tokens.
+    assert metrics(cluster.url)["hydragen_generation_tokens_total"] - before < 400
+
+
 # ---- a replica dies -------------------------------------------------------------------------------------
 def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(cluster, request):
     prompt = "This request is held in flight until its replica is killed. "  # 62 tokens + 400 < 512
@@ -385,24 +415,61 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(
     complete(back.url, "the restarted replica answers")
 
 
+def test_stopping_the_front_ends_requests_in_flight_and_stops_the_replicas(cluster):
+    """Last of the cluster's tests: it stops the shared front, as SIGTERM does."""
+    assert 2 * SHUTDOWN_GRACE < 400 * STEP_DELAY
+    body = {"model": "tiny", "prompt": "held past the grace period", "max_tokens": 400, "ignore_eos": True}
+    result: list[httpx.Response] = []
+    held = threading.Thread(
+        target=lambda: result.append(httpx.post(cluster.url + "/v1/completions", json=body, timeout=120))
+    )
+    held.start()
+    cluster.wait_for(lambda: sum(r["in_flight"] for r in cluster.snapshot()) == 1, "the request in flight")
+    pids = [r.pid for r in cluster.replicas]
+    cluster.stop()
+    held.join(timeout=60)
+    assert result and result[0].status_code == 503, result
+    assert result[0].json()["error"]["code"] == "shutting_down"
+    assert cluster.result == [0]
+    assert all_gone(pids)
+
+
 # ---- the command ----------------------------------------------------------------------------------------
-def test_bad_data_parallel_options_are_one_line_errors(model_dir):
+@pytest.fixture
+def hydragen_logger():
+    """The command configures the "hydragen" logger (its own stderr handler, no propagation): put it back
+    afterwards, so later tests' caplog still sees the server's log lines."""
+    import logging
+
+    logger = logging.getLogger("hydragen")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate = saved[0], saved[1]
+    logger.setLevel(saved[2])
+
+
+def test_bad_data_parallel_options_are_one_line_errors(model_dir, capsys, hydragen_logger):
+    from hydragen.cli import main
+
     cores = len(os.sched_getaffinity(0))
     dp2 = ["--data-parallel-size", "2", "--threads", "1"]
-    cases = {
-        "zero": (["--data-parallel-size", "0"], 2, "--data-parallel-size must be at least 1, got 0"),
-        "cores": (["--data-parallel-size", str(cores + 1)], 2, f"needs {cores + 1} cores"),
-        "tp": ([*dp2, "--tensor-parallel-size", "2"], 2, "cannot be combined"),
-        "bound": ([*dp2, "--router-balance-bound", "-1"], 2, "--router-balance-bound must be >= 0"),
+    cases = [
+        (["--data-parallel-size", "0"], 2, "--data-parallel-size must be at least 1, got 0"),
+        (["--data-parallel-size", str(cores + 1)], 2, f"needs {cores + 1} cores"),
+        ([*dp2, "--tensor-parallel-size", "2"], 2, "cannot be combined"),
+        ([*dp2, "--router-balance-bound", "-1"], 2, "--router-balance-bound must be >= 0"),
+        ([*dp2, "--kv-events-endpoint", "tcp://127.0.0.1:0"], 2, "sets each replica's KV-event addresses"),
         # Only the replicas find this one out (the front reads no weights): it ends the command, once.
-        "replica": ([*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"], 1, "could not start: "),
-    }
-    procs = {name: spawn("--model", model_dir, "--port", "0", *args) for name, (args, _, _) in cases.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        errors = [x for x in err.splitlines() if x.startswith("error:")]
-        assert proc.returncode == cases[name][1], (name, err)
-        assert len(errors) == 1 and cases[name][2] in errors[0], (name, err)
+        (
+            [*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"],
+            1,
+            "could not start: dtype must be one of",
+        ),
+    ]
+    for args, status, message in cases:
+        assert main(["serve", "--model", model_dir, "--port", "0", *args]) == status, args
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (args, errors)
 
 
 def test_the_command_serves_through_n_replicas_and_stops_them_on_sigterm(model_dir):
@@ -428,3 +495,25 @@ def test_the_command_serves_through_n_replicas_and_stops_them_on_sigterm(model_d
         assert all_gone(pids)
     finally:
         proc.kill()
+
+
+def test_restarts_back_off_and_are_bounded_per_minute(monkeypatch):
+    from hydragen.dp import replicas as mod
+
+    async def nothing(_):
+        return None
+
+    replica_set = mod.ReplicaSet([], [[0]], on_up=nothing, on_down=nothing, max_restarts_per_minute=3)
+    replica = replica_set.replicas[0]
+    now = [1000.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    delays = []
+    for failures in (1, 2, 3, 4, 10):
+        replica.failures = failures
+        delays.append(replica_set._next_delay(replica))
+    assert delays == [0.5, 1.0, 2.0, 4.0, mod.BACKOFF_MAX_S]
+    replica.failures = 1
+    replica.recent_restarts.extend([990.0, 995.0, 999.0])  # 3 restarts in the last minute: the most allowed
+    assert replica_set._next_delay(replica) == pytest.approx(50.0)  # until the first of them is a minute old
+    now[0] = 1051.0
+    assert replica_set._next_delay(replica) == 0.5 and list(replica.recent_restarts) == [995.0, 999.0]

@@ -16,7 +16,6 @@ then stops the replicas.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import httpx
@@ -28,10 +27,9 @@ from hydragen.dp.kv_events import KVEventSubscriber
 from hydragen.dp.prompts import RequestPrompts
 from hydragen.dp.replicas import Replica, ReplicaSet, describe_exit
 from hydragen.dp.router import NoReplica, Route, Router, RouteRequest
-from hydragen.server.app import CLIENT_CLOSED, _client_gone
+from hydragen.server.app import CLIENT_CLOSED, _client_gone, add_completion_routes, openai_app
 from hydragen.server.body import read_body
-from hydragen.server.errors import APIError, install_error_handlers
-from hydragen.server.middleware import Gate
+from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions
 from hydragen.server.responses import SSE_DONE, sse
 
@@ -301,20 +299,7 @@ def create_front_app(front: Front, options: ServerOptions | None = None) -> Fast
     options = options or ServerOptions()
     options.check()
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        yield
-
-    app = FastAPI(title="hydragen", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine = front  # HydragenServer drains it on SIGTERM
-    app.state.options = options
-    install_error_handlers(app)
-    app.add_middleware(Gate, api_key=options.api_key, allowed_hosts=options.allowed_hosts)
-
-    @app.get("/health")
-    async def health():
-        err = front.unavailable()
-        return {"status": "ok"} if err is None else err.response()
+    app = openai_app(front, options)  # /health: ok while a replica is healthy (Front.unavailable)
 
     @app.get("/v1/models")
     async def models(http: Request):
@@ -339,12 +324,5 @@ def create_front_app(front: Front, options: ServerOptions | None = None) -> Fast
             record["prompt_tokens"] = len(request.token_ids)
         return await front.proxy(http, route, raw, record)
 
-    @app.post("/v1/completions")
-    async def completions(http: Request):
-        return await handle(http, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request):
-        return await handle(http, chat=True)
-
+    add_completion_routes(app, handle)
     return app
