@@ -20,6 +20,7 @@ from hydragen.engine.sampling_params import MAX_N, ParamError
 from hydragen.server.async_engine import AsyncEngine, Update
 from hydragen.server.body import parse_body, read_body
 from hydragen.server.errors import APIError, install_error_handlers
+from hydragen.server.loads import add_loads_route
 from hydragen.server.metrics import LatencyMetrics, render_gauges
 from hydragen.server.middleware import Gate
 from hydragen.server.options import ServerOptions
@@ -74,6 +75,8 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
                 {"id": model_name, "object": "model", "created": int(engine.started), "owned_by": "hydragen"}
             ],
         }
+
+    add_loads_route(app, llm, engine)  # what model gateways (smg) poll
 
     @app.get("/metrics")
     async def prometheus():
