@@ -33,6 +33,7 @@ from hydragen.dp.router import Route, Router, RouteRequest
 log = logging.getLogger("hydragen.dp")
 ROUTE_KWARG = "route"  # the handle call's keyword carrying {"token_ids": [...], "text": "..."}
 KV_EVENTS_KEY = "hydragen_kv_events"  # replica metadata: {"endpoint": ..., "replay_endpoint": ...}
+CHOSEN_KEPT = 4096  # choices awaiting Ray's on_request_routed, oldest dropped beyond this
 
 _live: weakref.WeakSet[HydragenRequestRouter] = weakref.WeakSet()  # for the ingress's /metrics
 
@@ -110,6 +111,8 @@ class HydragenRequestRouter(RequestRouter):
         route = self.router.choose(route_request(pending_request))
         if pending_request is not None:
             self.chosen[pending_request.metadata.internal_request_id] = route
+            while len(self.chosen) > CHOSEN_KEPT:  # requests cancelled before Ray sent them are never routed
+                self.chosen.pop(next(iter(self.chosen)))
         first = by_slot.get(route.replica)
         rest = [r for r in candidate_replicas if r is not first]
         return ([[first]] if first is not None else []) + [[r] for r in self._by_load(rest)]

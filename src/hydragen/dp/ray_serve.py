@@ -29,6 +29,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
+from hydragen.distributed.checkpoint import read_config
 from hydragen.dp.asgi_call import call_asgi, http_scope
 from hydragen.dp.kv_events import KVEventPublisher
 from hydragen.dp.prompts import RequestPrompts
@@ -107,9 +108,8 @@ class HydragenReplica:
                 yield message["body"]
 
     def __del__(self) -> None:  # Ray Serve stops the replica
-        engine = getattr(getattr(self, "app", None), "state", None)
-        if engine is not None:
-            engine.engine.shutdown()
+        if hasattr(self, "app"):
+            self.app.state.engine.shutdown()  # the AsyncEngine's thread (no ASGI lifespan runs in-process)
         if hasattr(self, "events"):
             self.events.close()
         if hasattr(self, "llm"):
@@ -123,9 +123,7 @@ class HydragenIngress:
         self, replicas, model: str | None, tool_format: str | None, policy: str, server_options: dict
     ):
         self.replicas = replicas.options(method_name="handle", stream=True)
-        from hydragen.distributed.checkpoint import read_config
-
-        config, path, _ = read_config(model)
+        config, path, _ = read_config(model)  # the model's config and tokenizer files only, no weights
         want_text = policy in ("approx", RAY_PREFIX)
         self.prompts = RequestPrompts.from_files(config, path, tool_format, want_text=want_text)
         self.options = ServerOptions(**server_options)
