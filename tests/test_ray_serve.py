@@ -35,7 +35,7 @@ def ray_cluster():
     """A Ray cluster of this machine's processes (GCS, raylet, workers: Ray addresses them by the machine's
     own IP, so nothing leaves the host), Serve's HTTP proxy on a free loopback port."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

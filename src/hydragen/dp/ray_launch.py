@@ -94,7 +94,9 @@ def run(args: argparse.Namespace, options, api_key: str | None) -> int:
 
     from hydragen.dp.ray_serve import APP_NAME
 
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    # No --ray-address: a Ray instance of this machine alone, even where 'ray start' runs one.
+    address = args.ray_address or "local"
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     try:
         app = build_from_args(args, options, api_key)
         serve.start(http_options={"host": args.host, "port": args.port})
