@@ -61,11 +61,17 @@ def pending(tokens: list[int] | None, request_id: str) -> PendingRequest:
     )
 
 
-def wait_until(condition, what: str) -> None:
+def stored_and_seen(r: HydragenRequestRouter, replica: FakeReplica, tokens: list[int]) -> None:
+    """``replica`` stores ``tokens`` until the router has the pages. A SUB socket only gets what is
+    published after its subscription is in place (ZMQ's "slow joiner"); a live replica publishes every
+    step, and the next batch after a loss makes the subscriber fetch the missed ones from the replay
+    socket. Publishing again (the same pages) plays that next step."""
+    slot = r.slots[replica.replica_id]
     deadline = time.monotonic() + 30  # a hang guard, not a speed assumption
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+    while r.snapshot()[slot]["cached_pages"] != len(tokens) // P:
+        assert time.monotonic() < deadline, f"{replica.replica_id}'s events never arrived"
+        replica.store(tokens)
+        time.sleep(0.05)
 
 
 def router(max_replicas: int = 2, **kwargs) -> HydragenRequestRouter:
@@ -88,8 +94,7 @@ def test_requests_go_where_the_events_say_their_prefix_is_and_fall_back_by_load(
         a, b = FakeReplica("a"), FakeReplica("b")
         r.update_replicas([a, b])
         assert r in live_routers()
-        b.store(PREFIX)
-        wait_until(lambda: r.snapshot()[r.slots[b.replica_id]]["cached_pages"] == 8, "b's events")
+        stored_and_seen(r, b, PREFIX)
         first = pending(PREFIX + [1, 2], "1")
         assert ids(await r.choose_replicas([a, b], first)) == [["b"], ["a"]]  # a: if b's queue is full
         assert first.routing_context.should_backoff  # every candidate ranked: back off when all are full
@@ -111,8 +116,7 @@ def test_a_fallback_rank_counts_the_request_on_the_replica_that_took_it():
         r = router()
         a, b = FakeReplica("a"), FakeReplica("b")
         r.update_replicas([a, b])
-        b.store(PREFIX)
-        wait_until(lambda: r.snapshot()[r.slots[b.replica_id]]["cached_pages"] == 8, "b's events")
+        stored_and_seen(r, b, PREFIX)
         request = pending(PREFIX, "1")
         assert ids(await r.choose_replicas([a, b], request))[0] == ["b"]
         r.on_request_routed(request, a.replica_id, None)  # b was full: a took it
@@ -133,8 +137,7 @@ def test_a_replaced_replica_takes_the_free_slot_with_its_cache_forgotten():
         a, b = FakeReplica("a"), FakeReplica("b")
         r.update_replicas([a, b])
         slot_b = r.slots[b.replica_id]
-        b.store(PREFIX)
-        wait_until(lambda: r.snapshot()[slot_b]["cached_pages"] == 8, "b's events")
+        stored_and_seen(r, b, PREFIX)
         b.events.close()
         r.on_replica_actor_died(b.replica_id)  # Ray saw it die, then its replacement arrives
         assert r.snapshot()[slot_b]["cached_pages"] == 0 and not r.snapshot()[slot_b]["healthy"]
@@ -143,8 +146,7 @@ def test_a_replaced_replica_takes_the_free_slot_with_its_cache_forgotten():
         assert r.slots == {a.replica_id: 1 - slot_b, c.replica_id: slot_b}
         assert r.snapshot()[slot_b]["healthy"] and r.snapshot()[slot_b]["replica_id"] == "c"
         assert b.replica_id not in r.subscribers
-        c.store(PREFIX)
-        wait_until(lambda: r.snapshot()[slot_b]["cached_pages"] == 8, "c's events")
+        stored_and_seen(r, c, PREFIX)
         assert ids(await r.choose_replicas([a, c], pending(PREFIX, "1")))[0] == ["c"]
         for x in (a, c):
             x.events.close()
