@@ -31,18 +31,16 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 CLIENT_CLOSED = 499  # logged status of a request whose client went away before its response
 
 
-def create_app(llm, model_name: str, options: ServerOptions | None = None) -> FastAPI:
-    options = options or ServerOptions()
-    options.check()
-    metrics = LatencyMetrics()
-    engine = AsyncEngine(llm, metrics)
-    tok = llm.tokenizer
-    encoder = PromptEncoder(tok, llm.config.max_position_embeddings, llm.config.vocab_size)
+def openai_app(engine, options: ServerOptions, on_shutdown=None) -> FastAPI:
+    """What the server and the data-parallel front (``dp.front``) share: errors in OpenAI's shape, the
+    gate, ``/health`` from ``engine.unavailable()``, and ``engine`` in ``app.state`` (HydragenServer drains it
+    on SIGTERM: ``begin_drain``, ``fail_all``). ``on_shutdown`` runs when the app stops."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        engine.shutdown()
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="hydragen", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
@@ -54,6 +52,19 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
     async def health():
         err = engine.unavailable()
         return {"status": "ok"} if err is None else err.response()
+
+    return app
+
+
+def create_app(llm, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
+    options.check()
+    metrics = LatencyMetrics()
+    engine = AsyncEngine(llm, metrics)
+    tok = llm.tokenizer
+    encoder = PromptEncoder(tok, llm.config.max_position_embeddings, llm.config.vocab_size)
+
+    app = openai_app(engine, options, on_shutdown=engine.shutdown)
 
     @app.get("/v1/models")
     async def models():
@@ -145,11 +156,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         logprobs = body.logprobs_count()
         requested = body.requested_max_tokens()
         body.sampling_params(1 if requested is None else requested, logprobs)  # every value checked up front
-        tools = body.tool_request(llm.tool_format) if chat else None
-        if chat:
-            prompts = [(await encoder.chat(body.conversation(), tools), None)]
-        else:
-            prompts = await encoder.completion(body)
+        prompts, tools = await encoder.request_prompts(body, chat, llm.tool_format)
         if len(prompts) * body.n > MAX_N:
             raise APIError(
                 400,
@@ -325,6 +332,13 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
             for rid in pending:  # client went away (or an error): free their pages now
                 engine.abort(rid)
 
+    add_completion_routes(app, handle)
+    return app
+
+
+def add_completion_routes(app: FastAPI, handle) -> None:
+    """``POST /v1/completions`` and ``/v1/chat/completions``, answered by ``handle(request, chat)``."""
+
     @app.post("/v1/completions")
     async def completions(http: Request):
         return await handle(http, chat=False)
@@ -332,8 +346,6 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
         return await handle(http, chat=True)
-
-    return app
 
 
 def note_finish(record: dict, completion_tokens: int, finals: list[Update], reasons) -> None:
