@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 import torch
 
+# A shell starts background jobs with SIGINT ignored (`make test &`, CI runners), and an ignored signal stays
+# ignored in every program the tests start: their Ctrl-C tests would then see nothing. Run as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU the Triton kernels run in Triton's CPU interpreter; Triton reads this when it is imported.

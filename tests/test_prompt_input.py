@@ -1,9 +1,9 @@
 """Ctrl-C at a prompt interrupts it even when it lands before readline starts waiting for keys.
 
-The race is made certain: readline's pre-input hook (it runs after the prompt is drawn, before the wait)
-blocks until a helper thread has raised SIGINT. The helper cannot run Python handlers, so the signal is
-only recorded, exactly like a Ctrl-C that arrives in that window. Plain ``input()`` then ignores it until a
-line is entered; ``PromptReader.input`` must raise KeyboardInterrupt at once.
+Such a Ctrl-C is recorded but wakes nothing: the main thread's wait never sees it. The test makes that
+certain by raising SIGINT on a helper thread once the prompt is on the screen (the helper cannot run Python
+handlers, so the signal is only recorded, and the main thread's wait is not interrupted). Plain ``input()``
+then ignores it until a line is entered; ``PromptReader.input`` must raise KeyboardInterrupt at once.
 """
 
 from __future__ import annotations
@@ -24,19 +24,17 @@ pytest.importorskip("readline")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 CHILD = textwrap.dedent(
     """
-    import functools, readline, signal, sys, threading, time
+    import os, readline, signal, sys, threading, time
     sys.path.insert(0, {src!r})
     from hydragen.prompt_input import PromptReader
 
-    hook_waits = threading.Lock()
-    hook_waits.acquire()
-
     def ctrl_c_in_the_window():
-        time.sleep(0.5)  # the main thread is in the hook by now: prompt drawn, wait not begun
-        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
-        hook_waits.release()
+        # The test creates the flag once the prompt is on the screen.
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.01)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # recorded; the main thread sleeps on
+        print("ARMED", flush=True)
 
-    readline.set_pre_input_hook(functools.partial(hook_waits.acquire, True, 30))
     threading.Thread(target=ctrl_c_in_the_window).start()
     with PromptReader() as reader:
         read = reader.input if sys.argv[1] == "reader" else input
@@ -45,7 +43,6 @@ CHILD = textwrap.dedent(
                 print("LINE", read(">>> "))
             except KeyboardInterrupt:
                 print("INTERRUPTED")
-            readline.set_pre_input_hook(None)
     """
 )
 
@@ -61,17 +58,22 @@ def _screen_until(fd: int, pattern: str, seconds: float) -> str:
     return screen
 
 
-def _run(mode: str, tmp_path: Path, wait_s: float) -> tuple[str, str]:
-    """The screen while waiting ``wait_s`` for the Ctrl-C to show, then the screen after a line is entered."""
+def _run(mode: str, tmp_path: Path, until: str) -> tuple[str, str]:
+    """The screen until ``until`` shows (after the Ctrl-C was sent), then the screen after a line is
+    entered. The waits are only bounds for a broken child: nothing here assumes how fast the machine is."""
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(src=SRC))
+    flag = tmp_path / "prompt-is-drawn"
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(sys.executable, [sys.executable, str(script), mode])
+        os.execv(sys.executable, [sys.executable, str(script), mode, str(flag)])
     try:
-        first = _screen_until(fd, "INTERRUPTED", wait_s)
+        drawn = _screen_until(fd, ">>> ", 120)
+        flag.touch()
+        first = drawn + _screen_until(fd, until, 120)
+        assert "ARMED" in first, first
         os.write(fd, b"hello\r")
-        return first, _screen_until(fd, r"hello\r\n(LINE hello|INTERRUPTED)\r\n", 20)
+        return first, _screen_until(fd, r"(LINE hello|INTERRUPTED)\r\n", 120)
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
@@ -79,13 +81,13 @@ def _run(mode: str, tmp_path: Path, wait_s: float) -> tuple[str, str]:
 
 
 def test_ctrl_c_in_the_window_interrupts_the_prompt(tmp_path):
-    first, after = _run("reader", tmp_path, wait_s=20)
+    first, after = _run("reader", tmp_path, until="ARMED(.|\n)*INTERRUPTED")
     assert "INTERRUPTED" in first, first
     assert "LINE hello" in after, after  # the next prompt works normally
 
 
 def test_plain_input_misses_it(tmp_path):
     """The control: without the reader the same Ctrl-C waits for a line and then throws that line away."""
-    first, after = _run("plain", tmp_path, wait_s=3)
+    first, after = _run("plain", tmp_path, until="ARMED")
     assert "INTERRUPTED" not in first, first
     assert "INTERRUPTED" in after and "LINE hello" not in after, after
