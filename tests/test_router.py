@@ -118,3 +118,19 @@ def test_snapshot_counts_routes_and_bad_arguments_are_refused():
         Router(2, "random")
     with pytest.raises(ValueError, match="at least one"):
         Router(0)
+
+
+def test_a_match_of_a_few_pages_of_a_long_prompt_counts_as_none():
+    """Prompts that share only their first page (a chat template's opening) are balanced, not piled up."""
+    router = Router(2, balance_bound=8, page_size=P)
+    template = [1, 2, 3, 4]
+    routes = []
+    for tenant in range(4):
+        route = router.choose(request(template + [50 + tenant] * 40))
+        router.started(route)
+        routes.append(route)
+    assert sorted(r.replica for r in routes) == [0, 0, 1, 1]
+    assert {r.reason for r in routes} == {"no-match"}
+    assert Router(2, page_size=P, min_match=0).min_match == 0
+    with pytest.raises(ValueError, match="min_match"):
+        Router(2, min_match=1.5)

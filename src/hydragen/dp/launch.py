@@ -111,7 +111,7 @@ def build_front(
     cores = split_cores(usable_cores(), n)
     threads = replica_threads(args, cores)
     serve_args = replica_args(args, threads, replica_kv_tokens(args, config), log_level)
-    router = Router(n, args.router_policy, args.router_balance_bound)
+    router = Router(n, args.router_policy, args.router_balance_bound, page_size=args.page_size)
     env = {"HYDRAGEN_API_KEY": api_key or ""}
     return Front(router, prompts, serve_args, cores, command=command, env=env), path
 

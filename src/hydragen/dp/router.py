@@ -4,8 +4,10 @@
 set of page hashes per replica. A request's prompt is hashed page by page the same way, and each replica's
 match is the number of leading pages it holds, or will hold because a request the router sent it is
 computing them now (*pending*: a replica publishes a prompt's pages at admission, which can be after the
-next request with the same prefix arrives). The longest match wins, unless that replica has more than
-``balance_bound`` requests in flight beyond the least-loaded one: then the least-loaded one takes it.
+next request with the same prefix arrives). A match under ``min_match`` of the prompt's pages counts as
+none (a chat template's first page in common is no reason to pile requests up). The longest match wins,
+unless that replica has more than ``balance_bound`` requests in flight beyond the least-loaded one: then
+the least-loaded one takes it.
 A chat's next turn carries the previous turns as its prefix, so a session stays on the replica holding
 its history for as long as that replica holds it.
 
@@ -106,16 +108,22 @@ class Router:
         policy: str = "cache",
         balance_bound: int = 4,
         page_size: int | None = None,
+        min_match: float = 0.1,
         approx_capacity: int = 1 << 16,
     ):
-        """``page_size``: the replicas' KV page size, if known before their first event (their events say)."""
+        """``page_size``: the replicas' KV page size, if known before their first event (their events say).
+        ``min_match``: a match below this fraction of the prompt's pages (or text blocks) counts as none, so
+        prompts that share only a template's first page are balanced, not piled onto one replica."""
         if policy not in POLICIES:
             raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if replicas < 1:
             raise ValueError(f"a router needs at least one replica, got {replicas}")
         if balance_bound < 0:
             raise ValueError(f"balance_bound must be >= 0, got {balance_bound}")
+        if not 0 <= min_match <= 1:
+            raise ValueError(f"min_match must be in [0, 1], got {min_match}")
         self.policy, self.balance_bound, self.page_size = policy, balance_bound, page_size
+        self.min_match = min_match
         self.replicas = [ReplicaState(approx_capacity) for _ in range(replicas)]
         self._lock = threading.Lock()
         self._next = 0  # round-robin position
@@ -174,8 +182,9 @@ class Router:
         tied = [i for i in tied if match.get(i, 0) == best]
         return tied[0] if len(tied) == 1 else self._rotate(tied)
 
-    def _pick(self, live: list[int], match: dict[int, int], reason: str) -> tuple[int, str]:
+    def _pick(self, live: list[int], match: dict[int, int], total: int, reason: str) -> tuple[int, str]:
         """The longest match unless it is overloaded beyond the bound (then the least loaded)."""
+        match = {i: m if m and m >= self.min_match * total else 0 for i, m in match.items()}
         least = self._least_loaded(live, match)
         top = max(match.values())
         if top == 0:
@@ -191,13 +200,13 @@ class Router:
         size = sizes.pop() if len(sizes) == 1 else self.page_size  # one deployment: one page size
         hashes = request.hashes(size) if size else []
         match = {i: self.replicas[i].match_pages(hashes) for i in live}
-        replica, reason = self._pick(live, match, "cache")
+        replica, reason = self._pick(live, match, len(hashes), "cache")
         return Route(replica, match[replica] * (size or 0), reason, hashes)
 
     def _choose_approx(self, live: list[int], request: RouteRequest) -> Route:
         blocks = text_blocks(request.text)
         match = {i: self.replicas[i].match_text(blocks) for i in live}
-        replica, reason = self._pick(live, match, "approx")
+        replica, reason = self._pick(live, match, len(blocks), "approx")
         self.replicas[replica].insert_text(blocks)
         return Route(replica, 0, reason)
 
