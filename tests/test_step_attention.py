@@ -235,6 +235,24 @@ def test_no_units_plain_paged_decode(impl, cuts):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("keys", [600, 129, 3000])
+def test_one_decode_token_is_read_by_every_thread(impl, keys):
+    """A lone decode token (n = 1): its context is cut into equal key chunks, all of them pieces (two per
+    thread while each keeps MIN_SPLIT_KEYS keys), and the block only merges them."""
+    gen = torch.Generator().manual_seed(3)
+    pages = Pages(200, 16, gen)
+    segments = [(0, 1, pages.runs(keys), keys)]
+    meta = StepAttentionMeta.build([], segments, 1, "cpu")
+    threads = torch.get_num_threads()
+    chunks = max(-(-keys // step_work.MAX_PIECE_KEYS), min(2 * threads, keys // step_work.MIN_SPLIT_KEYS), 1)
+    assert meta.pieces.shape[0] == (chunks if chunks > 1 else 0)
+    assert meta.blocks.shape[0] == 1 and int(meta.blocks[0, 5]) == (0 if chunks > 1 else keys)
+    q, k, v = make_qkv(1, 200 * 16, 9, 3, 64, torch.float32, seed=4)
+    out = step_attention(q, k, v, meta, 0.125, impl=impl)
+    torch.testing.assert_close(out.double(), oracle(q, k, v, [], segments, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nothing_visible_anywhere_gives_zeros(impl):
     segments = [(0, 2, [], 0), (2, 3, [(4, 4)], 5)]  # no runs; an empty run
     meta = StepAttentionMeta.build([(3, 3, 0, 3, 0)], segments, 3, "cpu")  # an empty unit is dropped

@@ -7,9 +7,9 @@ keys (``first`` may be <= 0: such tokens see none of the item's keys). Two kinds
 * **pieces** write an fp32 partial (output and log-sum-exp) per token, at partial row ``part_row`` on:
   non-causal units, grouped by token range (a node on scattered pages, or a chain of nodes read by the same
   sequences, is one piece per token tile, hence one partial per token); causal units as diagonal squares
-  plus the rectangle left of each; and, when a step is too small to keep every thread busy, all but the
-  last key chunk of long segments. Wide pieces are tiled by tokens, long ones cut by keys, so one big node
-  still spreads over every thread.
+  plus the rectangle left of each; and, when a step is too small to keep every thread busy, long segments
+  cut into equal key chunks (a lone decode token's context: two chunks per thread), every chunk a piece.
+  Wide pieces are tiled by tokens, long ones cut by keys, so one big node still spreads over every thread.
 * **blocks** cover every token exactly once, read what is left of its segment in place, fold in the partials
   of every piece covering the token (the CSR ``tok_ptr``/``tok_parts``) and write the output.
 
@@ -27,6 +27,11 @@ TOKENS_PER_BLOCK = 8  # segment tokens per block: they share each K/V row the bl
 PIECE_TOKENS = 32  # query tokens per piece: rows of one matrix product, and several pieces per wide node
 MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
 SPLIT_BLOCKS_PER_THREAD = 4  # segments are cut into key chunks only in steps with fewer blocks per thread
+# A split segment's keys are cut into this many chunks per thread, each of at least MIN_SPLIT_KEYS keys, all
+# of them pieces: one decode token's context is read by every thread in equal shares (n = 1, 512 keys: one
+# block per KV head left two of three heads to one thread), and its block only merges them.
+SPLIT_CHUNKS_PER_THREAD = 2
+MIN_SPLIT_KEYS = 128
 # Pieces go through ATen's flash kernel only from this many query rows (tokens x g) and keys on: below, its
 # fixed cost per call (~25 us here) outweighs its faster matrix products, and the op's own loop wins.
 FLASH_MIN_ROWS = 24
@@ -102,9 +107,10 @@ def cut_runs(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, i
     return out
 
 
-def _key_chunks(n: int) -> list[int]:
-    """Boundaries cutting n keys into near-equal chunks of at most MAX_PIECE_KEYS."""
-    count = max(1, -(-n // MAX_PIECE_KEYS))
+def _key_chunks(n: int, at_least: int = 1) -> list[int]:
+    """Boundaries cutting n keys into near-equal chunks of at most MAX_PIECE_KEYS (and at least
+    ``at_least`` chunks while each keeps MIN_SPLIT_KEYS keys)."""
+    count = max(1, -(-n // MAX_PIECE_KEYS), min(at_least, n // max(MIN_SPLIT_KEYS, 1)))
     return [n * i // count for i in range(count + 1)]
 
 
@@ -153,7 +159,10 @@ class _WorkItems:
         segment become pieces, so one long context is read by several threads."""
         total = sum(b - a for a, b in runs)
         seen_last = min(visible + tok_hi - tok_lo - 1, total)
-        bounds = _key_chunks(max(seen_last, 0)) if split else [0, total]
+        at_least = SPLIT_CHUNKS_PER_THREAD * torch.get_num_threads()
+        bounds = _key_chunks(max(seen_last, 0), at_least) if split else [0, total]
+        if len(bounds) > 2:  # split: every chunk a piece, the block reads no keys of its own
+            bounds.append(total)
         for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
             j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
             self._pieces(tok_lo + j0, tok_hi, cut_runs(runs, c0, c1), visible + j0 - c0, c1 - c0)

@@ -2,8 +2,9 @@
 // against its keys, in one call per layer. The Python side (attention/step_attention.py) documents the
 // metadata and cuts the step into work items once per step; here is the arithmetic.
 //
-// Two phases, each one parallel region whose threads take (item, KV head) pairs from a shared counter
-// (items come sorted most expensive first, so uneven items balance and a busy core delays nobody):
+// Two phases, each one parallel region whose threads take items from a shared counter (items come sorted
+// most expensive first, so uneven items balance and a busy core delays nobody). An item covers every KV
+// head (a slot's rows of all heads are one contiguous read), except a flash piece, one item per KV head:
 //  1. Pieces of units (shared tree nodes, prefill ancestors, causal diagonals) and of very long segments:
 //     a piece with enough query rows and keys goes through ATen's CPU flash kernel as a matrix product
 //     (non-causal pieces fold the g query heads of a KV head into the rows, so the keys are read once per
@@ -198,10 +199,10 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
   std::vector<const void*> next_k, next_v;  // the following block's rows, being prefetched
   std::vector<int64_t> lim;
-  Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), s(rows * kBlockKeys), m(rows), l(rows), kbuf(kBlockKeys * d),
-        vbuf(kBlockKeys * d), krow(kBlockKeys), vrow(kBlockKeys), next_k(kBlockKeys), next_v(kBlockKeys),
-        lim(rows) {}
+  Scratch(int64_t rows, int64_t d, int64_t heads)
+      : q(rows * d), acc(rows * d), s(rows * kBlockKeys), m(rows), l(rows), kbuf(heads * kBlockKeys * d),
+        vbuf(heads * kBlockKeys * d), krow(heads * kBlockKeys), vrow(heads * kBlockKeys),
+        next_k(heads * kBlockKeys), next_v(heads * kBlockKeys), lim(rows) {}
 };
 
 // Walks the slots of a concatenation of runs.
@@ -218,19 +219,20 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
-// Online softmax of the item's rows (row r = token tok_lo + r / g, head h * g + r % g) over its visible
-// keys, reading each K/V row from the pool once for all rows. Leaves the unnormalised state in w: running
-// max m, sum l, and acc = sum_i exp(s_i - m) v_i. Keys go by blocks of kBlockKeys; the rows of the next
-// block are prefetched while this one is computed (paged runs defeat the hardware prefetcher at every
-// page boundary).
+// Online softmax of the item's rows over its visible keys, for the nh KV heads h, h + 1, ... together
+// (row r = token tok_lo + r / (g nh), query head h g + r % (g nh)), reading each key's K/V rows of those
+// heads from the pool once for all rows: with every head, one slot's rows are one contiguous read. Leaves
+// the unnormalised state in w: running max m, sum l, and acc = sum_i exp(s_i - m) v_i. Keys go by blocks
+// of kBlockKeys; the rows of the next block are prefetched while this one is computed (paged runs defeat
+// the hardware prefetcher at every page boundary).
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
-            const Item& it, int64_t h, int64_t g, int64_t d, float scale, Scratch& w) {
-  const int64_t nt = it.tok_hi - it.tok_lo, rows = nt * g;
+            const Item& it, int64_t h, int64_t nh, int64_t g, int64_t d, float scale, Scratch& w) {
+  const int64_t gh = g * nh, nt = it.tok_hi - it.tok_lo, rows = nt * gh;
   float* qf = w.q.data();
   float* acc = w.acc.data();
   for (int64_t r = 0; r < rows; ++r) {
-    row_to_float(q + (it.tok_lo + r / g) * st.q_t + (h * g + r % g) * st.q_h, qf + r * d, d);
+    row_to_float(q + (it.tok_lo + r / gh) * st.q_t + (h * g + r % gh) * st.q_h, qf + r * d, d);
     for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= scale;
     w.m[r] = kNegInf;
     w.l[r] = 0.f;
@@ -241,37 +243,44 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strid
   if (kmax <= 0) return;
   SlotCursor cursor{runs, it.run_lo, runs[2 * it.run_lo]};
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
-  const auto gather = [&](int64_t count) {  // the next block's rows, prefetched
+  const auto gather = [&](int64_t count) {  // the next block's rows, prefetched; head j's at j * kBlockKeys
     for (int64_t i = 0; i < count; ++i) {
       const int64_t slot = cursor.next();
-      w.next_k[i] = k + slot * st.k_s + h * st.k_h;
-      w.next_v[i] = v + slot * st.v_s + h * st.v_h;
-      prefetch_row(w.next_k[i], row_bytes);
-      prefetch_row(w.next_v[i], row_bytes);
+      for (int64_t j = 0; j < nh; ++j) {
+        w.next_k[j * kBlockKeys + i] = k + slot * st.k_s + (h + j) * st.k_h;
+        w.next_v[j * kBlockKeys + i] = v + slot * st.v_s + (h + j) * st.v_h;
+        prefetch_row(w.next_k[j * kBlockKeys + i], row_bytes);
+        prefetch_row(w.next_v[j * kBlockKeys + i], row_bytes);
+      }
     }
   };
   gather(std::min(kBlockKeys, kmax));
   for (int64_t pos = 0; pos < kmax;) {
     const int64_t nk = std::min(kBlockKeys, kmax - pos);
-    for (int64_t i = 0; i < nk; ++i) {
-      const auto* kr = static_cast<const scalar_t*>(w.next_k[i]);
-      const auto* vr = static_cast<const scalar_t*>(w.next_v[i]);
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        w.krow[i] = kr;
-        w.vrow[i] = vr;
-      } else {
-        row_to_float(kr, w.kbuf.data() + i * d, d);
-        row_to_float(vr, w.vbuf.data() + i * d, d);
-        w.krow[i] = w.kbuf.data() + i * d;
-        w.vrow[i] = w.vbuf.data() + i * d;
+    for (int64_t j = 0; j < nh; ++j) {
+      for (int64_t i = j * kBlockKeys; i < j * kBlockKeys + nk; ++i) {
+        const auto* kr = static_cast<const scalar_t*>(w.next_k[i]);
+        const auto* vr = static_cast<const scalar_t*>(w.next_v[i]);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          w.krow[i] = kr;
+          w.vrow[i] = vr;
+        } else {
+          row_to_float(kr, w.kbuf.data() + i * d, d);
+          row_to_float(vr, w.vbuf.data() + i * d, d);
+          w.krow[i] = w.kbuf.data() + i * d;
+          w.vrow[i] = w.vbuf.data() + i * d;
+        }
       }
     }
     gather(std::min(kBlockKeys, kmax - pos - nk));
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t seen = std::min(it.first + r / g, it.total);
+      const int64_t seen = std::min(it.first + r / gh, it.total);
       w.lim[r] = std::max<int64_t>(0, std::min(nk, seen - pos));
     }
-    for (int64_t r = 0; r < rows; ++r) dots(qf + r * d, w.krow.data(), w.lim[r], d, w.s.data() + r * kBlockKeys);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t j = (r % gh) / g;  // the row's head among the item's
+      dots(qf + r * d, w.krow.data() + j * kBlockKeys, w.lim[r], d, w.s.data() + r * kBlockKeys);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = w.lim[r];
       if (n == 0) continue;
@@ -280,7 +289,7 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strid
       const float alpha = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
       w.l[r] = w.l[r] * alpha + exp_shifted(s, s, m_new, n);
       w.m[r] = m_new;
-      scale_add_rows(acc + r * d, alpha, s, w.vrow.data(), n, d);
+      scale_add_rows(acc + r * d, alpha, s, w.vrow.data() + (r % gh) / g * kBlockKeys, n, d);
     }
     pos += nk;
   }
@@ -345,15 +354,16 @@ void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   l_dst.copy_(lse);
 }
 
-// Phase 1 item through attend(): writes the normalised partial and its log-sum-exp.
+// Phase 1 item through attend() (KV heads h .. h + nh - 1): writes the normalised partial and its
+// log-sum-exp.
 template <typename scalar_t>
 void own_piece(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
-               const Item& it, int64_t part_row, int64_t h, int64_t hq, int64_t g, int64_t d, float scale,
-               const Partials& part, Scratch& w) {
-  attend(q, k, v, st, runs, it, h, g, d, scale, w);
-  const int64_t rows = (it.tok_hi - it.tok_lo) * g;
+               const Item& it, int64_t part_row, int64_t h, int64_t nh, int64_t hq, int64_t g, int64_t d,
+               float scale, const Partials& part, Scratch& w) {
+  attend(q, k, v, st, runs, it, h, nh, g, d, scale, w);
+  const int64_t gh = g * nh, rows = (it.tok_hi - it.tok_lo) * gh;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t idx = (part_row + r / g) * hq + h * g + r % g;
+    const int64_t idx = (part_row + r / gh) * hq + h * g + r % gh;
     const float l = w.l[r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     float* dst = part.o + idx * d;
@@ -362,15 +372,17 @@ void own_piece(const scalar_t* q, const scalar_t* k, const scalar_t* v, const St
   }
 }
 
-// Phase 2 item: a block of segment tokens; folds in every partial covering each token, writes the output.
+// Phase 2 item: a block of segment tokens (KV heads h .. h + nh - 1); folds in every partial covering each
+// token, writes the output.
 template <typename scalar_t>
 void segment_block(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const Strides& st,
                    const int64_t* runs, const Item& it, const int64_t* tok_ptr, const int64_t* tok_parts,
-                   int64_t h, int64_t hq, int64_t g, int64_t d, float scale, const Partials& part, Scratch& w) {
-  attend(q, k, v, st, runs, it, h, g, d, scale, w);
-  const int64_t rows = (it.tok_hi - it.tok_lo) * g;
+                   int64_t h, int64_t nh, int64_t hq, int64_t g, int64_t d, float scale, const Partials& part,
+                   Scratch& w) {
+  attend(q, k, v, st, runs, it, h, nh, g, d, scale, w);
+  const int64_t gh = g * nh, rows = (it.tok_hi - it.tok_lo) * gh;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = it.tok_lo + r / g, head = h * g + r % g;
+    const int64_t t = it.tok_lo + r / gh, head = h * g + r % gh;
     float* a = w.acc.data() + r * d;
     float m = w.m[r], l = w.l[r];
     for (int64_t e = tok_ptr[t]; e < tok_ptr[t + 1]; ++e) {
@@ -394,11 +406,11 @@ void segment_block(const scalar_t* q, const scalar_t* k, const scalar_t* v, scal
 // Runs fn(item index, thread scratch) over [0, n) on all threads; items are handed out one at a time in
 // order (the build sorts them most expensive first), so uneven items still balance.
 template <typename F>
-void for_each_item(int64_t n, int64_t rows, int64_t d, const F& fn) {
+void for_each_item(int64_t n, int64_t rows, int64_t d, int64_t heads, const F& fn) {
   if (n == 0) return;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    Scratch w(rows, d);
+    Scratch w(rows, d, heads);
     for (int64_t i = next++; i < n; i = next++) fn(i, w);
   });
 }
@@ -432,7 +444,9 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t* tp = tok_ptr.data_ptr<int64_t>();
   const int64_t* tq = tok_parts.data_ptr<int64_t>();
-  const int64_t rows = std::max<int64_t>(1, max_item_tokens) * g;
+  // attend() takes every KV head of an item at once: a slot's K (and V) rows of all heads are one
+  // contiguous read, where one head per item read a third of each slot's bytes at a stride.
+  const int64_t rows = std::max<int64_t>(1, max_item_tokens) * hq;
   const float fscale = static_cast<float>(scale);
   const auto kernel = [&](auto zero) {
     using scalar_t = decltype(zero);
@@ -440,7 +454,9 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     const scalar_t* kp = k.const_data_ptr<scalar_t>();
     const scalar_t* vp = v.const_data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    for_each_item(pieces.size(0) * hkv, rows, d, [&](int64_t i, Scratch& w) {
+    // Phase 1: a piece for the flash kernel is one item per KV head; any other piece, one item (its first
+    // head's slot) for all heads.
+    for_each_item(pieces.size(0) * hkv, rows, d, hkv, [&](int64_t i, Scratch& w) {
       const int64_t* row = pp + 7 * (i / hkv);
       const Item it = item_at(row);
       const int64_t nt = it.tok_hi - it.tok_lo;
@@ -448,13 +464,13 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t keys = std::min(it.first + nt - 1, it.total);
       if (flash_min_rows >= 0 && nt * g >= flash_min_rows && keys >= flash_min_keys && (whole || square)) {
         flash_piece(q, k, v, rp, it, row[6], i % hkv, scale, part);
-      } else {
-        own_piece<scalar_t>(qp, kp, vp, st, rp, it, row[6], i % hkv, hq, g, d, fscale, part, w);
+      } else if (i % hkv == 0) {
+        own_piece<scalar_t>(qp, kp, vp, st, rp, it, row[6], 0, hkv, hq, g, d, fscale, part, w);
       }
     });
-    for_each_item(blocks.size(0) * hkv, rows, d, [&](int64_t i, Scratch& w) {
-      segment_block<scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * (i / hkv)), tp, tq, i % hkv, hq, g, d,
-                              fscale, part, w);
+    for_each_item(blocks.size(0), rows, d, hkv, [&](int64_t i, Scratch& w) {
+      segment_block<scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * i), tp, tq, 0, hkv, hq, g, d, fscale, part,
+                              w);
     });
   };
   switch (q.scalar_type()) {
