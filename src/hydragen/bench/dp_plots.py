@@ -1,0 +1,154 @@
+"""The plots of ``hydragen bench dp`` (and ``--replot``): the measured policies side by side, and the
+simulation's hit rate, load balance and tail latency against the number of replicas."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+from hydragen.bench.plots import FIGSIZE, QUICK_TITLE, plain
+
+COLORS = {"cache": "C0", "round-robin": "C1", "least-loaded": "C2", "approx": "C4"}
+NAMES = {
+    "cache": "cache (routing on the real cache)",
+    "approx": "approx (text tree, SGLang's policy)",
+    "round-robin": "round-robin",
+    "least-loaded": "least-loaded",
+}
+
+
+def _figure(title: str, quick: bool):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=120, layout="constrained")
+    head = f"{QUICK_TITLE}: {title}" if quick else title
+    fig.suptitle("\n".join(textwrap.wrap(head, 80)), fontsize=10.5)
+    if quick:
+        fig.text(0.5, 0.5, "QUICK RUN\nsmoke test, not a result", fontsize=30, color="red", alpha=0.18,
+                 ha="center", va="center", rotation=18)  # fmt: skip
+    return fig, ax
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def measured_plots(data: dict, out: Path) -> list[Path]:
+    """One bar per policy: hit rate, output tokens/s, TTFT p50 and p99; targets drawn against round-robin."""
+    rows, quick = data["rows"], data.get("quick", False)
+    prm = data.get("params", {})
+    w = prm.get("workload", {})
+    ratio = w.get("system_tokens_total", 0) / max(prm.get("kv_cache_tokens", 1), 1)
+    setting = (
+        f"{prm.get('replicas', 2)} replicas of 1 core, {w.get('tenants', '?')} tenants (system prompts "
+        f"{ratio:.1f}x one replica's cache), {w.get('requests', '?')} chat requests"
+    )
+    names = [r["policy"] for r in rows]
+    base = next((r for r in rows if r["policy"] == "round-robin"), None)
+    paths = []
+    for key, ylabel, target, fname in (
+        ("hit_rate", "prefix-cache hit rate (cached / prompt tokens)", 3.0, "dp_hit_rate.png"),
+        ("output_tok_s", "output tokens per second", 1.5, "dp_throughput.png"),
+    ):
+        fig, ax = _figure(f"{ylabel.split(' (')[0].capitalize()} by routing policy: {setting}", quick)
+        values = [r[key] for r in rows]
+        bars = ax.bar(range(len(rows)), values, color=[COLORS.get(n, "0.5") for n in names])
+        ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=9)
+        if base is not None and base[key] > 0:
+            goal = target * base[key]
+            ax.axhline(goal, color="0.35", linestyle=":", linewidth=1.2)
+            ax.annotate(f"target: {target:g}x round-robin", (len(rows) - 0.5, goal), ha="right", va="bottom",
+                        fontsize=8.5, color="0.3")  # fmt: skip
+            if key == "hit_rate":
+                ax.set_ylim(0, max(1.0, goal * 1.08))
+        ax.set_xticks(range(len(rows)), [NAMES.get(n, n) for n in names], fontsize=8.5)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.margins(y=0.12)
+        paths.append(_save(fig, out / fname))
+    fig, ax = _figure(f"Time to first token by routing policy: {setting}", quick)
+    width = 0.38
+    for j, (q, shade) in enumerate((("ttft_p50", 0.55), ("ttft_p99", 1.0))):
+        xs = [i + (j - 0.5) * width for i in range(len(rows))]
+        values = [r[q] for r in rows]
+        bars = ax.bar(xs, values, width, color=[COLORS.get(n, "0.5") for n in names], alpha=shade,
+                      label="median" if j == 0 else "99th percentile")  # fmt: skip
+        ax.bar_label(bars, labels=[f"{v:.2g}" for v in values], fontsize=8)
+    ax.set_xticks(range(len(rows)), [NAMES.get(n, n) for n in names], fontsize=8.5)
+    ax.set_ylabel("time to first token (s), client side")
+    ax.legend(fontsize=8, title="paler: median; full: 99th percentile", title_fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    paths.append(_save(fig, out / "dp_ttft.png"))
+    return paths
+
+
+def sim_plots(sim: dict, measured: list[dict], out: Path) -> list[Path]:
+    """Lines per policy against replicas; the measured 2-replica figures as hollow squares."""
+    rows, quick = sim["rows"], sim.get("quick", False)
+    prm = sim.get("params", {})
+    reps = sorted({r["replicas"] for r in rows})
+    paths = []
+    for key, ylabel, title, fname in (
+        ("hit_rate", "prefix-cache hit rate", "Hit rate as replicas grow", "dp_sim_hit_rate.png"),
+        ("busy_max_over_mean", "busiest replica's busy time / mean", "Load balance as replicas grow",
+         "dp_sim_balance.png"),
+        ("ttft_p99", "time to first token, 99th percentile (s)", "Tail latency as replicas grow",
+         "dp_sim_ttft_p99.png"),
+        ("output_tok_s", "output tokens per second per replica", "Throughput per replica as replicas grow",
+         "dp_sim_throughput.png"),
+    ):  # fmt: skip
+        full = (
+            f"Simulated: {title.lower()} (tenants, chats and arrivals grow with the replicas; "
+            f"{prm.get('kv_cache_tokens', '?')} KV tokens and measured service times per replica)"
+        )
+        fig, ax = _figure(full, quick)
+        per_replica = key == "output_tok_s"
+        for policy in COLORS:
+            pts = sorted((r["replicas"], r[key]) for r in rows if r["policy"] == policy)
+            if not pts:
+                continue
+            ys = [y / n if per_replica else y for n, y in pts]
+            ax.plot([n for n, _ in pts], ys, marker="o", color=COLORS[policy], label=NAMES[policy])
+        m_key = {"hit_rate": "hit_rate", "ttft_p99": "ttft_p99", "output_tok_s": "output_tok_s"}.get(key)
+        n_measured = prm.get("measured_replicas", 2)
+        shown = False
+        for r in measured if m_key else []:
+            y = r[m_key] / n_measured if per_replica else r[m_key]
+            ax.plot([n_measured], [y], marker="s", markersize=10, markerfacecolor="none", linestyle="none",
+                    markeredgecolor=COLORS.get(r["policy"], "0.3"), mew=1.6,
+                    label=None if shown else "measured (hollow square, policy's colour)")  # fmt: skip
+            shown = True
+        ax.set_xscale("log", base=2)
+        from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+        ax.xaxis.set_major_locator(FixedLocator(reps))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: plain(v)))
+        ax.set_xlabel("replicas")
+        ax.set_ylabel(ylabel)
+        if key == "hit_rate":
+            ax.set_ylim(0, 1)
+        else:
+            ax.set_ylim(bottom=0 if key != "busy_max_over_mean" else 1.0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        paths.append(_save(fig, out / fname))
+    return paths
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    """Every plot of a run folder: the measured policies (if measured) and the simulation (if simulated)."""
+    paths = measured_plots(data, out) if data.get("rows") else []
+    sim_path = Path(out) / "dp_sim.json"
+    if sim_path.is_file():
+        paths += sim_plots(json.loads(sim_path.read_text()), data.get("rows", []), Path(out))
+    return paths
