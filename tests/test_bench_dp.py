@@ -277,6 +277,6 @@ def test_bench_dp_quick_end_to_end(tmp_path, capsys):
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == sorted(
         ["dp_hit_rate.png", "dp_throughput.png", "dp_ttft.png", "dp_sim_hit_rate.png", "dp_sim_balance.png",
-         "dp_sim_ttft_p99.png", "dp_sim_throughput.png"]
+         "dp_sim_ttft_p99.png", "dp_sim_throughput.png", "dp_sim_bound.png"]
     )  # fmt: skip
     assert "QUICK RUN" in capsys.readouterr().out

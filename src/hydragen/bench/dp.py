@@ -11,7 +11,7 @@ one core each, the same KV size), the same workload is replayed through the Open
 time to first token is seen), and the replicas' /metrics give the prefix-cache hit rate (prompt tokens found
 cached / prompt tokens) and the requests each replica served. Then a replica's service times are measured
 (``dp_service``) and the router is simulated at 2 (checked against the measurement) and 8-64 replicas
-(``dp_scale``). ``--simulate`` runs the simulation alone, from a previous run's JSON (``--from``).
+(``dp_scale``). ``--simulate DIR`` runs the simulation alone, from a measured run's JSON in DIR.
 """
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ def run_policy(args, w: Workload, policy: str, kv_tokens: int) -> dict:
     from hydragen.bench.serve import start_server
 
     extra = ["--data-parallel-size", str(args.replicas), "--router-policy", policy]
+    extra += ["--router-balance-bound", str(args.balance_bound)]
     extra += ["--kv-cache-tokens", str(kv_tokens), "--max-num-seqs", str(args.max_num_seqs)]
     say(f"{policy}: starting {args.replicas} replicas ({kv_tokens} KV tokens each)")
     proc, url = start_server(args.model, extra)
@@ -199,22 +200,30 @@ def kv_tokens_for(w: Workload, ratio: float, page_size: int = 16) -> int:
 def run(args) -> list[dict]:
     if args.quick:
         say_quick("dp")
-    out = Path(args.out)
-    w = workload_for(args)
-    kv = kv_tokens_for(w, args.cache_ratio)
-    st = w.stats
-    total = st["system_tokens_total"]
-    say(
-        f"workload: {len(w.tenants)} tenants, system prompts {st['system_tokens_min']}-"
-        f"{st['system_tokens_max']} tokens ({total} in all = {total / kv:.2f} x one replica's KV cache of "
-        f"{kv}), {len(w.sessions)} sessions ({st['multi_turn_sessions']} multi-turn), {w.requests} requests, "
-        f"{st['distinct_users']} users"
-    )
     from hydragen.bench.dp_scale import simulate_all
     from hydragen.bench.dp_service import calibrate
+    from hydragen.bench.dp_sim import ServiceModel
 
-    rows = []
-    if not args.simulate:
+    if args.simulate:  # the simulation alone, from a measured run's JSON
+        out = Path(args.simulate)
+        previous = read_results(out, RESULT_NAME)
+        rows, params, args.quick = previous["rows"], previous["params"], previous["quick"]
+        args.replicas = params["replicas"]
+        w = make_workload(spec_from(params["workload"]), tokenizer_counter(args.model))
+        service = ServiceModel(**params["calibration"]["service"])
+    else:
+        out = Path(args.out)
+        w = workload_for(args)
+        kv = kv_tokens_for(w, args.cache_ratio)
+        st = w.stats
+        total = st["system_tokens_total"]
+        say(
+            f"workload: {len(w.tenants)} tenants, system prompts {st['system_tokens_min']}-"
+            f"{st['system_tokens_max']} tokens ({total} in all = {total / kv:.2f} x one replica's KV cache "
+            f"of {kv}), {len(w.sessions)} sessions ({st['multi_turn_sessions']} multi-turn), {w.requests} "
+            f"requests, {st['distinct_users']} users"
+        )
+        rows = []
         for policy in args.policies:
             rows.append(run_policy(args, w, policy, kv))
             r = rows[-1]
@@ -223,37 +232,44 @@ def run(args) -> list[dict]:
                 f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, per replica {r['per_replica']}"
             )
         service, calibration = calibrate(w, args.model, threads=1, quick=args.quick)
-    else:
-        previous = read_results(Path(args.source or args.out), RESULT_NAME)
-        rows, calibration = previous["rows"], previous["params"]["calibration"]
-        from hydragen.bench.dp_sim import ServiceModel
-
-        service = ServiceModel(**calibration["service"])
-    params = {
-        "workload": {**asdict(w.spec), **st},
-        "kv_cache_tokens": kv,
-        "cache_ratio": args.cache_ratio,
-        "replicas": args.replicas,
-        "threads_per_replica": 1,
-        "calibration": calibration,
-        "answer_tokens": answer_lengths(rows),
-    }
-    md = ""
-    if not args.simulate:
-        md = write_table(
-            rows, COLUMNS, out, RESULT_NAME, title(w, kv, args.replicas), notes(rows), quick=args.quick,
-            quick_note="a few requests of 4-8 tokens on toy prompts: rates and latencies are start-up and "
-            "HTTP noise; the run checks that every policy serves the workload and the figures are collected.",
-            params=params,
-        )  # fmt: skip
-        print(md)
+        params = {
+            "workload": {**asdict(w.spec), **st},
+            "kv_cache_tokens": kv,
+            "cache_ratio": args.cache_ratio,
+            "replicas": args.replicas,
+            "threads_per_replica": 1,
+            "balance_bound": args.balance_bound,
+            "calibration": calibration,
+            "answer_tokens": answer_lengths(rows),
+        }
+        print(
+            write_table(
+                rows,
+                COLUMNS,
+                out,
+                RESULT_NAME,
+                title(w, kv, args.replicas),
+                notes(rows),
+                quick=args.quick,
+                quick_note="a few requests of 4-8 tokens on toy prompts: rates and latencies are start-up "
+                "and HTTP noise; the run checks that every policy serves the workload and the figures are "
+                "collected.",
+                params=params,
+            )
+        )
     if not args.no_simulate:
         simulate_all(args, w, service, params, out)
-    from hydragen.bench.dp_plots import plots as draw
-
-    for path in draw(read_results(out, RESULT_NAME), out):
+    for path in plots(read_results(out, RESULT_NAME), out):
         say(f"plot: {path}")
     return rows
+
+
+def spec_from(saved: dict) -> WorkloadSpec:
+    """The workload spec a run saved in its JSON (lists back to tuples)."""
+    fields = {k: saved[k] for k in WorkloadSpec.__dataclass_fields__ if k in saved}
+    fields["system_tokens"] = tuple(fields["system_tokens"])
+    fields["output_lengths"] = tuple(tuple(x) for x in fields["output_lengths"])
+    return WorkloadSpec(**fields)
 
 
 def answer_lengths(rows: list[dict]) -> dict[str, float]:
@@ -318,10 +334,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-s", type=float, default=d.think_s, help=f"mean think time, s ({d.think_s})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64, help="per replica (64)")
+    p.add_argument("--balance-bound", type=int, default=4, help="the router's --router-balance-bound (4)")
     p.add_argument("--max-run-s", type=float, default=600, help="a policy's run is stopped after it (600)")
     p.add_argument("--sim-replicas", default="2,8,16,32,64", help="replica counts simulated (2,8,16,32,64)")
-    p.add_argument("--simulate", action="store_true", help="only the simulation, from --from DIR/dp.json")
-    p.add_argument("--from", dest="source", default=None, help="the run whose JSON --simulate reads (--out)")
+    p.add_argument(
+        "--simulate",
+        metavar="DIR",
+        default=None,
+        help="only the simulation, from a run's DIR/dp.json (into DIR)",
+    )
     p.add_argument("--no-simulate", action="store_true", help="skip the simulation")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", default="bench-out")

@@ -91,57 +91,97 @@ def measured_plots(data: dict, out: Path) -> list[Path]:
     return paths
 
 
-def sim_plots(sim: dict, measured: list[dict], out: Path) -> list[Path]:
-    """Lines per policy against replicas; the measured 2-replica figures as hollow squares."""
-    rows, quick = sim["rows"], sim.get("quick", False)
-    prm = sim.get("params", {})
-    reps = sorted({r["replicas"] for r in rows})
-    paths = []
-    for key, ylabel, title, fname in (
-        ("hit_rate", "prefix-cache hit rate", "Hit rate as replicas grow", "dp_sim_hit_rate.png"),
-        ("busy_max_over_mean", "busiest replica's busy time / mean", "Load balance as replicas grow",
-         "dp_sim_balance.png"),
-        ("ttft_p99", "time to first token, 99th percentile (s)", "Tail latency as replicas grow",
-         "dp_sim_ttft_p99.png"),
-        ("output_tok_s", "output tokens per second per replica", "Throughput per replica as replicas grow",
-         "dp_sim_throughput.png"),
-    ):  # fmt: skip
-        full = (
-            f"Simulated: {title.lower()} (tenants, chats and arrivals grow with the replicas; "
-            f"{prm.get('kv_cache_tokens', '?')} KV tokens and measured service times per replica)"
-        )
-        fig, ax = _figure(full, quick)
-        per_replica = key == "output_tok_s"
-        for policy in COLORS:
-            pts = sorted((r["replicas"], r[key]) for r in rows if r["policy"] == policy)
-            if not pts:
-                continue
+def _replica_axis(ax, reps: list[int]) -> None:
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(reps))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: plain(v)))
+    ax.grid(True, alpha=0.3)
+
+
+def _policy_lines(ax, rows: list[dict], key: str, per_replica: bool = False) -> None:
+    for policy in COLORS:
+        pts = sorted((r["replicas"], r[key]) for r in rows if r["policy"] == policy)
+        if pts:
             ys = [y / n if per_replica else y for n, y in pts]
             ax.plot([n for n, _ in pts], ys, marker="o", color=COLORS[policy], label=NAMES[policy])
-        m_key = {"hit_rate": "hit_rate", "ttft_p99": "ttft_p99", "output_tok_s": "output_tok_s"}.get(key)
-        n_measured = prm.get("measured_replicas", 2)
-        shown = False
-        for r in measured if m_key else []:
-            y = r[m_key] / n_measured if per_replica else r[m_key]
+
+
+def sim_plots(sim: dict, measured: list[dict], out: Path) -> list[Path]:
+    """Lines per policy against replicas (the measured 2-replica figures as hollow squares), load balance,
+    and the cache policy's balance bound."""
+    quick = sim.get("quick", False)
+    prm = sim.get("params", {})
+    rows = [r for r in sim["rows"] if r.get("part", "replicas") == "replicas"]
+    reps = sorted({r["replicas"] for r in rows})
+    grows = (
+        f"tenants, chats and arrivals grow with the replicas; {prm.get('kv_cache_tokens', '?')} KV tokens "
+        f"and measured service times per replica; balance bound {prm.get('balance_bound', 4)}"
+    )
+    n_measured = prm.get("measured_replicas", 2)
+    paths = []
+    for key, ylabel, title, fname in (
+        ("hit_rate", "prefix-cache hit rate", "hit rate as replicas grow", "dp_sim_hit_rate.png"),
+        ("ttft_p99", "time to first token, 99th percentile (s)", "tail latency as replicas grow",
+         "dp_sim_ttft_p99.png"),
+        ("output_tok_s", "output tokens per second per replica", "throughput per replica as replicas grow",
+         "dp_sim_throughput.png"),
+    ):  # fmt: skip
+        fig, ax = _figure(f"Simulated: {title} ({grows})", quick)
+        per_replica = key == "output_tok_s"
+        _policy_lines(ax, rows, key, per_replica)
+        for i, r in enumerate(measured):
+            y = r[key] / n_measured if per_replica else r[key]
             ax.plot([n_measured], [y], marker="s", markersize=10, markerfacecolor="none", linestyle="none",
                     markeredgecolor=COLORS.get(r["policy"], "0.3"), mew=1.6,
-                    label=None if shown else "measured (hollow square, policy's colour)")  # fmt: skip
-            shown = True
-        ax.set_xscale("log", base=2)
-        from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
-
-        ax.xaxis.set_major_locator(FixedLocator(reps))
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: plain(v)))
+                    label=None if i else "measured (hollow square, the policy's colour)")  # fmt: skip
+        _replica_axis(ax, reps)
         ax.set_xlabel("replicas")
         ax.set_ylabel(ylabel)
-        if key == "hit_rate":
-            ax.set_ylim(0, 1)
-        else:
-            ax.set_ylim(bottom=0 if key != "busy_max_over_mean" else 1.0)
-        ax.grid(True, alpha=0.3)
+        ax.set_ylim(0, 1 if key == "hit_rate" else None)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         paths.append(_save(fig, out / fname))
+    # Load balance: requests routed and time computed, busiest replica over the mean.
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.6), dpi=120, layout="constrained", sharey=True)
+    head = f"Simulated: load balance as replicas grow ({grows})"
+    fig.suptitle("\n".join(textwrap.wrap(f"{QUICK_TITLE}: {head}" if quick else head, 110)), fontsize=10.5)
+    for ax, key, what in (
+        (axes[0], "requests_max_over_mean", "requests routed: busiest replica / mean"),
+        (axes[1], "busy_max_over_mean", "time computing: busiest replica / mean"),
+    ):
+        _policy_lines(ax, rows, key)
+        _replica_axis(ax, reps)
+        ax.axhline(1.0, color="0.5", linestyle=":", linewidth=1)
+        ax.set_title(what, fontsize=9.5)
+        ax.set_xlabel("replicas")
+    axes[0].set_ylabel("busiest / mean (1 = perfectly even)")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    paths.append(_save(fig, out / "dp_sim_balance.png"))
+    bound_rows = sorted((r for r in sim["rows"] if r.get("part") == "balance bound"),
+                        key=lambda r: r["balance_bound"])  # fmt: skip
+    if bound_rows:
+        n = bound_rows[0]["replicas"]
+        fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.6), dpi=120, layout="constrained")
+        head = (
+            f"Simulated: the cache policy's balance bound at {n} replicas (a request leaves its best match "
+            "when that replica has more than this many requests in flight beyond the least-loaded one)"
+        )
+        fig.suptitle(
+            "\n".join(textwrap.wrap(f"{QUICK_TITLE}: {head}" if quick else head, 110)), fontsize=10.5
+        )
+        bounds = [r["balance_bound"] for r in bound_rows]
+        for ax, key, what in ((axes[0], "hit_rate", "prefix-cache hit rate"),
+                              (axes[1], "ttft_p99", "time to first token, 99th percentile (s)")):  # fmt: skip
+            ax.plot(bounds, [r[key] for r in bound_rows], marker="o", color=COLORS["cache"])
+            _replica_axis(ax, bounds)
+            ax.set_xlabel("balance bound (requests in flight)")
+            ax.set_ylabel(what)
+            ax.set_ylim(0, 1 if key == "hit_rate" else None)
+        paths.append(_save(fig, out / "dp_sim_bound.png"))
     return paths
 
 

@@ -358,6 +358,7 @@ class Simulation:
             "prefill_tokens": sum(x.prefilled for x in self.replicas),
             "wall_s": end - start,
             "requests_per_replica": counts,
+            "routed": [r["routed"] for r in self.router.snapshot()],
         }
 
 
