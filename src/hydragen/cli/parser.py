@@ -273,6 +273,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests get before they are aborted (default 10)",
     )
     _add_tp_arg(v)
+    v.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N replicas of the model, each on its share of the cores, behind one endpoint that routes "
+        "each request to a replica (default 1: one process)",
+    )
+    v.add_argument(
+        "--router-policy",
+        choices=["cache", "approx", "round-robin", "least-loaded"],
+        default="cache",
+        help="with --data-parallel-size: cache (default) sends a request to the replica whose prefix cache "
+        "holds most of its prompt, known from the replicas' KV events; approx guesses that from the text of "
+        "earlier requests (SGLang's router); round-robin; least-loaded",
+    )
+    v.add_argument(
+        "--router-balance-bound",
+        type=int,
+        default=4,
+        metavar="K",
+        help="with --data-parallel-size: the best-matching replica is passed over when it has more than K "
+        "requests in flight beyond the least-loaded one (default 4)",
+    )
     v.set_defaults(func=run_serve)
 
     b = sub.add_parser(

@@ -44,6 +44,8 @@ def run_serve(args: argparse.Namespace) -> int:
         tp = tp_size(args)
     except UsageError as e:
         problems.append(str(e))
+        tp = 1
+    problems += data_parallel_problems(args, tp)
     if args.model is not None and not os.path.exists(args.model):
         problems.append(f"--model {args.model!r} does not exist")
     try:
@@ -66,6 +68,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.data_parallel_size > 1:
+        from hydragen.dp.launch import run_data_parallel
+
+        configure_logging(log_level)
+        return run_data_parallel(args, options, sock, log_level, api_key)
     try:
         events = kv_event_publisher(args)  # bound before the model loads, like the port
     except Exception as e:
@@ -134,3 +141,13 @@ def kv_event_publisher(args: argparse.Namespace):
     return KVEventPublisher(
         args.kv_events_endpoint, args.page_size, args.kv_events_replay_endpoint, topic=args.kv_events_topic
     )
+
+
+def data_parallel_problems(args: argparse.Namespace, tensor_parallel: int) -> list[str]:
+    """The --data-parallel-size / --router-* checks (imported only when asked for more than one replica)."""
+    if args.data_parallel_size == 1 and args.router_balance_bound >= 0:
+        return []
+    from hydragen.cpu_threads import usable_cores
+    from hydragen.dp.launch import check
+
+    return check(args, len(usable_cores()), tensor_parallel)

@@ -32,13 +32,16 @@ def thread_governor(threads, device: torch.device, tensor_parallel_size: int = 1
     return ThreadGovernor(threads)
 
 
-def default_kv_cache_tokens(bytes_per_token: int, device: torch.device, max_tokens_useful: int) -> int:
-    """A quarter of free memory (RAM on CPU, VRAM on GPU), never more than the engine could use."""
+def default_kv_cache_tokens(
+    bytes_per_token: int, device: torch.device, max_tokens_useful: int, share: int = 1
+) -> int:
+    """A quarter of free memory (RAM on CPU, VRAM on GPU), never more than the engine could use; with
+    ``share`` engines on the machine (data-parallel replicas), each gets its part of that quarter."""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(1024, min(int(free * 0.25) // bytes_per_token, max_tokens_useful))
+    return max(1024, min(int(free * 0.25 / share) // bytes_per_token, max_tokens_useful))
 
 
 class LLM:
@@ -140,12 +143,10 @@ class LLM:
 
     def _start_engine(self, dev, dt, kv_cache_tokens, max_num_seqs, **engine_options) -> None:
         """The tokenizer, the KV budget and the engine; ``engine_options`` go to ``Engine`` unchanged."""
-        has_tokenizer = self.model_path.suffix == ".gguf" or any(
-            (self.model_path / f).exists()
-            for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-        )
+        from hydragen.model.tokenizer import has_tokenizer_files
+
         # A directory without tokenizer files still runs on token-id prompts (texts are then empty).
-        if has_tokenizer:
+        if has_tokenizer_files(self.model_path):
             from hydragen.model.tokenizer import load_tokenizer
             from hydragen.tools.formats import resolve_format
 

@@ -197,6 +197,13 @@ def _load_gguf(path: Path) -> Tokenizer:
     return Tokenizer(tok, extra)
 
 
+def has_tokenizer_files(model_path: Path) -> bool:
+    """Whether the model has a tokenizer (a .gguf always does; a directory may hold none)."""
+    return model_path.suffix == ".gguf" or any(
+        (model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    )
+
+
 def load_tokenizer(model_path: str | Path) -> Tokenizer:
     """Tokenizer for a HF model directory (tokenizer.json; eos ids also from config/generation_config)
     or a .gguf file (converted once, then cached)."""

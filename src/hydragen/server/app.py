@@ -145,11 +145,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         logprobs = body.logprobs_count()
         requested = body.requested_max_tokens()
         body.sampling_params(1 if requested is None else requested, logprobs)  # every value checked up front
-        tools = body.tool_request(llm.tool_format) if chat else None
-        if chat:
-            prompts = [(await encoder.chat(body.conversation(), tools), None)]
-        else:
-            prompts = await encoder.completion(body)
+        prompts, tools = await encoder.request_prompts(body, chat, llm.tool_format)
         if len(prompts) * body.n > MAX_N:
             raise APIError(
                 400,

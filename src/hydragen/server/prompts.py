@@ -50,6 +50,16 @@ class PromptEncoder:
                 code="context_length_exceeded",
             )
 
+    # ---- a request's prompts -----------------------------------------------------------------------
+    async def request_prompts(self, body, chat: bool, tool_format):
+        """(prompts, tools) of a parsed request: [(token ids, text or None)] and its ToolRequest (chat with
+        tools, else None). The one place a request becomes token ids: the server and the data-parallel
+        front (which routes on them) both call it, so they always agree."""
+        if not chat:
+            return await self.completion(body), None
+        tools = body.tool_request(tool_format)
+        return [(await self.chat(body.conversation(), tools), None)], tools
+
     # ---- completions ---------------------------------------------------------------------------
     async def completion(self, body) -> list[tuple[list[int], str | None]]:
         """(token ids, text or None) per prompt of a CompletionRequest; 400 for an empty, out-of-vocabulary

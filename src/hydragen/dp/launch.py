@@ -1,0 +1,171 @@
+"""``hydragen serve --data-parallel-size N``: its checks, each replica's command line, and running the front.
+
+The replicas get the user's model and engine options unchanged, plus: loopback on a port of their own
+choosing, ``--threads`` (their share of the cores, or the user's ``--threads``), KV events on loopback for
+the router, and, when ``--kv-cache-tokens`` is not given, their part of the default KV budget (a quarter
+of free memory split N ways, instead of a quarter each). The API key reaches them in their environment,
+never on a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from hydragen.dp.replicas import split_cores
+
+# serve flags every replica gets as the user gave them: (attribute, flag, takes a value)
+PASSED_FLAGS = (
+    ("model", "--model", True),
+    ("served_model_name", "--served-model-name", True),
+    ("max_num_seqs", "--max-num-seqs", True),
+    ("page_size", "--page-size", True),
+    ("no_sharing", "--no-sharing", False),
+    ("no_jump_forward", "--no-jump-forward", False),
+    ("tool_format", "--tool-format", True),
+    ("literal_json_schema", "--literal-json-schema", False),
+    ("device", "--device", True),
+    ("dtype", "--dtype", True),
+    ("dequantize", "--dequantize", False),
+    ("max_request_bytes", "--max-request-bytes", True),
+    ("read_timeout", "--read-timeout", True),
+    ("shutdown_timeout", "--shutdown-timeout", True),
+)
+
+
+def check(args: argparse.Namespace, cores: int, tensor_parallel: int) -> list[str]:
+    """Problems with the data-parallel flags (checked before anything starts)."""
+    n, problems = args.data_parallel_size, []
+    if n < 1:
+        problems.append(f"--data-parallel-size must be at least 1, got {n}")
+    elif n > cores and args.threads is None:
+        problems.append(
+            f"--data-parallel-size {n} needs {n} cores, but this process may use {cores}; give --threads "
+            "to run more replicas than cores (they then share the cores)"
+        )
+    if n > 1 and tensor_parallel > 1:
+        problems.append("--data-parallel-size and --tensor-parallel-size cannot be combined")
+    if args.router_balance_bound < 0:
+        problems.append(f"--router-balance-bound must be >= 0, got {args.router_balance_bound}")
+    if n > 1 and (args.kv_events_endpoint or args.kv_events_replay_endpoint):
+        problems.append("with --data-parallel-size the front sets each replica's KV-event addresses itself")
+    return problems
+
+
+def replica_threads(args: argparse.Namespace, cores: list[list[int] | None]) -> int:
+    """Threads of each replica: --threads, else the cores it is pinned to (``check`` made sure that
+    without --threads every replica is pinned)."""
+    if args.threads is not None:
+        return args.threads
+    return min(len(c) for c in cores if c is not None)
+
+
+def replica_kv_tokens(args: argparse.Namespace, config) -> int:
+    """--kv-cache-tokens, else each replica's part of the default budget (``default_kv_cache_tokens``)."""
+    if args.kv_cache_tokens is not None:
+        return args.kv_cache_tokens
+    import torch
+
+    from hydragen.engine.llm import default_kv_cache_tokens
+    from hydragen.model.loader import resolve_device, resolve_dtype
+
+    bytes_per_token = config.kv_bytes_per_token_per_elem * torch.finfo(resolve_dtype(args.dtype)).bits // 8
+    useful = args.max_num_seqs * config.max_position_embeddings
+    return default_kv_cache_tokens(
+        bytes_per_token, resolve_device(args.device), useful, share=args.data_parallel_size
+    )
+
+
+def replica_args(args: argparse.Namespace, threads: int, kv_tokens: int, log_level: str) -> list[str]:
+    """The ``hydragen serve`` arguments of every replica."""
+    out = ["--host", "127.0.0.1", "--port", "0", "--threads", str(threads)]
+    out += ["--kv-cache-tokens", str(kv_tokens)]
+    out += ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
+    # Replicas log at info at least: their ready line says where they listen (their request lines are
+    # forwarded at debug; the front logs every request itself).
+    out += ["--log-level", "debug" if log_level in ("debug", "trace") else "info"]
+    for attr, flag, takes_value in PASSED_FLAGS:
+        value = getattr(args, attr)
+        if takes_value and value is not None:
+            out += [flag, str(value)]
+        elif not takes_value and value:
+            out.append(flag)
+    return out
+
+
+def build_front(
+    args: argparse.Namespace, api_key: str | None, log_level: str, command: list[str] | None = None
+):
+    """(Front, resolved model path) for the parsed serve flags; ``command`` starts a replica (default
+    ``python -m hydragen``). Reads the model's config and tokenizer, nothing is started yet."""
+    from hydragen.cpu_threads import usable_cores
+    from hydragen.distributed.checkpoint import read_config
+    from hydragen.dp.front import Front
+    from hydragen.dp.prompts import RequestPrompts
+    from hydragen.dp.router import Router
+
+    n = args.data_parallel_size
+    config, path, _ = read_config(args.model)
+    prompts = RequestPrompts.from_files(config, path, args.tool_format, args.router_policy == "approx")
+    cores = split_cores(usable_cores(), n)
+    threads = replica_threads(args, cores)
+    serve_args = replica_args(args, threads, replica_kv_tokens(args, config), log_level)
+    router = Router(n, args.router_policy, args.router_balance_bound)
+    env = {"HYDRAGEN_API_KEY": api_key or ""}
+    return Front(router, prompts, serve_args, cores, command=command, env=env), path
+
+
+async def serve_front(front, server, sock, options, ready) -> int:
+    """Start the replicas, then serve (``server`` from ``make_server``) on ``sock`` until it is told to stop;
+    the replicas stop after it. ``ready()`` makes the ready line once the replicas are up. 1 (with the
+    one-line error on stderr) when a replica cannot start."""
+    from hydragen.dp.replicas import ReplicaStartError
+
+    try:
+        await front.start()
+    except ReplicaStartError as e:
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    server.ready = ready()
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await front.stop(options.shutdown_timeout)
+    return 0
+
+
+def run_data_parallel(args: argparse.Namespace, options, sock, log_level: str, api_key: str | None) -> int:
+    """``hydragen serve --data-parallel-size N`` after its checks, with its port bound: until a signal."""
+    from hydragen.dp.front import create_front_app
+    from hydragen.server.launch import make_server
+
+    try:
+        front, path = build_front(args, api_key, log_level)
+    except BaseException:
+        sock.close()
+        raise
+    server = make_server(create_front_app(front, options), options, log_level)
+    try:
+        return asyncio.run(
+            serve_front(front, server, sock, options, lambda: ready_line(args, path, api_key, front))
+        )
+    finally:
+        front.replicas.kill_all()  # only reaches replicas still running after an error or a second signal
+
+
+def ready_line(args: argparse.Namespace, path, api_key: str | None, front) -> str:
+    threads = replica_threads(args, [r.cores for r in front.replicas.replicas])
+    name = args.served_model_name or path.stem
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    replicas = front.replicas.replicas
+    kv = min(r.ready.kv_tokens for r in replicas)
+    pinned = all(r.cores is not None for r in replicas)
+    cores = "/".join(",".join(map(str, r.cores)) for r in replicas) if pinned else "shared"
+    quoted = repr(name).replace("{", "{{").replace("}", "}}")  # the line is formatted with the port later
+    return (
+        f"ready: serving {quoted} on http://{host}:{{port}}/v1 | {len(replicas)} data-parallel replicas "
+        f"(router policy {args.router_policy}), each with KV cache {kv} tokens and {threads} "
+        f"thread{'s' * (threads != 1)} (cores {cores}) | API key {'required' if api_key else 'not required'}"
+    )
