@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from hydragen.bench.dp import kv_tokens_for
+from hydragen.bench.dp import kv_tokens_for, notes
 from hydragen.bench.dp_service import fit_line
 from hydragen.bench.dp_sim import ChatTokens, ServiceModel, Simulation
 from hydragen.bench.dp_sim_cache import PageCache
@@ -221,6 +221,17 @@ def test_pages_run_short_requests_are_preempted_and_all_finish():
         assert len(rep.cache.pages) <= rep.cache.capacity
 
 
+def test_a_request_larger_than_the_cache_fails_alone():
+    """As the engine does: a context the whole cache cannot hold ends in an error, its chat stops there,
+    and the other requests are served."""
+    w = hand_workload("AB", gap_s=0.0, turns=2)
+    sim = simulate(w, "cache", 20 * 16, replicas=1, answer=60)  # a turn fits; turn 2 (with turn 1) cannot
+    f = sim.figures_
+    assert f["failed"] == 2 and f["requests"] == 2  # each chat's second turn
+    assert all(r.failed == (r.turn == 1) for r in sim.requests)
+    assert sim.router.snapshot()[0]["in_flight"] == 0
+
+
 def test_the_routers_view_follows_each_replicas_cache_through_its_events(workload, tokenizer):
     """A scaled-down real workload: the router, fed only the simulated replicas' KV events, holds exactly
     the pages each cache holds at the end."""
@@ -258,17 +269,22 @@ def test_service_model_and_line_fit():
 
 # ---- end to end ------------------------------------------------------------------------------------------
 def test_bench_dp_quick_end_to_end(tmp_path, capsys):
-    """Two replicas behind the front, two policies, the simulation at 2 and 4 replicas, every plot."""
+    """Two replicas behind the front (one policy: each one costs a start of both replicas), the
+    calibration, the simulation at 2 and 4 replicas, every plot, and --replot from the JSON."""
     from hydragen import cli
 
     out = tmp_path / "dp"
-    assert cli.main(["bench", "dp", "--quick", "--policies", "round-robin,cache", "--out", str(out)]) == 0
+    assert cli.main(["bench", "dp", "--quick", "--policies", "cache", "--out", str(out)]) == 0
     data = json.loads((out / "dp.json").read_text())
-    assert data["quick"] and [r["policy"] for r in data["rows"]] == ["round-robin", "cache"]
-    for r in data["rows"]:
-        assert r["errors"] == 0 and r["requests"].split("/")[0] == r["requests"].split("/")[1]
-        assert r["output_tok_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["prompt_tokens"] > 0
-        assert sum(int(x) for x in r["per_replica"].split("/")) == int(r["requests"].split("/")[0])
+    assert data["quick"] and [r["policy"] for r in data["rows"]] == ["cache"]
+    row = data["rows"][0]
+    done, sent = map(int, row["requests"].split("/"))
+    assert row["errors"] == 0 and done == sent == 8
+    assert row["output_tok_s"] > 0 and 0 <= row["hit_rate"] <= 1 and row["prompt_tokens"] > 0
+    assert sum(int(x) for x in row["per_replica"].split("/")) == done
+    # the router saw the replicas' KV events: later turns of a chat were routed on a cached match
+    assert "cache" in row["routed_because"] and "no-match" in row["routed_because"]
+    assert {r["turn"] for r in row["records"]} == {0, 1} and all(r["ttft"] > 0 for r in row["records"])
     sim = json.loads((out / "dp_sim.json").read_text())
     assert {(r["replicas"], r["policy"]) for r in sim["rows"]} == {
         (n, p) for n in (2, 4) for p in ("round-robin", "least-loaded", "approx", "cache")
@@ -280,3 +296,23 @@ def test_bench_dp_quick_end_to_end(tmp_path, capsys):
          "dp_sim_ttft_p99.png", "dp_sim_throughput.png", "dp_sim_bound.png"]
     )  # fmt: skip
     assert "QUICK RUN" in capsys.readouterr().out
+    for p in out.glob("*.png"):
+        p.unlink()
+    assert cli.main(["bench", "dp", "--replot", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == pngs
+
+
+def test_the_table_compares_every_policy_with_round_robin():
+    rows = [
+        {"policy": "round-robin", "output_tok_s": 40.0, "hit_rate": 0.4, "errors": 0},
+        {
+            "policy": "cache",
+            "output_tok_s": 70.0,
+            "hit_rate": 0.8,
+            "errors": 2,
+            "error_samples": ["APIError: x"],
+        },
+    ]
+    text = notes(rows)
+    assert "cache vs round-robin: 1.75x throughput, 2.00x hit rate" in text
+    assert "cache: 2 failed requests, e.g. APIError: x" in text

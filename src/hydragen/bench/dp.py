@@ -35,7 +35,8 @@ QUICK_SPEC = WorkloadSpec(
     continue_p=0.9, think_s=0.1, output_lengths=((4, 0.5), (8, 0.5)),
 )  # fmt: skip
 COLUMNS = ["policy", "requests", "hit_rate", "output_tok_s", "ttft_p50", "ttft_p99", "per_replica",
-           "prompt_tokens", "computed_prompt_tokens", "preemptions", "errors", "wall_s"]  # fmt: skip
+           "routed_because", "prompt_tokens", "computed_prompt_tokens", "preemptions", "errors",
+           "wall_s"]  # fmt: skip
 
 
 def say(message: str) -> None:
@@ -152,6 +153,11 @@ def run_policy(args, w: Workload, policy: str, kv_tokens: int) -> dict:
     prompt = per_replica(metrics, "hydragen_prompt_tokens_total", n)
     rates = per_replica(metrics, "hydragen_prefix_cache_hit_rate", n)
     routed = per_replica(metrics, "hydragen_router_requests_total", n)
+    reasons: dict[str, int] = {}
+    for (name, labels), v in metrics.items():
+        if name == "hydragen_router_requests_total":
+            why = dict(labels).get("reason", "?")
+            reasons[why] = reasons.get(why, 0) + int(v)
     ok = [r for r in records if not r["error"]]
     ttft = sorted(r["ttft"] for r in ok)
     return {
@@ -162,6 +168,7 @@ def run_policy(args, w: Workload, policy: str, kv_tokens: int) -> dict:
         "ttft_p50": percentile(ttft, 50),
         "ttft_p99": percentile(ttft, 99),
         "per_replica": "/".join(str(int(x)) for x in routed),
+        "routed_because": ", ".join(f"{why} {k}" for why, k in sorted(reasons.items())),
         "prompt_tokens": int(sum(prompt)),
         "computed_prompt_tokens": int(sum(per_replica(metrics, "hydragen_prefill_tokens_total", n))),
         "preemptions": int(sum(per_replica(metrics, "hydragen_preemptions_total", n))),
@@ -297,7 +304,9 @@ def notes(rows: list[dict]) -> str:
     lines = [
         "hit_rate: prompt tokens found in the prefix cache / prompt tokens (replicas' /metrics); "
         "output_tok_s: output tokens / wall time; ttft in seconds (client-side, streaming); per_replica: "
-        "requests routed to each replica; computed_prompt_tokens: prompt tokens the replicas ran through "
+        "requests routed to each replica; routed_because: the router's reasons (cache: longest cached match; "
+        "balance: the best match was overloaded; no-match: nothing cached anywhere; or the policy's name); "
+        "computed_prompt_tokens: prompt tokens the replicas ran through "
         "the model."
     ]
     base = next((r for r in rows if r["policy"] == "round-robin"), None)

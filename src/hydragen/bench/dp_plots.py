@@ -11,8 +11,8 @@ from hydragen.bench.plots import FIGSIZE, QUICK_TITLE, plain
 
 COLORS = {"cache": "C0", "round-robin": "C1", "least-loaded": "C2", "approx": "C4"}
 NAMES = {
-    "cache": "cache (routing on the real cache)",
-    "approx": "approx (text tree, SGLang's policy)",
+    "cache": "cache (routing on\nthe real cache)",
+    "approx": "approx (text tree,\nSGLang's policy)",
     "round-robin": "round-robin",
     "least-loaded": "least-loaded",
 }
@@ -85,7 +85,10 @@ def measured_plots(data: dict, out: Path) -> list[Path]:
         ax.bar_label(bars, labels=[f"{v:.2g}" for v in values], fontsize=8)
     ax.set_xticks(range(len(rows)), [NAMES.get(n, n) for n in names], fontsize=8.5)
     ax.set_ylabel("time to first token (s), client side")
-    ax.legend(fontsize=8, title="paler: median; full: 99th percentile", title_fontsize=8)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="0.75", label="median"), Patch(color="0.35", label="99th percentile")],
+              fontsize=8, title="each policy's colour:", title_fontsize=8)  # fmt: skip
     ax.grid(True, axis="y", alpha=0.3)
     paths.append(_save(fig, out / "dp_ttft.png"))
     return paths
@@ -106,7 +109,8 @@ def _policy_lines(ax, rows: list[dict], key: str, per_replica: bool = False) -> 
         pts = sorted((r["replicas"], r[key]) for r in rows if r["policy"] == policy)
         if pts:
             ys = [y / n if per_replica else y for n, y in pts]
-            ax.plot([n for n, _ in pts], ys, marker="o", color=COLORS[policy], label=NAMES[policy])
+            label = NAMES[policy].replace("\n", " ")
+            ax.plot([n for n, _ in pts], ys, marker="o", color=COLORS[policy], label=label)
 
 
 def sim_plots(sim: dict, measured: list[dict], out: Path) -> list[Path]:

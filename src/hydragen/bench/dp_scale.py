@@ -19,9 +19,9 @@ from hydragen.bench.dp_workload import Workload, make_workload
 
 RESULT_NAME = "dp_sim"
 POLICIES = ("round-robin", "least-loaded", "approx", "cache")
-COLUMNS = ["part", "replicas", "policy", "balance_bound", "requests", "hit_rate", "output_tok_s", "ttft_p50",
-           "ttft_p99", "requests_max_over_mean", "busy_max_over_mean", "balance_routed", "prefill_tokens",
-           "wall_s"]  # fmt: skip
+COLUMNS = ["part", "replicas", "policy", "balance_bound", "requests", "failed", "hit_rate", "output_tok_s",
+           "ttft_p50", "ttft_p99", "requests_max_over_mean", "busy_max_over_mean", "balance_routed",
+           "prefill_tokens", "wall_s"]  # fmt: skip
 BOUNDS = (1, 2, 4, 8, 16, 32)
 
 

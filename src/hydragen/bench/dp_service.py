@@ -31,7 +31,10 @@ def calibrate(
     from hydragen import LLM, SamplingParams
 
     say = lambda m: print(f"[dp] calibrating a replica: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    import torch
+
     longest = max(t.system_tokens for t in workload.tenants) + 1024
+    threads_before = torch.get_num_threads()  # LLM(threads=1) sets this process's count: put it back
     llm = LLM(model, threads=threads, kv_cache_tokens=8 * longest, max_num_seqs=64)
     try:
         stats = llm.engine.stats
@@ -70,6 +73,7 @@ def calibrate(
             step_s.append((stats.decode_seconds - before.decode_seconds) / max(n, 1))
     finally:
         llm.close()
+        torch.set_num_threads(threads_before)
     base, per_seq = fit_line([float(b) for b in batches], step_s)
     service = ServiceModel(prefill_s / max(prefill_tokens, 1), max(base, 0.0), max(per_seq, 0.0))
     raw = {

@@ -65,6 +65,7 @@ class SimRequest:
     first_token: float | None = None
     done: float | None = None
     admitted_order: int = 0
+    failed: bool = False
 
     @property
     def context(self) -> list[int]:
@@ -117,6 +118,7 @@ class SimReplica:
         self.stepping = False
         self.prompt_tokens = self.hit_tokens = self.prefilled = 0
         self.requests = 0
+        self.failed: list[SimRequest] = []  # requests the replica could not fit, since the last look
         self._order = itertools.count()
 
     def pages_for(self, tokens: int) -> int:
@@ -132,11 +134,9 @@ class SimReplica:
             need = self.pages_for(len(context)) - matched
             reusable = sum(h in self.cache.idle for h in hashes[:matched])  # idle now, held once admitted
             if need > self.cache.free + len(self.cache.idle) - reusable:
-                if not self.running:
-                    raise ValueError(
-                        f"a request of {len(context)} tokens cannot fit in a replica's KV cache of "
-                        f"{self.cache.capacity} pages of {self.page_size} tokens"
-                    )
+                if not self.running:  # larger than the whole cache: the engine fails it
+                    self.failed.append(self.waiting.pop(0))
+                    continue
                 return  # waits for pages (requests ending free them)
             self.cache.hold(hashes[:matched])
             self.cache.make_room(need)
@@ -200,11 +200,10 @@ class SimReplica:
                 self.cache.private += need
                 return True
             except OutOfPages:
-                if self.running == [r]:
-                    raise ValueError(
-                        f"a request of {upto} tokens cannot fit in a replica's KV cache of "
-                        f"{self.cache.capacity} pages of {self.page_size} tokens"
-                    ) from None
+                if self.running == [r]:  # it alone outgrows the cache: the engine fails it
+                    self.preempt(r)
+                    self.failed.append(self.waiting.pop(0))
+                    return False
                 victim = max(self.running, key=lambda x: x.admitted_order)
                 self.preempt(victim)
                 if victim is r:
@@ -318,6 +317,10 @@ class Simulation:
     def _start_step(self, rep: SimReplica, now: float) -> None:
         rep.admit()
         work = rep.plan()
+        for r in rep.failed:  # as a client sees an error: the chat ends there
+            r.failed = True
+            self.router.finished(r.route)
+        rep.failed = []
         self._publish(rep, now)
         if not work:
             rep.stepping = False
@@ -349,6 +352,7 @@ class Simulation:
             "policy": self.policy,
             "replicas": len(self.replicas),
             "requests": len(done),
+            "failed": sum(r.failed for r in self.requests),
             "hit_rate": sum(x.hit_tokens for x in self.replicas) / max(prompt, 1),
             "output_tok_s": sum(r.generated for r in done) / max(end - start, 1e-9),
             "ttft_p50": percentile(ttft, 50),
