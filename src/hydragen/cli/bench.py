@@ -25,6 +25,7 @@ EXTRA_BENCHMARKS = {
     "tools": "hydragen.bench.tools",
     "schema-defaults": "hydragen.bench.schema_defaults",
     "quant": "hydragen.bench.quant",
+    "dp": "hydragen.bench.dp",
 }
 ALL_BENCHMARKS = {**BENCHMARKS, **EXTRA_BENCHMARKS}
 

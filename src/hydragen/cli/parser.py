@@ -316,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmark suite (attention, e2e, longdoc, tree, serve, structured; cost-rule, exactness, "
-        "versus, tp, tools, schema-defaults): `hydragen bench NAME -h`; `hydragen bench NAME --replot DIR` "
-        "redraws a run's plots from its JSON",
+        "versus, tp, tools, schema-defaults, quant, dp): `hydragen bench NAME -h`; "
+        "`hydragen bench NAME --replot DIR` redraws a run's plots from its JSON",
     )
     b.add_argument(
         "which",
