@@ -27,7 +27,7 @@ from hydragen.dp.kv_events import KVEventSubscriber
 from hydragen.dp.prompts import RequestPrompts
 from hydragen.dp.replicas import Replica, ReplicaSet, describe_exit
 from hydragen.dp.router import NoReplica, Route, Router, RouteRequest
-from hydragen.server.app import CLIENT_CLOSED, _client_gone, add_completion_routes, openai_app
+from hydragen.server.app import CLIENT_CLOSED, add_completion_routes, client_gone, openai_app
 from hydragen.server.body import read_body
 from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions
@@ -183,7 +183,7 @@ class Front:
             if upstream is not None:
                 await upstream.aclose()
 
-        gone = asyncio.ensure_future(_client_gone(http))
+        gone = asyncio.ensure_future(client_gone(http))
         gone.add_done_callback(lambda t: t.cancelled() or flight.end(None))
         streaming = False
         try:

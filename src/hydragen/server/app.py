@@ -247,7 +247,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
 
     async def respond(http, subs, n, shapes, meta, chat, record, started) -> Response:
         collected, finals = Collected(), []
-        gone = asyncio.ensure_future(_client_gone(http))
+        gone = asyncio.ensure_future(client_gone(http))
         pending = [rid for rid, _ in subs]
         try:
             for p_idx, (rid, q) in enumerate(subs):
@@ -357,7 +357,7 @@ def note_finish(record: dict, completion_tokens: int, finals: list[Update], reas
     record["finish"] = ",".join(sorted({r for r in reasons if r})) or None
 
 
-async def _client_gone(http: Request) -> None:
+async def client_gone(http: Request) -> None:
     """Returns when the client disconnects (the body has been read, so only a disconnect can arrive)."""
     while True:
         message = await http.receive()
