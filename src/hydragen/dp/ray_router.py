@@ -40,10 +40,15 @@ _live: weakref.WeakSet[HydragenRequestRouter] = weakref.WeakSet()  # for the ing
 
 class HydragenRequestRouter(RequestRouter):
     def initialize_state(
-        self, policy: str = "cache", balance_bound: int = 4, max_replicas: int = 1, **_: Any
+        self,
+        policy: str = "cache",
+        balance_bound: int = 4,
+        max_replicas: int = 1,
+        page_size: int | None = None,
+        **_: Any,
     ) -> None:
         """Called by Ray Serve with ``RequestRouterConfig.request_router_kwargs``."""
-        self.router = Router(max(1, max_replicas), policy=policy, balance_bound=balance_bound)
+        self.router = Router(max(1, max_replicas), policy, balance_bound, page_size=page_size)
         self.slots: dict[ReplicaID, int] = {}
         self.subscribers: dict[ReplicaID, KVEventSubscriber] = {}
         self.chosen: dict[str, Route] = {}  # internal request id -> the router's choice (not yet sent)

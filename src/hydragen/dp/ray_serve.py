@@ -35,6 +35,7 @@ from hydragen.dp.kv_events import KVEventPublisher
 from hydragen.dp.prompts import RequestPrompts
 from hydragen.dp.ray_router import KV_EVENTS_KEY, ROUTE_KWARG, HydragenRequestRouter, live_routers
 from hydragen.dp.router import POLICIES
+from hydragen.engine.engine import DEFAULT_PAGE_SIZE
 from hydragen.server.body import read_body
 from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions
@@ -239,7 +240,12 @@ def build_app(
     if policy == RAY_PREFIX:
         router = ray_prefix_router(app_name)
     else:
-        kwargs = {"policy": policy, "balance_bound": balance_bound, "max_replicas": data_parallel_size}
+        kwargs = {
+            "policy": policy,
+            "balance_bound": balance_bound,
+            "max_replicas": data_parallel_size,
+            "page_size": llm_options.get("page_size", DEFAULT_PAGE_SIZE),  # pending prefixes before any event
+        }
         router = RequestRouterConfig(request_router_class=HydragenRequestRouter, request_router_kwargs=kwargs)
     replica = serve.deployment(
         HydragenReplica,
