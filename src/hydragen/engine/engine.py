@@ -129,7 +129,6 @@ class Engine:
         self.last_plan = StepPlan()
         self.snapshot = EngineSnapshot.of(self)
         self.threads = None  # a cpu_threads.ThreadGovernor, when the caller wants the thread count managed
-        self._kv_sink: Callable[[list[PageEvent]], None] | None = None
         self._ids = itertools.count()
 
     # ---- views ----------------------------------------------------------------------------------
@@ -191,20 +190,14 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
         self.kv.evict_idle()
-        self._flush_kv_events()
+        self.kv.flush_events()
 
     def publish_kv_events(self, sink: Callable[[list[PageEvent]], None]) -> None:
         """Report every page that enters or leaves the prefix tree to ``sink``, starting with the pages
         cached now; called after each step, abort and cache reset that changed the tree (from the thread
         that runs the engine, so ``sink`` must only hand the events off). ``serve --kv-events-endpoint``
         publishes them for a router."""
-        self.tree.record_events()
-        self._kv_sink = sink
-        self._flush_kv_events()
-
-    def _flush_kv_events(self) -> None:
-        if self._kv_sink is not None and (events := self.tree.drain_events()):
-            self._kv_sink(events)
+        self.kv.publish_events(sink)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -241,7 +234,7 @@ class Engine:
         for s in req.seqs:
             self.outputs.end(s, "abort")
         self.scheduler.remove(req.seqs)
-        self._flush_kv_events()
+        self.kv.flush_events()
         self.snapshot = EngineSnapshot.of(self)  # no step may follow: /metrics sees the abort now
         return True
 
@@ -320,7 +313,7 @@ class Engine:
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self.pool.used_pages * self.pool.page_size)
         failed = [o for r in self.failed if (o := self._finish_request(r)) is not None]
         self.failed = []
-        self._flush_kv_events()
+        self.kv.flush_events()
         self.snapshot = EngineSnapshot.of(self)
         return failed + done
 

@@ -19,12 +19,13 @@ between steps, never between a step's plan and the end of its forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from hydragen.kv.pool import OutOfPages, PagePool
-from hydragen.kv.radix import PageNode, PrefixTree
+from hydragen.kv.radix import PageEvent, PageNode, PrefixTree
 
 
 @dataclass(eq=False)
@@ -41,6 +42,7 @@ class KVManager:
         self.page_size = pool.page_size
         self.tree = PrefixTree(pool.page_size)
         self.idle = 0  # cached pages nobody holds
+        self._event_sink: Callable[[list[PageEvent]], None] | None = None
 
     # ---- accounting ---------------------------------------------------------------------------
     @property
@@ -168,6 +170,20 @@ class KVManager:
             table.published -= 1
             if parent.parent is not None and not parent.children and not refs[parent.page]:
                 self.tree.went_idle(parent.page)
+
+    # ---- KV events -------------------------------------------------------------------------------------
+    def publish_events(self, sink: Callable[[list[PageEvent]], None]) -> None:
+        """From now on the tree logs its changes; ``flush_events`` hands them to ``sink`` (the cached pages
+        first, as stored)."""
+        self.tree.record_events()
+        self._event_sink = sink
+        self.flush_events()
+
+    def flush_events(self) -> None:
+        """The tree's changes since the last flush to the sink (the engine calls this after each step,
+        abort and cache reset)."""
+        if self._event_sink is not None and (events := self.tree.drain_events()):
+            self._event_sink(events)
 
     def evict_idle(self) -> int:
         """Evict every idle cached page (``reset_prefix_cache``); returns how many."""
