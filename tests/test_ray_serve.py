@@ -30,12 +30,30 @@ def model(tiny_models, tmp_path_factory) -> str:
     return tiny_chat_model(tiny_models["llama"], tmp_path_factory.mktemp("ray") / "tiny")
 
 
+def test_ray_flags_are_one_line_errors_before_anything_starts(capsys, model):
+    from hydragen.cli import main
+
+    cases = [
+        (["--ray-address", "auto"], "--ray-address needs --ray"),
+        (["--router-policy", "ray-prefix"], "--router-policy ray-prefix (Ray Serve LLM's router) needs"),
+        (["--ray", "--tensor-parallel-size", "2"], "--ray and --tensor-parallel-size cannot be combined"),
+        (["--ray", "--kv-events-endpoint", "tcp://127.0.0.1:5557"], "with --ray each replica publishes"),
+        (["--ray", "--router-balance-bound", "-1"], "--router-balance-bound must be >= 0"),
+    ]
+    for argv, message in cases:
+        assert main(["serve", "--model", model, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, (argv, err)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A Ray cluster of this machine's processes (GCS, raylet, workers: Ray addresses them by the machine's
     own IP, so nothing leaves the host), Serve's HTTP proxy on a free loopback port."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    # log_to_driver=False: the workers' logs stay in Ray's session folder instead of arriving, at any
+    # moment, on this process's stderr (where other tests read the CLI's own errors).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -144,19 +162,3 @@ def test_ray_serve_llms_own_prefix_router_drives_hydragen_replicas(ray_cluster, 
     deploy(model, "ray-prefix")
     assert_follow_ups_stick(ray_cluster, first_turns(ray_cluster))
     assert "hydragen_router_cached_pages{" not in ray_cluster.get("/metrics").text  # not our router
-
-
-def test_ray_flags_are_one_line_errors_before_anything_starts(capsys, model):
-    from hydragen.cli import main
-
-    cases = [
-        (["--ray-address", "auto"], "--ray-address needs --ray"),
-        (["--router-policy", "ray-prefix"], "--router-policy ray-prefix (Ray Serve LLM's router) needs"),
-        (["--ray", "--tensor-parallel-size", "2"], "--ray and --tensor-parallel-size cannot be combined"),
-        (["--ray", "--kv-events-endpoint", "tcp://127.0.0.1:5557"], "with --ray each replica publishes"),
-        (["--ray", "--router-balance-bound", "-1"], "--router-balance-bound must be >= 0"),
-    ]
-    for argv, message in cases:
-        assert main(["serve", "--model", model, *argv]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"error: {message}") and err.count("\n") == 1, (argv, err)
