@@ -15,7 +15,7 @@ import torch
 
 from hydragen import LLM, SamplingParams
 from hydragen.bench.quant_accuracy import plain_attention
-from hydragen.model import llama
+from hydragen.model import layer_stack, llama
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf import read_gguf
 from hydragen.model.gguf_write import float_maker, scheme_type, tensor_shapes, write_llama_gguf
@@ -270,3 +270,48 @@ def test_random_weights_with_a_quantization_write_a_gguf_once(tmp_path, monkeypa
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="random-weights quantization 'Q9_Z' is not one of"):
         LLM(f"{config}:Q9_Z", random_weights=True)
+
+
+@pytest.mark.parametrize("scheme", ["Q4_K_M", "Q8_0"])
+def test_every_layer_in_one_call_is_the_per_op_path_bit_for_bit(tiny_ggufs, scheme, monkeypatch) -> None:
+    """model/layer_stack.py: the C++ layer loop makes the per-op path's calls in its order, so tokens and
+    logprobs are identical with it on and off, for prefill, decode, n > 1 and a shared prefix; the engine
+    takes it whenever every projection is packed, and the loop otherwise."""
+    from hydragen.engine import model_runner
+
+    used = []
+    real = model_runner.stack_layers
+
+    def counted(*args):
+        layers = real(*args)
+        used.append(layers is not None)
+        return layers
+
+    monkeypatch.setattr(model_runner, "stack_layers", counted)
+    llm = LLM(tiny_ggufs[scheme], kv_cache_tokens=1024)
+    params = SamplingParams(
+        n=3, temperature=0.8, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, logprobs=3
+    )
+    shared = list(range(5, 60))
+    prompts = [shared + [61, 62], shared + [70], [9, 8, 7]]
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("HYDRAGEN_FUSED_LAYERS", flag)
+        llm.reset_prefix_cache()
+        used.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[flag] = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+        assert used and all(u == (flag == "1") for u in used)
+    assert got["1"] == got["0"]
+    assert layer_stack.packed_stack(llm.engine.runner.model) is not None
+
+
+def test_the_layer_loop_stays_where_one_call_cannot_run(tiny_ggufs) -> None:
+    """Float projections (dequantized), and tensor-parallel shards (o and down all-reduced before the
+    residual), keep the Python loop."""
+    dense, _, _ = load_model(tiny_ggufs["Q8_0"], CPU, torch.float32, dequantize=True)
+    assert layer_stack.packed_stack(dense) is None
+    packed, _, _ = load_model(tiny_ggufs["Q8_0"], CPU, torch.float32)
+    assert layer_stack.packed_stack(packed) is not None
+    packed.fuse_residual = False
+    assert layer_stack.packed_stack(packed) is None

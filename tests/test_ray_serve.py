@@ -53,7 +53,9 @@ def ray_cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     # log_to_driver=False: the workers' logs stay in Ray's session folder instead of arriving, at any
     # moment, on this process's stderr (where other tests read the CLI's own errors).
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False
+    )
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -16,6 +16,7 @@ from hydragen.engine.sampler import SampleOutput, Sampler
 from hydragen.engine.sequence import Sequence
 from hydragen.engine.step_plan import StepPlan
 from hydragen.kv.pool import PagePool
+from hydragen.model.layer_stack import stack_layers
 
 
 class ModelRunner:
@@ -66,7 +67,13 @@ class ModelRunner:
                 return step_attention(q, pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
             return self._triton_attention(layer, q, batch)
 
-        hidden = self.model(batch.input_ids, batch.positions, attend)
+        layers = None
+        if impl in ("auto", "cpp") and batch.tree_plan is None:  # every layer in one C++ call, if it can
+            layers = stack_layers(self.model, pool.k, pool.v, batch.slots, meta, self.scale)
+        if layers is None:
+            hidden = self.model(batch.input_ids, batch.positions, attend)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, attend, layers=layers)
         if batch.logit_rows.numel() == 0:
             return None
         return self.model.logits(hidden[batch.logit_rows])

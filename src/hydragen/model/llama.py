@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydragen.model.config import ModelConfig
+from hydragen.model.layer_stack import LayersFn
 from hydragen.model.linear import (
     DenseProjection,
     PackedEmbedding,
@@ -73,15 +74,22 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        layers: LayersFn | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden] (normalised)."""
+        """input_ids/positions [T] -> final hidden states [T, hidden] (normalised). ``layers``, when given,
+        runs every layer at once in place of the loop (model/layer_stack.py: the same calls, from C++)."""
         c = self.cfg
         t = input_ids.shape[0]
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, h.dtype)  # once per forward, shared by every layer
         rope = (cos.view(t, -1), sin.view(t, -1), (c.num_heads + c.num_kv_heads) * c.head_dim)
         eps = c.rms_norm_eps
+        if layers is not None:
+            return rms_norm(layers(h.contiguous(), rope), self.norm, eps)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=rope)
             q, k, v = qkv.split(layer.split, dim=-1)

@@ -24,9 +24,14 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(
-    _CSRC / name for name in ("step_attention.cpp", "sampling.cpp", "quant_pack.cpp", "quant_matmul.cpp")
+_SOURCE_NAMES = (
+    "step_attention.cpp",
+    "sampling.cpp",
+    "quant_pack.cpp",
+    "quant_matmul.cpp",
+    "quant_layers.cpp",  # calls the other ops through the dispatcher
 )
+SOURCES = tuple(_CSRC / name for name in _SOURCE_NAMES)
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # included by the sources: copied beside them and part of the key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given

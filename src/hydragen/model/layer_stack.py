@@ -1,0 +1,101 @@
+"""Every decoder layer in one C++ call, when every projection of the model is kept packed.
+
+``LlamaModel.forward`` runs a layer as three C++ calls plus attention, from a Python loop. At batch 1 on a
+small model the Python between those calls (module dispatch, the attention callback, splitting q/k/v, the
+KV write) is about a tenth of a decode step. ``native/csrc/quant_layers.cpp`` makes the same calls in the
+same order from C++ (qkv with norm and rotary, the KV write into the pool, ``step_attention``, the fused
+layer tail), so its output is the loop's bit for bit; the loop stays for everything else (float or CUDA
+weights, biases, tensor-parallel shards, the torch and Triton attention paths).
+
+``HYDRAGEN_FUSED_LAYERS=0`` turns it off (the per-op path; how the tests and the benchmark compare them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hydragen.model.linear import PackedProjection
+
+# layers(h [T, hidden], rope (cos, sin, cols)) -> h after every layer (updated in place)
+LayersFn = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PackedStack:
+    """The model's layers as the C++ op takes them: every part of every projection, flattened in the order
+    qkv, o, gate_up, down per layer (``counts``: how many parts each has), and the two norms per layer."""
+
+    weights: list[torch.Tensor]
+    qtypes: list[int]
+    rows: list[int]
+    counts: list[int]
+    norms: list[torch.Tensor]
+    act_bits: int
+    isa: int
+
+
+def enabled() -> bool:
+    return os.environ.get("HYDRAGEN_FUSED_LAYERS", "1").strip() not in ("0", "false", "no", "off")
+
+
+def packed_stack(model) -> PackedStack | None:
+    """The layers flattened for the op, or None when any layer cannot take it (a float or biased projection,
+    16-bit norms, or a tensor-parallel shard that all-reduces o and down before the residual)."""
+    if not getattr(model, "fuse_residual", False) or len(model.layers) == 0:
+        return None
+    weights, qtypes, rows, counts, norms = [], [], [], [], []
+    settings = set()
+    for layer in model.layers:
+        projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        if not all(isinstance(p, PackedProjection) and p.bias is None for p in projections):
+            return None
+        for p in projections:
+            weights += p.weights
+            qtypes += p.qtypes
+            rows += p.rows
+            counts.append(len(p.weights))
+            settings.add((p.act_bits, p.isa))
+        for norm in (layer.attn_norm, layer.mlp_norm):
+            if norm.dtype != torch.float32 or norm.device.type != "cpu":
+                return None
+            norms.append(norm.data.contiguous())
+    if len(settings) != 1:  # loaded under one environment: always one setting
+        return None
+    ((act_bits, isa),) = settings
+    return PackedStack(weights, qtypes, rows, counts, norms, act_bits, isa)
+
+
+def stack_layers(model, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, meta, scale: float):
+    """The ``layers`` callable for ``LlamaModel.forward`` (the KV write and step attention inside), or None
+    when the model or the pool cannot take the one-call path."""
+    if not enabled() or pool_k.dtype != torch.float32 or pool_k.device.type != "cpu":
+        return None
+    stack = getattr(model, "_packed_stack", False)
+    if stack is False:  # computed once per model: the packed modules never change after load
+        stack = model._packed_stack = packed_stack(model)
+    if stack is None:
+        return None
+    from hydragen.attention import step_work
+    from hydragen.native.build import load_ops
+
+    ops = load_ops()
+    if ops is None:
+        return None
+    if meta.slots_needed > pool_k.shape[1]:
+        raise ValueError(f"the step reads slot {meta.slots_needed - 1} but k/v hold {pool_k.shape[1]} slots")
+    c = model.cfg
+
+    def layers(h: torch.Tensor, rope) -> torch.Tensor:
+        cos, sin, cols = rope
+        return ops.quant_layers(
+            h, cos, sin, cols, stack.weights, stack.qtypes, stack.rows, stack.counts, stack.norms,
+            c.rms_norm_eps, pool_k, pool_v, slots, c.num_heads, c.num_kv_heads, meta.work_runs, meta.pieces,
+            meta.blocks, meta.tok_ptr, meta.tok_parts, meta.num_parts, meta.max_item_tokens,
+            step_work.FLASH_MIN_ROWS, step_work.FLASH_MIN_KEYS, float(scale), stack.act_bits, stack.isa,
+        )  # fmt: skip
+
+    return layers
