@@ -117,6 +117,20 @@ def test_swiglu_epilogue(isa) -> None:
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("half", [48, 40, 1536])
+def test_swiglu_is_torchs_silu_bit_for_bit(half) -> None:
+    """The fused SwiGLU is at::silu(gate) * up exactly (ATen's vector formula, its scalar one for a tail
+    that is not a whole number of register pairs), over gate values from far negative to far positive."""
+    gate_up = _tensor(Q.Q8_0, 2 * half, 64, 5, std=4.0)
+    packed = quant.pack(gate_up.data, gate_up.qtype)
+    for m in (1, 3, 70):
+        x = 8 * torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        y = quant.linear(x, [packed], [gate_up.qtype], [2 * half])
+        got = quant.linear(x, [packed], [gate_up.qtype], [2 * half], swiglu=True)
+        assert y[:, :half].abs().max() > 20  # exp(-x) saturating both ways is in range
+        assert torch.equal(got, torch.nn.functional.silu(y[:, :half]) * y[:, half:])
+
+
 @pytest.mark.parametrize("bits", [15, 8])
 def test_activation_quantization_is_the_kernels(bits) -> None:
     """Groups of 32 with scale max|x| / QMAX, rounded half to even; an all-zero group stays zero; the 15-bit
