@@ -6,8 +6,9 @@ Five parts, each a table (Markdown + JSON) and where it helps a plot:
 * ``accuracy``: hydragen (15-bit and int8 activations) and llama.cpp against the float32-dequantized model
   over 128 chat prompts (bench/quant_accuracy.py);
 * ``decode``: side by side in one run on the same GGUF, decode tokens/s at n = 1 and 8 (one 512-token
-  prompt) and 64 (one shared 2,048-token prompt): hydragen as it runs, hydragen on the dequantized float32
-  weights (what it ran before), llama.cpp (its ``batched`` example's scheme: bench/llamacpp_peer.py);
+  prompt) and 64 (one shared 2,048-token prompt): hydragen as it runs, with its layers run one op at a time
+  from Python (``HYDRAGEN_FUSED_LAYERS=0``), on the dequantized float32 weights (what it ran before),
+  llama.cpp (its ``batched`` example's scheme: bench/llamacpp_peer.py);
 * ``memory``: resident memory after load against the file's size, in a fresh process per model; the fixed
   runtime (Python, torch, the ops, a tiny model) measured first and subtracted;
 * ``real``: a random-weights GGUF of a real shape (``--real-size llama-3.1-8b:Q4_K_M``, written once to
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,9 +35,10 @@ RESULT_NAME = "quant"
 PARTS = ("kernels", "accuracy", "decode", "memory", "real")
 # (n, prompt tokens, one shared prompt): the issue's three points
 DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
-MODES = ("hydragen", "hydragen-int8", "hydragen-fp32", "llamacpp")
+MODES = ("hydragen", "hydragen-per-op", "hydragen-int8", "hydragen-fp32", "llamacpp")
 MODE_LABELS = {
     "hydragen": "hydragen (GGUF kept quantized)",
+    "hydragen-per-op": "hydragen, a Python loop over the layers (HYDRAGEN_FUSED_LAYERS=0)",
     "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
     "llamacpp": "llama.cpp",
@@ -47,6 +50,22 @@ def _say(message: str) -> None:
 
 
 # ---- decode, side by side ---------------------------------------------------------------------------
+def _per_op_timer(llm, prompt: list[int], n: int, tokens: int) -> float:
+    """e2e.time_engine with the layers run one op at a time from Python (model/layer_stack.py off): the
+    path every model took before the one-call loop, timed in the same run."""
+    from hydragen.bench import e2e
+
+    before = os.environ.get("HYDRAGEN_FUSED_LAYERS")
+    os.environ["HYDRAGEN_FUSED_LAYERS"] = "0"
+    try:
+        return e2e.time_engine(llm, prompt, n, tokens)
+    finally:
+        if before is None:
+            del os.environ["HYDRAGEN_FUSED_LAYERS"]
+        else:
+            os.environ["HYDRAGEN_FUSED_LAYERS"] = before
+
+
 def _engine(model, mode: str, kv_tokens: int):
     from hydragen import LLM
 
@@ -78,7 +97,7 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
             kv = max(p + n * new_tokens for n, p in points) + 64 * new_tokens
             llm = _engine(path, mode, kv)
             vocab = llm.config.vocab_size
-            runners[mode] = (llm, e2e.time_engine)
+            runners[mode] = (llm, _per_op_timer if mode == "hydragen-per-op" else e2e.time_engine)
     best: dict[tuple[str, int, int], tuple[float, float]] = {}
     for r in range(rounds):
         for mode, (runner, timer) in runners.items():
