@@ -40,6 +40,7 @@ STYLES = {
     "one-level sharing (few-shot block only)": dict(color="C4"),
     "transformers": dict(color="C2"),
     "llama.cpp": dict(color="C3"),
+    "hydragen, dequantized to float32 (before)": dict(color="C7"),  # not the default cycle's red: llama.cpp's
     "attention skipped (ceiling)": dict(linestyle="--", color="0.45", marker="s"),
 }
 QUICK_TITLE = "QUICK RUN (smoke test, not a measurement)"

@@ -38,7 +38,7 @@ DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
 MODES = ("hydragen", "hydragen-per-op", "hydragen-int8", "hydragen-fp32", "llamacpp")
 MODE_LABELS = {
     "hydragen": "hydragen (GGUF kept quantized)",
-    "hydragen-per-op": "hydragen, a Python loop over the layers (HYDRAGEN_FUSED_LAYERS=0)",
+    "hydragen-per-op": "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)",
     "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
     "llamacpp": "llama.cpp",
