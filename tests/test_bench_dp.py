@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from hydragen.bench.dp import kv_tokens_for, notes
+from hydragen.bench.dp_ceiling import hit_rate_ceiling
 from hydragen.bench.dp_service import fit_line
 from hydragen.bench.dp_sim import ChatTokens, ServiceModel, Simulation
 from hydragen.bench.dp_sim_cache import PageCache
@@ -180,6 +181,24 @@ def test_cache_routing_gives_each_tenant_its_own_replica_and_round_robin_thrashe
     assert rr.figures_["prefill_tokens"] == sum(len(r.prompt) for r in rr.requests)
 
 
+def test_the_hit_rate_ceiling_counts_only_first_sightings_and_bounds_every_policy():
+    w = hand_workload("AABBAABBAA", system=240)
+    block = n("<|im_start|>system\n") + 240 + n("<|im_end|>\n<|im_start|>user\n")
+    prompt = block + n("0-0?<|im_end|>\n<|im_start|>assistant\n")
+    tokens = ChatTokens(w, chars, lambda m: 8)
+    total = sum(len(tokens.turn(s, 0)[0]) for s in w.sessions)
+    # each tenant's first request misses everything; the other 8 find the tenant's shared pages
+    assert hit_rate_ceiling(w, tokens) == pytest.approx(8 * (block // 16 * 16) / total)
+    kv = (prompt + 8 + 15) // 16 * 16  # the cache test's size: round-robin thrashes, cache routing does not
+    for policy in ("round-robin", "cache"):
+        assert simulate(w, policy, kv).figures_["hit_rate"] <= hit_rate_ceiling(w, tokens) + 1e-12
+    # chats: a later turn finds its whole previous context (prompt and answer but its last token)
+    w = hand_workload("ABAB", gap_s=100.0, turns=3)
+    tokens = ChatTokens(w, chars, lambda m: 8)
+    sim = simulate(w, "cache", 4096)  # every turn routed to its history, nothing evicted: the ceiling
+    assert sim.figures_["hit_rate"] == pytest.approx(hit_rate_ceiling(w, tokens))
+
+
 def test_a_chat_stays_on_the_replica_holding_its_history():
     w = hand_workload("ABAB", gap_s=100.0, turns=3)
     sim = simulate(w, "cache", 4096)
@@ -316,3 +335,5 @@ def test_the_table_compares_every_policy_with_round_robin():
     text = notes(rows)
     assert "cache vs round-robin: 1.75x throughput, 2.00x hit rate" in text
     assert "cache: 2 failed requests, e.g. APIError: x" in text
+    assert "ceiling" not in text
+    assert "none can exceed 2.25x round-robin's hit rate" in notes(rows, ceiling=0.9)

@@ -25,7 +25,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hydragen.bench.common import read_results, say_quick, write_table
-from hydragen.bench.dp_sim import percentile
+from hydragen.bench.dp_ceiling import hit_rate_ceiling
+from hydragen.bench.dp_sim import ChatTokens, percentile
 from hydragen.bench.dp_workload import Session, Workload, WorkloadSpec, make_workload, tokenizer_counter
 
 RESULT_NAME = "dp"  # dp.json, dp.md (and dp_sim.json, dp_sim.md)
@@ -239,6 +240,9 @@ def run(args) -> list[dict]:
                 f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, per replica {r['per_replica']}"
             )
         service, calibration = calibrate(w, args.model, threads=1, quick=args.quick)
+        answers = answer_lengths(rows)
+        ceiling = hit_rate_ceiling(w, ChatTokens.for_model(args.model, w, answers))
+        say(f"hit-rate ceiling of this workload (no router can exceed it): {ceiling:.3f}")
         params = {
             "workload": {**asdict(w.spec), **st},
             "kv_cache_tokens": kv,
@@ -247,7 +251,8 @@ def run(args) -> list[dict]:
             "threads_per_replica": 1,
             "balance_bound": args.balance_bound,
             "calibration": calibration,
-            "answer_tokens": answer_lengths(rows),
+            "answer_tokens": answers,
+            "hit_rate_ceiling": ceiling,
         }
         print(
             write_table(
@@ -256,7 +261,7 @@ def run(args) -> list[dict]:
                 out,
                 RESULT_NAME,
                 title(w, kv, args.replicas),
-                notes(rows),
+                notes(rows, ceiling),
                 quick=args.quick,
                 quick_note="a few requests of 4-8 tokens on toy prompts: rates and latencies are start-up "
                 "and HTTP noise; the run checks that every policy serves the workload and the figures are "
@@ -299,8 +304,8 @@ def title(w: Workload, kv: int, replicas: int) -> str:
     )
 
 
-def notes(rows: list[dict]) -> str:
-    """Units, and each policy against round-robin (the issue's targets)."""
+def notes(rows: list[dict], ceiling: float | None = None) -> str:
+    """Units, each policy against round-robin (the issue's targets), and the most any router could do."""
     lines = [
         "hit_rate: prompt tokens found in the prefix cache / prompt tokens (replicas' /metrics); "
         "output_tok_s: output tokens / wall time; ttft in seconds (client-side, streaming); per_replica: "
@@ -316,6 +321,14 @@ def notes(rows: list[dict]) -> str:
                 speed = r["output_tok_s"] / base["output_tok_s"]
                 hits = r["hit_rate"] / base["hit_rate"]
                 lines.append(f"{r['policy']} vs round-robin: {speed:.2f}x throughput, {hits:.2f}x hit rate")
+    if ceiling is not None:
+        line = (
+            f"hit-rate ceiling: {ceiling:.3f}, what one unbounded cache that saw every earlier request would "
+            "hit (bench/dp_ceiling.py); no router on any number of replicas exceeds it"
+        )
+        if base and base["hit_rate"] > 0:
+            line += f", so none can exceed {ceiling / base['hit_rate']:.2f}x round-robin's hit rate here"
+        lines.append(line)
     for r in rows:
         if r["errors"]:
             lines.append(f"{r['policy']}: {r['errors']} failed requests, e.g. {r['error_samples'][0]}")

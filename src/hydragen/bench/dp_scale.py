@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hydragen.bench.common import write_table
+from hydragen.bench.dp_ceiling import hit_rate_ceiling
 from hydragen.bench.dp_sim import ChatTokens, ServiceModel, Simulation
 from hydragen.bench.dp_workload import Workload, make_workload
 
@@ -37,17 +38,13 @@ def scaled(w: Workload, replicas: int, measured: int, count_tokens) -> Workload:
 
 
 def simulate_all(args, w: Workload, service: ServiceModel, params: dict, out: Path) -> list[dict]:
-    from hydragen.model.default_model import default_model_path
-    from hydragen.model.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(args.model or default_model_path())
-    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-    means = {int(k): v for k, v in params["answer_tokens"].items()}
-    answer_len = lambda max_tokens: max(1, round(means.get(max_tokens, max_tokens)))  # noqa: E731
+    base = ChatTokens.for_model(args.model, w, params["answer_tokens"])
+    encode, answer_len = base.encode, base.answer_len
     kv = params["kv_cache_tokens"]
     bound = params.get("balance_bound", 4)
     count = lambda text: len(encode(text))  # noqa: E731
     rows = []
+    ceilings = {}  # replicas -> the scaled workload's hit-rate ceiling (dp_ceiling)
 
     def one(wn: Workload, tokens: ChatTokens, n: int, policy: str, b: int, part: str) -> None:
         t0 = time.perf_counter()
@@ -70,6 +67,8 @@ def simulate_all(args, w: Workload, service: ServiceModel, params: dict, out: Pa
     for n in args.sim_replicas:
         wn = scaled(w, n, args.replicas, count)
         tokens = ChatTokens(wn, encode, answer_len)
+        ceilings[n] = hit_rate_ceiling(wn, tokens)
+        print(f"[dp] {n} replicas' workload: no router can hit more than {ceilings[n]:.3f}", file=sys.stderr)
         for policy in POLICIES:
             one(wn, tokens, n, policy, bound, "replicas")
     # The cache policy's one knob, at the largest size: how far the best match may be busier than the
@@ -81,7 +80,7 @@ def simulate_all(args, w: Workload, service: ServiceModel, params: dict, out: Pa
         one(wn, tokens, n, "cache", b, "balance bound")
     sim_params = {"service": vars(service), "answer_tokens": params["answer_tokens"], "kv_cache_tokens": kv,
                   "measured_replicas": args.replicas, "workload": params["workload"],
-                  "balance_bound": bound}  # fmt: skip
+                  "balance_bound": bound, "hit_rate_ceiling": ceilings}  # fmt: skip
     title = (
         f"Simulated routing at {', '.join(map(str, args.sim_replicas))} replicas ({kv} KV tokens each, the "
         f"measured replica's service times; tenants, chats and arrival rate x replicas / {args.replicas})"
@@ -93,7 +92,10 @@ def simulate_all(args, w: Workload, service: ServiceModel, params: dict, out: Pa
         f"policy at the measured run's balance bound ({bound}); part 'balance bound': the cache policy at "
         f"{max(args.sim_replicas)} replicas with other bounds. requests_max_over_mean: requests routed to "
         "the busiest replica / the mean; busy_max_over_mean likewise for the time it computed; "
-        "balance_routed: requests sent away from their best match because it was overloaded."
+        "balance_routed: requests sent away from their best match because it was overloaded. Hit-rate "
+        "ceiling (an unbounded cache that saw every earlier request; no router exceeds it): "
+        + ", ".join(f"{c:.3f} at {n} replicas" for n, c in ceilings.items())
+        + "."
     )
     print(write_table(rows, COLUMNS, out, RESULT_NAME, title, note, quick=args.quick, params=sim_params))
     return rows

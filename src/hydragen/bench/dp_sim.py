@@ -84,6 +84,21 @@ class ChatTokens:
         self.opener = encode("<|im_start|>assistant\n")
         self.closer = encode("<|im_end|>\n")
 
+    @classmethod
+    def for_model(cls, model: str | None, workload: Workload, answer_tokens: dict[str, float]) -> ChatTokens:
+        """With the served model's tokenizer, and answers of the mean length a real run produced for each
+        ``max_tokens`` (``answer_tokens``, keyed by its string)."""
+        from hydragen.model.default_model import default_model_path
+        from hydragen.model.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model or default_model_path())
+        means = {int(k): v for k, v in answer_tokens.items()}
+        return cls(
+            workload,
+            lambda text: tok.encode(text, add_special_tokens=False),
+            lambda max_tokens: max(1, round(means.get(max_tokens, max_tokens))),
+        )
+
     def _block(self, role: str, content: str) -> tuple[list[int], str]:
         text = f"<|im_start|>{role}\n{content}<|im_end|>\n"
         return self.encode(text), text
