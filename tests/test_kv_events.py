@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import msgspec
 import pytest
@@ -166,6 +167,48 @@ def test_publisher_to_subscriber_with_replay():
         assert sub.next_seq == len(got)  # every batch once, in order
     finally:
         sub.close()
+        pub.close()
+
+
+def test_a_subscriber_joining_a_quiet_publisher_catches_up_at_once():
+    """No new batch is needed for a late subscriber to learn what a replica cached earlier; batches the
+    catch-up delivered that then come again on the SUB socket are dropped, not taken for a restart."""
+    pub = KVEventPublisher("tcp://127.0.0.1:0", 4, replay_endpoint="tcp://127.0.0.1:0")
+    got: list[KVEventBatch] = []
+    resets: list[int] = []
+    arrived = threading.Condition()
+
+    def on_batch(batch):
+        with arrived:
+            got.append(batch)
+            arrived.notify_all()
+
+    sub = None
+    try:
+        pub.publish([PageEvent(True, 1, None, (1, 2, 3, 4))])
+        pub.publish([PageEvent(True, 2, 1, (5, 6, 7, 8))])
+        for _ in range(200):  # the publisher's thread sends them; then the replica goes quiet
+            if pub.published == 2:
+                break
+            time.sleep(0.01)
+        assert pub.published == 2
+        sub = KVEventSubscriber(pub.endpoint, on_batch, pub.replay_endpoint, lambda: resets.append(len(got)))
+        with arrived:
+            assert arrived.wait_for(lambda: len(got) == 2, timeout=30), "the catch-up never came"
+        assert [e.block_hashes for b in got for e in b.events] == [[1], [2]]
+        again = dict(pub._buffer)[1]
+        sub.accept(1, again)  # the same batch once more, as the SUB socket may deliver it
+        assert len(got) == 2 and resets == [] and sub.next_seq == 2
+        pub.publish([PageEvent(False, 2)])  # the next live batch follows on
+        with arrived:
+            assert arrived.wait_for(lambda: len(got) == 3, timeout=30)
+        assert type(got[2].events[0]).__name__ == "BlockRemoved" and sub.next_seq == 3 and resets == []
+        # other bytes under an old sequence number: the publisher started again
+        sub.accept(0, msgspec.msgpack.encode(KVEventBatch(0.0, [AllBlocksCleared()])))
+        assert resets == [3] and sub.next_seq == 1
+    finally:
+        if sub is not None:
+            sub.close()
         pub.close()
 
 

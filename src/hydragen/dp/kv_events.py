@@ -166,10 +166,14 @@ class KVEventPublisher:
 class KVEventSubscriber:
     """Follows one publisher from a background thread, calling ``on_batch`` for every batch in order.
 
-    A gap in the sequence numbers (joined late, dropped messages) is filled from the replay socket when
-    there is one; a sequence number below the expected one means the publisher started again (a restarted
-    replica): ``on_reset`` is called first. (A restart whose first batches were all lost cannot be told from
-    a gap: whoever restarts a replica should also reset its view, as the data-parallel front does.)
+    With a replay socket, it first asks for every batch still buffered, so a subscriber that joins a
+    replica which has gone quiet still learns what it cached (a PUB socket only sends what comes after the
+    connection is up). Batches published during that catch-up may then arrive again on the SUB socket:
+    those are recognised by their bytes and dropped. Later, a gap in the sequence numbers (dropped
+    messages) is filled from the replay socket; a sequence number below the expected one means the
+    publisher started again (a restarted replica): ``on_reset`` is called first. (A restart whose first
+    batches were all lost cannot be told from a gap: whoever restarts a replica should also reset its view,
+    as the data-parallel front does.)
     """
 
     def __init__(
@@ -190,6 +194,7 @@ class KVEventSubscriber:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.next_seq = 0  # the sequence number expected next
         self.received = 0
+        self._caught_up: dict[int, bytes] = {}  # batches the catch-up delivered, until the SUB passes them
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-sub", daemon=True)
         self._thread.start()
@@ -200,6 +205,8 @@ class KVEventSubscriber:
 
     def _run(self) -> None:
         try:
+            if self.replay_endpoint:
+                self._replay_from(0, None, catch_up=True)
             while not self._stop.is_set():
                 if not self._sub.poll(50):
                     continue
@@ -213,9 +220,14 @@ class KVEventSubscriber:
     def accept(self, seq: int, payload: bytes) -> None:
         """One batch as received: a sequence that went back means the publisher started again."""
         if seq < self.next_seq:
+            if self._caught_up.pop(seq, None) == payload:
+                return  # the catch-up replay delivered it already
+            self._caught_up.clear()
             if self.on_reset is not None:
                 self.on_reset()
             self.next_seq = 0
+        else:
+            self._caught_up.clear()
         if seq > self.next_seq and self.replay_endpoint:
             self._replay_from(self.next_seq, seq)
         self._deliver(seq, payload)
@@ -225,7 +237,9 @@ class KVEventSubscriber:
         self.next_seq = seq + 1
         self.received += 1
 
-    def _replay_from(self, first: int, before: int) -> None:
+    def _replay_from(self, first: int, before: int | None, catch_up: bool = False) -> None:
+        """Deliver the buffered batches from ``first`` up to ``before`` (None: all). On the first catch-up the
+        publisher may not be up yet: then its batches arrive live, and a timeout is not worth a warning."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -236,9 +250,12 @@ class KVEventSubscriber:
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq < 0:
                     return
-                if self.next_seq <= seq < before:
+                if self.next_seq <= seq and (before is None or seq < before):
                     self._deliver(seq, payload)
-            log.warning("KV event replay from %s timed out", self.replay_endpoint)
+                    if catch_up:
+                        self._caught_up[seq] = payload
+            if not catch_up:
+                log.warning("KV event replay from %s timed out", self.replay_endpoint)
         finally:
             sock.close()
 
