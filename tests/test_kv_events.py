@@ -140,28 +140,38 @@ def test_wire_format_is_vllms_tagged_arrays():
     ]
 
 
+class Batches:
+    """A subscriber's ``on_batch`` that tests can wait on."""
+
+    def __init__(self):
+        self.got: list[KVEventBatch] = []
+        self.arrived = threading.Condition()
+
+    def __call__(self, batch: KVEventBatch) -> None:
+        with self.arrived:
+            self.got.append(batch)
+            self.arrived.notify_all()
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        with self.arrived:
+            return self.arrived.wait_for(lambda: len(self.got) >= count, timeout=timeout)
+
+
 def test_publisher_to_subscriber_with_replay():
     """A late subscriber gets the batches it missed from the replay socket, in order."""
     pub = KVEventPublisher("tcp://127.0.0.1:0", 4, replay_endpoint="tcp://127.0.0.1:0")
     pub.publish([PageEvent(True, 1, None, (1, 2, 3, 4))])
     pub.publish([PageEvent(True, 2, 1, (5, 6, 7, 8))])
-    got: list[KVEventBatch] = []
-    arrived = threading.Condition()
-
-    def on_batch(batch):
-        with arrived:
-            got.append(batch)
-            arrived.notify_all()
-
-    sub = KVEventSubscriber(pub.endpoint, on_batch, pub.replay_endpoint)
+    batches = Batches()
+    got = batches.got
+    sub = KVEventSubscriber(pub.endpoint, batches, pub.replay_endpoint)
     try:
         # The subscriber joined after two batches; a PUB drops messages until the SUB's connection is up,
         # so removals are sent until one arrives: its sequence number shows the gap, the replay fills it.
         for _ in range(600):
             pub.publish([PageEvent(False, 1)])
-            with arrived:
-                if arrived.wait_for(lambda: len(got) >= 3, timeout=0.1):
-                    break
+            if batches.wait_for(3, timeout=0.1):
+                break
         kinds = [type(b.events[0]).__name__ for b in got]
         assert kinds[:2] == ["BlockStored", "BlockStored"] and set(kinds[2:]) == {"BlockRemoved"}, kinds
         assert sub.next_seq == len(got)  # every batch once, in order
@@ -174,15 +184,9 @@ def test_a_subscriber_joining_a_quiet_publisher_catches_up_at_once():
     """No new batch is needed for a late subscriber to learn what a replica cached earlier; batches the
     catch-up delivered that then come again on the SUB socket are dropped, not taken for a restart."""
     pub = KVEventPublisher("tcp://127.0.0.1:0", 4, replay_endpoint="tcp://127.0.0.1:0")
-    got: list[KVEventBatch] = []
+    batches = Batches()
+    got = batches.got
     resets: list[int] = []
-    arrived = threading.Condition()
-
-    def on_batch(batch):
-        with arrived:
-            got.append(batch)
-            arrived.notify_all()
-
     sub = None
     try:
         pub.publish([PageEvent(True, 1, None, (1, 2, 3, 4))])
@@ -192,16 +196,14 @@ def test_a_subscriber_joining_a_quiet_publisher_catches_up_at_once():
                 break
             time.sleep(0.01)
         assert pub.published == 2
-        sub = KVEventSubscriber(pub.endpoint, on_batch, pub.replay_endpoint, lambda: resets.append(len(got)))
-        with arrived:
-            assert arrived.wait_for(lambda: len(got) == 2, timeout=30), "the catch-up never came"
+        sub = KVEventSubscriber(pub.endpoint, batches, pub.replay_endpoint, lambda: resets.append(len(got)))
+        assert batches.wait_for(2, timeout=30) and len(got) == 2, "the catch-up never came"
         assert [e.block_hashes for b in got for e in b.events] == [[1], [2]]
         again = dict(pub._buffer)[1]
         sub.accept(1, again)  # the same batch once more, as the SUB socket may deliver it
         assert len(got) == 2 and resets == [] and sub.next_seq == 2
         pub.publish([PageEvent(False, 2)])  # the next live batch follows on
-        with arrived:
-            assert arrived.wait_for(lambda: len(got) == 3, timeout=30)
+        assert batches.wait_for(3, timeout=30)
         assert type(got[2].events[0]).__name__ == "BlockRemoved" and sub.next_seq == 3 and resets == []
         # other bytes under an old sequence number: the publisher started again
         sub.accept(0, msgspec.msgpack.encode(KVEventBatch(0.0, [AllBlocksCleared()])))
