@@ -415,6 +415,32 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(
     complete(back.url, "the restarted replica answers")
 
 
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"  # closed on leaving: connections are refused
+
+
+def test_a_replica_that_refuses_connections_is_skipped_and_the_request_routed_again(cluster, monkeypatch):
+    """Nothing reached the replica, so the request is not lost: another replica serves it; only when no
+    replica can be reached does the client get a 502."""
+    url, dead = cluster.front.url, closed_port_url()
+    monkeypatch.setattr(cluster.front, "url", lambda i: dead if i == 0 else url(i))
+    before = metrics(cluster.url)
+    for k in range(4):  # whatever the router picks first, every request ends on replica 1
+        assert complete(cluster.url, f"refused {k}")["choices"][0]["text"] is not None
+    after = metrics(cluster.url)
+    key = 'hydragen_requests_finished_total{{replica="{}"}}'
+    assert after[key.format(1)] - before.get(key.format(1), 0) == 4
+    assert after.get(key.format(0), 0) == before.get(key.format(0), 0)
+    refused = 'hydragen_dp_replica_unreachable_requests_total{replica="0"}'
+    assert after[refused] > before.get(refused, 0)
+    monkeypatch.setattr(cluster.front, "url", lambda i: dead)
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "replica_failed"
+    assert "no replica could be connected to (tried 0, 1)" in r.json()["error"]["message"]
+
+
 def test_stopping_the_front_ends_requests_in_flight_and_stops_the_replicas(cluster):
     """Last of the cluster's tests: it stops the shared front, as SIGTERM does."""
     assert 2 * SHUTDOWN_GRACE < 400 * STEP_DELAY

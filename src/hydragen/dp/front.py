@@ -7,10 +7,11 @@ the front cannot parse is sent to a replica anyway, so the client gets the repli
 
 Requests never hang on a replica that fails: when its connection breaks or its process ends, each of its
 requests in flight ends with a 502 ``replica_failed`` error (a streaming one with an SSE error event), and
-the router stops choosing it until it is back. A client that goes away closes the proxied connection, and
-the replica aborts the request. ``/health`` is ok while at least one replica is healthy. On SIGTERM the
-front behaves as the server does (``HydragenServer``: drain, grace period, then 503 ``shutting_down``),
-then stops the replicas.
+the router stops choosing it until it is back. A replica that cannot be connected to never saw the
+request, so the request is routed again among the others (a 502 only when none can be reached). A client
+that goes away closes the proxied connection, and the replica aborts the request. ``/health`` is ok
+while at least one replica is healthy. On SIGTERM the front behaves as the server does
+(``HydragenServer``: drain, grace period, then 503 ``shutting_down``), then stops the replicas.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ class Ended(Exception):
     def __init__(self, error: APIError | None):
         super().__init__(error.message if error else "client disconnected")
         self.error = error
+
+
+class Unreachable(Exception):
+    """The replica could not be connected to: the request never reached it, so another may take it."""
+
+    def __init__(self, replica: int, cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.replica = replica
 
 
 class Flight:
@@ -88,6 +97,7 @@ class Front:
         n = len(cores)
         self.flights: list[set[Flight]] = [set() for _ in range(n)]
         self.failed = [0] * n  # requests ended by their replica's failure
+        self.unreachable = [0] * n  # requests the replica could not be connected for (routed again)
         self.subscribers: list[KVEventSubscriber | None] = [None] * n
         self.client: httpx.AsyncClient | None = None
         self.draining = False
@@ -153,11 +163,30 @@ class Front:
                 flight.end(error)
 
     # ---- routing and proxying ------------------------------------------------------------------------
-    def choose(self, request: RouteRequest) -> Route:
-        try:
-            return self.router.choose(request)
-        except NoReplica:
-            raise APIError(503, "no replica is ready to take requests", code="no_replica") from None
+    async def route_and_proxy(
+        self, http: Request, request: RouteRequest, raw: bytes, record: dict
+    ) -> Response:
+        """Route and proxy; a replica that cannot be connected to is left out and the request routed again
+        (502 ``replica_failed`` when no healthy replica is left to try)."""
+        tried: frozenset[int] = frozenset()
+        last = -1  # the replica that last refused
+        while True:
+            try:
+                route = self.router.choose(request, tried)
+            except NoReplica:
+                if not tried:
+                    raise APIError(503, "no replica is ready to take requests", code="no_replica") from None
+                why = f"no replica could be connected to (tried {', '.join(map(str, sorted(tried)))})"
+                return replica_failed(last, why).response()
+            record.update(replica=route.replica, route=route.reason, matched=route.matched_tokens)
+            try:
+                return await self.proxy(http, route, raw, record)
+            except Unreachable as e:
+                last = e.replica
+                self.unreachable[last] += 1
+                tried |= {last}
+                record["unreachable"] = sorted(tried)
+                log.warning("replica %d could not be connected to (%s); routing the request again", last, e)
 
     def url(self, replica: int) -> str:
         url = self.replicas.replicas[replica].url
@@ -191,7 +220,10 @@ class Front:
             request = self.client.build_request(
                 "POST", self.url(i) + http.url.path, content=raw, headers=headers
             )
-            upstream = await flight.wait(self.client.send(request, stream=True))
+            try:
+                upstream = await flight.wait(self.client.send(request, stream=True))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing was sent: routed again
+                raise Unreachable(i, e) from e
             if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 body = await flight.wait(upstream.aread())
                 media = upstream.headers.get("content-type", "application/json")
@@ -270,7 +302,9 @@ class Front:
     async def metrics_text(self) -> str:
         urls = [r.url for r in self.replicas.replicas]
         texts = await metrics.scrape(self.client, urls)
-        own = metrics.router_families(self.router.snapshot(), self.replicas.replicas, self.failed)
+        own = metrics.router_families(
+            self.router.snapshot(), self.replicas.replicas, self.failed, self.unreachable
+        )
         return metrics.render(texts, own)
 
 
@@ -318,11 +352,9 @@ def create_front_app(front: Front, options: ServerOptions | None = None) -> Fast
             request = await front.prompts.route_request(raw, chat)
         except APIError:
             request = RouteRequest([])  # the replica answers with its own error
-        route = front.choose(request)
-        record.update(replica=route.replica, route=route.reason, matched=route.matched_tokens)
         if request.token_ids:
             record["prompt_tokens"] = len(request.token_ids)
-        return await front.proxy(http, route, raw, record)
+        return await front.route_and_proxy(http, request, raw, record)
 
     add_completion_routes(app, handle)
     return app

@@ -86,9 +86,12 @@ def _totals(name: str, parts, per_replica) -> list[tuple[str, dict, float]]:
     return out
 
 
-def router_families(snapshot: list[dict], replicas, failed: list[int]) -> list[Metric]:
+def router_families(
+    snapshot: list[dict], replicas, failed: list[int], unreachable: list[int] | None = None
+) -> list[Metric]:
     """The front's own figures: ``snapshot`` is ``Router.snapshot()``, ``replicas`` the ReplicaSet's
-    replicas, ``failed[i]`` the requests ended by replica i's failure."""
+    replicas, ``failed[i]`` the requests ended by replica i's failure, ``unreachable[i]`` the requests it
+    could not be connected for (each routed again)."""
     healthy = GaugeMetricFamily("hydragen_dp_replicas_healthy", "replicas taking requests")
     healthy.add_metric([], sum(1 for r in snapshot if r["healthy"]))
     up = GaugeMetricFamily(
@@ -122,7 +125,13 @@ def router_families(snapshot: list[dict], replicas, failed: list[int]) -> list[M
         "requests that ended in an error because the replica failed while serving them",
         labels=["replica"],
     )
-    for r, replica, n_failed in zip(snapshot, replicas, failed, strict=True):
+    refused = CounterMetricFamily(
+        "hydragen_dp_replica_unreachable_requests",
+        "requests the replica could not be connected for; each was routed again to another replica",
+        labels=["replica"],
+    )
+    unreachable = unreachable or [0] * len(failed)
+    for r, replica, n_failed, n_refused in zip(snapshot, replicas, failed, unreachable, strict=True):
         i = str(r["replica"])
         up.add_metric([i], 1.0 if r["healthy"] else 0.0)
         for reason, count in sorted(r["routed"].items()):
@@ -133,7 +142,8 @@ def router_families(snapshot: list[dict], replicas, failed: list[int]) -> list[M
         exits.add_metric([i], replica.exits)
         restarts.add_metric([i], replica.restarts)
         lost.add_metric([i], n_failed)
-    return [healthy, up, routed, matched, in_flight, cached, exits, restarts, lost]
+        refused.add_metric([i], n_refused)
+    return [healthy, up, routed, matched, in_flight, cached, exits, restarts, lost, refused]
 
 
 class _Fixed:

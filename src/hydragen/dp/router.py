@@ -148,9 +148,10 @@ class Router:
             self.replicas[replica].healthy = healthy
 
     # ---- choosing ----------------------------------------------------------------------------------------
-    def choose(self, request: RouteRequest) -> Route:
+    def choose(self, request: RouteRequest, exclude: frozenset[int] = frozenset()) -> Route:
+        """The replica for ``request`` among the healthy ones not in ``exclude`` (NoReplica: none)."""
         with self._lock:
-            live = [i for i, r in enumerate(self.replicas) if r.healthy]
+            live = [i for i, r in enumerate(self.replicas) if r.healthy and i not in exclude]
             if not live:
                 raise NoReplica("no replica is healthy")
             if self.policy == "round-robin":
