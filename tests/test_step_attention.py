@@ -187,6 +187,23 @@ def test_mixed_step_half_precision(impl, dtype, hq, hkv, d, cuts):
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 128), (6, 2, 20)])
+def test_a_16bit_cache_under_fp32_queries_is_exact_on_its_values(impl, cache, hq, hkv, d, cuts):
+    """A 16-bit KV pool read by float32 queries: float32 attention over the cache's exact (rounded) values,
+    with float32 out, whatever path each piece takes (own loop, flash kernel, split decode)."""
+    units, segments, t, slots = mixed_step(seed=5)
+    q, k, v = make_qkv(t, slots, hq, hkv, d, torch.float32)
+    k16, v16 = k.to(cache), v.to(cache)
+    meta = StepAttentionMeta.build(units, segments, t, "cpu")
+    out = step_attention(q, k16, v16, meta, d**-0.5, impl=impl)
+    assert out.dtype == torch.float32
+    want = oracle(q, k16.float(), v16.float(), units, segments, d**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+    assert k16.dtype == cache  # the pool itself is never widened
+
+
 def test_cpp_equals_torch_on_a_random_tree(cuts):
     """A wide random tree (nested units over DFS ranges, paged tails) and a prefill chunk: impls agree."""
     gen = torch.Generator().manual_seed(7)
@@ -332,6 +349,10 @@ def test_bad_tensors_are_named():
         step_attention(torch.cat([q, q[:1]]), k, v, meta, 1.0)
     with pytest.raises(ValueError, match="share one dtype"):
         step_attention(q, k.half(), v, meta, 1.0)
+    with pytest.raises(ValueError, match="narrower one under float32 q"):
+        step_attention(q.half(), k.bfloat16(), v.bfloat16(), meta, 1.0)
+    with pytest.raises(ValueError, match="narrower one under float32 q"):
+        step_attention(q.bfloat16(), k, v, meta, 1.0)
     with pytest.raises(ValueError, match="impl must be"):
         step_attention(q, k, v, meta, 1.0, impl="fast")
 

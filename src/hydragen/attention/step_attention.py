@@ -193,8 +193,13 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, meta: StepAttentionMeta) -> N
         raise ValueError(f"head dim of q ({q.shape[2]}) != head dim of k/v ({k.shape[2]})")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.dtype != v.dtype or (k.dtype != q.dtype and q.dtype != torch.float32):
+        raise ValueError(
+            f"k and v must share one dtype, q's or (a 16-bit KV cache) a narrower one under float32 q; got "
+            f"q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    if k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"k/v must be float32, bfloat16 or float16, got {k.dtype}")
     if k.device != q.device or v.device != q.device or meta.device != q.device:
         raise ValueError(
             f"q, k, v and the metadata must be on one device, got {q.device}, {k.device}, "

@@ -52,9 +52,12 @@ def segment_buckets(meta) -> list[SegmentBucket]:
 
 
 def torch_step_attention(q: Tensor, k: Tensor, v: Tensor, meta, scale: float) -> Tensor:
-    """Same contract as ``step_attention`` (inputs already checked)."""
+    """Same contract as ``step_attention`` (inputs already checked). A 16-bit KV cache under float32 queries
+    is widened as it is gathered, so the arithmetic is the float32 queries' on the cache's exact values."""
     t, hq, d = q.shape
     q = q.contiguous()
+    if k.dtype != q.dtype:  # only what a step reads is widened, never the whole pool
+        k, v = _Widened(k, q.dtype), _Widened(v, q.dtype)
     acc = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
     if meta.torch_plan is None:
@@ -87,3 +90,13 @@ def torch_step_attention(q: Tensor, k: Tensor, v: Tensor, meta, scale: float) ->
             out, lse = out[:, 0], lse[:, 0]
         merge_into(acc[lo:hi], acc_lse[lo:hi], out, lse)
     return acc.to(q.dtype)
+
+
+class _Widened:
+    """A KV pool whose reads (indexing, slicing) come back in ``dtype``."""
+
+    def __init__(self, pool: Tensor, dtype: torch.dtype):
+        self.pool, self.dtype = pool, dtype
+
+    def __getitem__(self, index) -> Tensor:
+        return self.pool[index].to(self.dtype)

@@ -225,8 +225,8 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 // the unnormalised state in w: running max m, sum l, and acc = sum_i exp(s_i - m) v_i. Keys go by blocks
 // of kBlockKeys; the rows of the next block are prefetched while this one is computed (paged runs defeat
 // the hardware prefetcher at every page boundary).
-template <typename scalar_t>
-void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
+template <typename q_t, typename scalar_t>
+void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
             const Item& it, int64_t h, int64_t nh, int64_t g, int64_t d, float scale, Scratch& w) {
   const int64_t gh = g * nh, nt = it.tok_hi - it.tok_lo, rows = nt * gh;
   float* qf = w.q.data();
@@ -334,6 +334,10 @@ void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     vt = gather_head(v, runs, it, h).unsqueeze(0).unsqueeze(0);
   }
   at::Tensor qs = q.slice(0, it.tok_lo, it.tok_hi).slice(1, h * g, (h + 1) * g);  // [nt, g, D]
+  if (kt.scalar_type() != q.scalar_type()) {  // a 16-bit cache under float32 q: the kernel wants one dtype
+    kt = kt.to(q.scalar_type());
+    vt = vt.to(q.scalar_type());
+  }
   const bool causal = it.first < it.total;
   at::Tensor o, lse;
   if (causal) {
@@ -356,8 +360,8 @@ void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
 // Phase 1 item through attend() (KV heads h .. h + nh - 1): writes the normalised partial and its
 // log-sum-exp.
-template <typename scalar_t>
-void own_piece(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
+template <typename q_t, typename scalar_t>
+void own_piece(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
                const Item& it, int64_t part_row, int64_t h, int64_t nh, int64_t hq, int64_t g, int64_t d,
                float scale, const Partials& part, Scratch& w) {
   attend(q, k, v, st, runs, it, h, nh, g, d, scale, w);
@@ -374,8 +378,8 @@ void own_piece(const scalar_t* q, const scalar_t* k, const scalar_t* v, const St
 
 // Phase 2 item: a block of segment tokens (KV heads h .. h + nh - 1); folds in every partial covering each
 // token, writes the output.
-template <typename scalar_t>
-void segment_block(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const Strides& st,
+template <typename q_t, typename scalar_t>
+void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out, const Strides& st,
                    const int64_t* runs, const Item& it, const int64_t* tok_ptr, const int64_t* tok_parts,
                    int64_t h, int64_t nh, int64_t hq, int64_t g, int64_t d, float scale, const Partials& part,
                    Scratch& w) {
@@ -397,9 +401,9 @@ void segment_block(const scalar_t* q, const scalar_t* k, const scalar_t* v, scal
       l = l * alpha + beta;
       m = m_new;
     }
-    scalar_t* dst = out + (t * hq + head) * d;
+    q_t* dst = out + (t * hq + head) * d;
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(a[i] * inv);
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<q_t>(a[i] * inv);
   }
 }
 
@@ -423,8 +427,12 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "step_attention: q [T, Hq, D], k/v [S, Hkv, D]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "step_attention: head dim must be dense");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2), "step_attention: k/v shapes differ from q's");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "step_attention: q, k and v must share one dtype");
+  // The KV pool may be narrower than the activations (a 16-bit cache under float32 compute): its rows are
+  // widened to float32 as they are read, as 16-bit rows always were.
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "step_attention: k and v must share one dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() || q.scalar_type() == at::kFloat,
+              "step_attention: k/v must have q's dtype, or q must be float32 (a 16-bit KV cache), got q ",
+              q.scalar_type(), " and k/v ", k.scalar_type());
   const int64_t t = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "step_attention: Hq must be a multiple of Hkv");
   for (const at::Tensor* x : {&runs, &pieces, &blocks, &tok_ptr, &tok_parts}) {
@@ -448,12 +456,13 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   // contiguous read, where one head per item read a third of each slot's bytes at a stride.
   const int64_t rows = std::max<int64_t>(1, max_item_tokens) * hq;
   const float fscale = static_cast<float>(scale);
-  const auto kernel = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+  const auto kernel = [&](auto q_zero, auto kv_zero) {
+    using q_t = decltype(q_zero);
+    using scalar_t = decltype(kv_zero);
+    const q_t* qp = q.const_data_ptr<q_t>();
     const scalar_t* kp = k.const_data_ptr<scalar_t>();
     const scalar_t* vp = v.const_data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+    q_t* op = out.data_ptr<q_t>();
     // Phase 1: a piece for the flash kernel is one item per KV head; any other piece, one item (its first
     // head's slot) for all heads.
     for_each_item(pieces.size(0) * hkv, rows, d, hkv, [&](int64_t i, Scratch& w) {
@@ -465,18 +474,19 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       if (flash_min_rows >= 0 && nt * g >= flash_min_rows && keys >= flash_min_keys && (whole || square)) {
         flash_piece(q, k, v, rp, it, row[6], i % hkv, scale, part);
       } else if (i % hkv == 0) {
-        own_piece<scalar_t>(qp, kp, vp, st, rp, it, row[6], 0, hkv, hq, g, d, fscale, part, w);
+        own_piece<q_t, scalar_t>(qp, kp, vp, st, rp, it, row[6], 0, hkv, hq, g, d, fscale, part, w);
       }
     });
     for_each_item(blocks.size(0), rows, d, hkv, [&](int64_t i, Scratch& w) {
-      segment_block<scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * i), tp, tq, 0, hkv, hq, g, d, fscale, part,
-                              w);
+      segment_block<q_t, scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * i), tp, tq, 0, hkv, hq, g, d, fscale,
+                                   part, w);
     });
   };
-  switch (q.scalar_type()) {
-    case at::kFloat: kernel(float{}); break;
-    case at::kBFloat16: kernel(at::BFloat16{}); break;
-    case at::kHalf: kernel(at::Half{}); break;
+  const auto same = [&](auto zero) { kernel(zero, zero); };
+  switch (q.scalar_type() == k.scalar_type() ? q.scalar_type() : k.scalar_type()) {
+    case at::kFloat: same(float{}); break;
+    case at::kBFloat16: q.scalar_type() == at::kFloat ? kernel(float{}, at::BFloat16{}) : same(at::BFloat16{}); break;
+    case at::kHalf: q.scalar_type() == at::kFloat ? kernel(float{}, at::Half{}) : same(at::Half{}); break;
     default: TORCH_CHECK(false, "step_attention: q must be float32, bfloat16 or float16, got ", q.scalar_type());
   }
   return out;
