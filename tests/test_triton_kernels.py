@@ -204,6 +204,17 @@ def test_tree_decode_nested_nodes(tk, heads, dtype, tail_split_len):
     check(out, lse, *reference(q, k, v, runs, 0.2), dtype)
 
 
+@pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
+def test_tree_decode_reads_a_16bit_cache_with_fp32_queries(tk, cache):
+    """A 16-bit KV cache under float32 compute: float32 accuracy on the cache's own values."""
+    q, k, v, items, pages, lens, runs = tree_case(4, 2, 16, cache, seed=5)
+    q = q.float()
+    plan = build_tree_plan(items, pages, 4, group=2, num_kv_heads=2, tail_cap=40, chunk_tokens=16, block_m=16)
+    out, lse = tk.tree_decode_attention(q, k, v, plan, lens, 0.2, block_n=16, return_lse=True)
+    assert out.dtype == torch.float32 and k.dtype == cache
+    check(out, lse, *reference(q, k.float(), v.float(), runs, 0.2), torch.float32)
+
+
 def test_padding_units_do_nothing(tk):
     """Tables may live in fixed-capacity buffers: zero rows past the real units must be no-ops."""
     q, k, v, items, pages, lens, runs = tree_case(4, 2, 16, torch.float32, seed=3)

@@ -333,7 +333,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int,
         )
     if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)} does not match k/v {tuple(k.shape)} (head dim, GQA group)")
-    if q.dtype != k.dtype or k.dtype != v.dtype:
+    if k.dtype != v.dtype or (q.dtype != k.dtype and q.dtype != torch.float32):
+        # a 16-bit KV cache under float32 q is fine: every K/V tile is widened to the dots' dtype on load
         raise ValueError(f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the head dim of q, k and v must be contiguous")

@@ -97,6 +97,7 @@ def load_llm(
         args.model,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         prefix_sharing=prefix_sharing,
         kv_cache_tokens=kv_cache_tokens,
         tensor_parallel_size=tp_size(args),

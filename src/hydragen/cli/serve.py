@@ -98,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args.model,
             device=args.device,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_tokens=args.kv_cache_tokens,
             max_num_seqs=args.max_num_seqs,
             page_size=args.page_size,

@@ -21,6 +21,7 @@ STEP, COPY, SETUP, NOOP, STOP = range(5)
 NAMES = {STEP: "step", COPY: "copy", SETUP: "setup", NOOP: "noop", STOP: "stop"}
 FIRST = 2048
 ATTENTION_CODES = ("auto", "fused", "torch", "none")
+KV_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)  # the KV pool's dtype in SETUP
 
 # PackedBatch / StepAttentionMeta tensors in wire order.
 _BATCH_TENSORS = ("input_ids", "positions", "slots", "logit_rows")

@@ -122,7 +122,8 @@ class TPRunner(ModelRunner):
     def setup_workers(self) -> None:
         pool = self.pool
         code = commands.ATTENTION_CODES.index(self.attention_name)
-        self.coordinator.send(commands.SETUP, torch.tensor([pool.num_pages, pool.page_size, code]))
+        kv_code = commands.KV_DTYPE_CODES.index(pool.k.dtype)
+        self.coordinator.send(commands.SETUP, torch.tensor([pool.num_pages, pool.page_size, code, kv_code]))
 
     def forward(self, batch: PackedBatch) -> torch.Tensor | None:
         with self.coordinator.lock:

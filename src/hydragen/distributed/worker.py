@@ -36,10 +36,11 @@ def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
             if command == commands.NOOP:
                 continue
             if command == commands.SETUP:
-                num_pages, page_size, code = payload.tolist()
+                num_pages, page_size, code, kv_code = payload.tolist()
                 local = shard.local_config()
+                kv_dtype = commands.KV_DTYPE_CODES[kv_code]
                 pool = PagePool(
-                    cfg.num_layers, num_pages, page_size, local.num_kv_heads, cfg.head_dim, dtype, device
+                    cfg.num_layers, num_pages, page_size, local.num_kv_heads, cfg.head_dim, kv_dtype, device
                 )
                 runner = ModelRunner(model, cfg, pool, device, commands.ATTENTION_CODES[code])
             elif command == commands.COPY:

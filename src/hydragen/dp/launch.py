@@ -27,6 +27,7 @@ PASSED_FLAGS = (
     ("literal_json_schema", "--literal-json-schema", False),
     ("device", "--device", True),
     ("dtype", "--dtype", True),
+    ("kv_cache_dtype", "--kv-cache-dtype", True),
     ("dequantize", "--dequantize", False),
     ("max_request_bytes", "--max-request-bytes", True),
     ("read_timeout", "--read-timeout", True),
@@ -67,10 +68,11 @@ def replica_kv_tokens(args: argparse.Namespace, config) -> int:
         return args.kv_cache_tokens
     import torch
 
-    from hydragen.engine.llm import default_kv_cache_tokens
+    from hydragen.engine.llm import default_kv_cache_tokens, resolve_kv_dtype
     from hydragen.model.loader import resolve_device, resolve_dtype
 
-    bytes_per_token = config.kv_bytes_per_token_per_elem * torch.finfo(resolve_dtype(args.dtype)).bits // 8
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype))
+    bytes_per_token = config.kv_bytes_per_token_per_elem * torch.finfo(kv_dtype).bits // 8
     useful = args.max_num_seqs * config.max_position_embeddings
     return default_kv_cache_tokens(
         bytes_per_token, resolve_device(args.device), useful, share=args.data_parallel_size

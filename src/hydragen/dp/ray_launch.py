@@ -57,6 +57,7 @@ def build_from_args(args: argparse.Namespace, options, api_key: str | None):
     llm_options = dict(
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_tokens=replica_kv_tokens(args, config),
         max_num_seqs=args.max_num_seqs,
         page_size=args.page_size,

@@ -84,6 +84,7 @@ class Engine:
         parallel=None,
         jump_forward: bool = True,
         literal_json_schema: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ):
         """``parallel``: a tensor-parallel group's rank 0 (``hydragen.distributed.launcher.TensorParallel``),
         which builds the page pool and model runner that drive the other ranks; None runs in-process.
@@ -104,8 +105,8 @@ class Engine:
         self.prefix_sharing = prefix_sharing
         num_pages = max(1, kv_cache_tokens // page_size)
         make_pool = PagePool if parallel is None else parallel.make_pool
-        self.pool = make_pool(
-            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
+        self.pool = make_pool(  # kv_dtype: a 16-bit cache under float32 compute (None: the model's dtype)
+            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype or dtype, device
         )
         self.kv = KVManager(self.pool)
         self.scheduler = Scheduler(

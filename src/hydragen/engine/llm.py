@@ -14,7 +14,7 @@ from hydragen.engine.engine import Engine
 from hydragen.engine.loop import EngineLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
-from hydragen.model.loader import load_model, resolve_device, resolve_dtype
+from hydragen.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 
 PromptType = str | list[int]
 
@@ -96,8 +96,10 @@ class LLM:
         threads: int | str | None = None,
         literal_json_schema: bool = False,
         tool_format: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
+        kv_dt = resolve_kv_dtype(kv_cache_dtype, dt)
         if tool_format is not None:
             from hydragen.tools.formats import FORMATS
 
@@ -133,6 +135,7 @@ class LLM:
                 page_size=page_size,
                 jump_forward=jump_forward,
                 literal_json_schema=literal_json_schema,
+                kv_dtype=kv_dt,
             )
         except BaseException:
             self.close()
@@ -155,7 +158,8 @@ class LLM:
         else:
             self.tokenizer = None
         c = self.config
-        bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(dt).bits // 8
+        kv_dt = engine_options.get("kv_dtype") or dt
+        bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(kv_dt).bits // 8
         if kv_cache_tokens is None:
             kv_cache_tokens = default_kv_cache_tokens(
                 bytes_per_token, dev, max_num_seqs * c.max_position_embeddings
@@ -309,3 +313,21 @@ class LLM:
         if errors:
             raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]}")
         return results  # type: ignore[return-value]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: "auto" is the model's. A 16-bit cache (half the bytes per token, so twice the
+    cached prefixes in the same memory, and half the K/V each decode step reads) may sit under float32
+    compute only: attention then runs in float32 on the cache's rounded values."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in DTYPES:
+        names = ", ".join(DTYPES)
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {names}, got {kv_cache_dtype!r}")
+    kv = DTYPES[kv_cache_dtype]
+    if kv != dtype and dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs float32 compute (dtype='float32'); with dtype "
+            f"{str(dtype).removeprefix('torch.')!r} the cache keeps the model's dtype ('auto')"
+        )
+    return kv

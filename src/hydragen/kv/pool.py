@@ -178,9 +178,10 @@ class PagePool:
             self.allocator.release(p)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V [T, Hkv, D] of one layer at ``slots`` [T]."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """Store new K/V [T, Hkv, D] of one layer at ``slots`` [T] (rounded to the pool's dtype: a 16-bit
+        cache under float32 compute)."""
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy K/V of slots ``src`` into ``dst`` in every layer (a page's computed part handed to another

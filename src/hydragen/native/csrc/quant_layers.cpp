@@ -52,10 +52,11 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
               "quant_layers: h must be a contiguous 2-D float32 tensor");
   const int64_t layers = static_cast<int64_t>(counts.size()) / 4;
+  const auto pool_type = pool_k.scalar_type();
   TORCH_CHECK(pool_k.dim() == 4 && pool_k.sizes() == pool_v.sizes() && pool_k.size(0) == layers &&
-                  pool_k.size(2) == num_kv_heads && pool_k.scalar_type() == at::kFloat &&
-                  pool_v.scalar_type() == at::kFloat,
-              "quant_layers: pool_k/v must be float32 [layers, slots, kv heads, head dim]");
+                  pool_k.size(2) == num_kv_heads && pool_v.scalar_type() == pool_type &&
+                  (pool_type == at::kFloat || pool_type == at::kBFloat16 || pool_type == at::kHalf),
+              "quant_layers: pool_k/v must be float32, bfloat16 or float16 [layers, slots, kv heads, head dim]");
   const int64_t t = h.size(0), d = pool_k.size(3), qdim = num_heads * d, kvdim = num_kv_heads * d;
   const OptTensor none;
   const OptTensor cos = rope_cos, sin = rope_sin;
@@ -80,8 +81,8 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
     const at::Tensor k = qkv.narrow(1, qdim, kvdim).view({t, num_kv_heads, d});
     const at::Tensor v = qkv.narrow(1, qdim + kvdim, kvdim).view({t, num_kv_heads, d});
     at::Tensor layer_k = pool_k.select(0, layer), layer_v = pool_v.select(0, layer);
-    layer_k.index_copy_(0, slots, k);
-    layer_v.index_copy_(0, slots, v);
+    layer_k.index_copy_(0, slots, k.to(pool_type));  // a 16-bit cache keeps the rounded values
+    layer_v.index_copy_(0, slots, v.to(pool_type));
     const at::Tensor o = attention.call(q, layer_k, layer_v, runs, pieces, blocks, tok_ptr, tok_parts, num_parts,
                                         max_item_tokens, flash_min_rows, flash_min_keys, scale);
     tail.call(o.reshape({t, qdim}), h, o_w, o_t, o_r, norms[2 * layer + 1], eps, gu_w, gu_t, gu_r, d_w, d_t, d_r,
