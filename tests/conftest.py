@@ -131,6 +131,14 @@ def embedded_llm():
 
 
 @pytest.fixture(scope="session")
+def embedded_llm_kv16():
+    """The embedded model as users get it, with a float16 KV cache (``kv_cache_dtype="float16"``)."""
+    from hydragen import LLM
+
+    return LLM(kv_cache_tokens=32768, kv_cache_dtype="float16")
+
+
+@pytest.fixture(scope="session")
 def embedded_llm_fp32():
     """The embedded model dequantized to float32 at load: the engine's exact-math reference."""
     from hydragen import LLM

@@ -62,6 +62,22 @@ def test_tp2_matches_tp1_tokens_and_logits(llama_pair) -> None:
         assert (a - b).abs().max().item() < 1e-5
 
 
+def test_every_rank_keeps_a_float16_cache_when_asked(tiny_models) -> None:
+    """kv_cache_dtype reaches the workers' pools: rank 1's heads are rounded as rank 0's, so the logits
+    equal a single process's with the same cache (a float32 pool on one rank would differ by ~1e-3)."""
+    options = dict(kv_cache_tokens=4096, kv_cache_dtype="float16")
+    one = LLM(tiny_models["llama"], **options)
+    with LLM(tiny_models["llama"], tensor_parallel_size=2, **options) as two:
+        assert two.engine.pool.k.dtype == torch.float16
+        logits_one, logits_two = _recording(one), _recording(two)
+        want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
+        got = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    assert len(logits_two) == len(logits_one) > 1
+    for a, b in zip(logits_one, logits_two, strict=True):
+        assert (a - b).abs().max().item() < 1e-5
+
+
 def test_prefix_cache_hits_across_requests_under_tp(llama_pair) -> None:
     one, two = llama_pair
     prompt = STEM + [50, 51, 52, 53]
