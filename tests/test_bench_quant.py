@@ -47,7 +47,7 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     for r in data["accuracy"]:
         assert 0 <= r["top-1 agreement (all positions)"] <= 1 and r["KL mean (all positions)"] >= -1e-9
     engines = {r["mode"] for r in data["decode"]}
-    assert {"hydragen", "hydragen-per-op", "hydragen-int8", "hydragen-fp32"} <= engines
+    assert {"hydragen", "hydragen-kv16", "hydragen-per-op", "hydragen-int8", "hydragen-fp32"} <= engines
     assert [r["model"] for r in data["memory"]] == ["embedded SmolLM2-135M Q4_1", f"{config}:Q4_K_M"]
     assert all(r["file MB"] > 0 and r["runtime MB"] > 0 for r in data["memory"])
     assert {r["n"] for r in data["real"]} == {1, 16}

@@ -35,9 +35,10 @@ RESULT_NAME = "quant"
 PARTS = ("kernels", "accuracy", "decode", "memory", "real")
 # (n, prompt tokens, one shared prompt): the three points
 DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
-MODES = ("hydragen", "hydragen-per-op", "hydragen-int8", "hydragen-fp32", "llamacpp")
+MODES = ("hydragen", "hydragen-kv16", "hydragen-per-op", "hydragen-int8", "hydragen-fp32", "llamacpp")
 MODE_LABELS = {
     "hydragen": "hydragen (GGUF kept quantized)",
+    "hydragen-kv16": "hydragen, float16 KV cache (--kv-cache-dtype float16, as llama.cpp's default)",
     "hydragen-per-op": "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)",
     "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
@@ -71,7 +72,8 @@ def _engine(model, mode: str, kv_tokens: int):
 
     if mode == "hydragen-int8":
         return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens)
-    return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens)
+    kv_dtype = "float16" if mode == "hydragen-kv16" else "auto"
+    return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_dtype)
 
 
 def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> list[dict]:
@@ -209,7 +211,7 @@ def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
     return rows, {"points": points, "new_tokens": new_tokens}, notes
 
 
-REAL_MODES = ("hydragen", "hydragen-int8", "llamacpp")
+REAL_MODES = ("hydragen", "hydragen-kv16", "hydragen-int8", "llamacpp")
 # part -> (measure, table title, columns or None for every column of the first row)
 MEASURES = {
     "kernels": (_kernels, "Kernels: every format at M activation rows", quant_kernels.KERNEL_COLUMNS),
