@@ -41,6 +41,9 @@ STYLES = {
     "transformers": dict(color="C2"),
     "llama.cpp": dict(color="C3"),
     "hydragen, dequantized to float32 (before)": dict(color="C7"),  # not the default cycle's red: llama.cpp's
+    "hydragen, float16 KV cache (--kv-cache-dtype float16)": dict(color="C1"),
+    "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)": dict(color="C2"),
+    "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)": dict(color="C4"),
     "attention skipped (ceiling)": dict(linestyle="--", color="0.45", marker="s"),
 }
 QUICK_TITLE = "QUICK RUN (smoke test, not a measurement)"
@@ -205,7 +208,7 @@ def draw(
             ax.set_ylim(bottom=0)
         if panel.title:
             ax.set_title("\n".join(textwrap.wrap(panel.title, 64)), fontsize=9.5)
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel("\n".join(textwrap.wrap(xlabel, 56)))  # a long label stays within a narrow panel
         ax.grid(True, alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
         if missing:

@@ -38,7 +38,7 @@ DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
 MODES = ("hydragen", "hydragen-kv16", "hydragen-per-op", "hydragen-int8", "hydragen-fp32", "llamacpp")
 MODE_LABELS = {
     "hydragen": "hydragen (GGUF kept quantized)",
-    "hydragen-kv16": "hydragen, float16 KV cache (--kv-cache-dtype float16, as llama.cpp's default)",
+    "hydragen-kv16": "hydragen, float16 KV cache (--kv-cache-dtype float16)",
     "hydragen-per-op": "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)",
     "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
