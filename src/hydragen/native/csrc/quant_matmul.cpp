@@ -8,14 +8,7 @@
 // The twin and oracle is hydragen/model/quant_twin.py: the same activation quantization and the same sums in
 // torch, on weights dequantized by the gguf package.
 
-// ATen's Vectorized<float> for SwiGLU, mapped to the registers -march=native gives (as step_attention.cpp does,
-// in the same inline namespace), so silu here is at::silu's own vector formula, bit for bit.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-#define CPU_CAPABILITY hydragen_step_attention
+#include "aten_vec.h"  // ATen's Vectorized<float> for SwiGLU; before any ATen header
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -16,16 +16,9 @@
 //     block's visible keys, reading each K/V row straight from the pool by slot once for all its query
 //     rows, then folds in the partials covering each token (a CSR built once per step) and writes.
 //
-// The build defines CPU_CAPABILITY_* from the compiler's own target macros (-march=native), so ATen's
-// Vectorized<float> maps to AVX2 or AVX-512 registers; the inline namespace gets a name of its own so these
-// instantiations can never be confused with libtorch's copies of the same headers.
+// aten_vec.h maps ATen's Vectorized<float> to the AVX2 or AVX-512 registers -march=native gives.
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-#define CPU_CAPABILITY hydragen_step_attention
+#include "aten_vec.h"  // before any ATen header
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -482,12 +475,15 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
                                    part, w);
     });
   };
-  const auto same = [&](auto zero) { kernel(zero, zero); };
-  switch (q.scalar_type() == k.scalar_type() ? q.scalar_type() : k.scalar_type()) {
-    case at::kFloat: same(float{}); break;
-    case at::kBFloat16: q.scalar_type() == at::kFloat ? kernel(float{}, at::BFloat16{}) : same(at::BFloat16{}); break;
-    case at::kHalf: q.scalar_type() == at::kFloat ? kernel(float{}, at::Half{}) : same(at::Half{}); break;
-    default: TORCH_CHECK(false, "step_attention: q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  // k's dtype picks the kernel; q has it too, or is float32 over a 16-bit cache (checked above)
+  const bool wide_q = q.scalar_type() != k.scalar_type();
+  switch (k.scalar_type()) {
+    case at::kFloat: kernel(float{}, float{}); break;
+    case at::kBFloat16: wide_q ? kernel(float{}, at::BFloat16{}) : kernel(at::BFloat16{}, at::BFloat16{}); break;
+    case at::kHalf: wide_q ? kernel(float{}, at::Half{}) : kernel(at::Half{}, at::Half{}); break;
+    default:
+      TORCH_CHECK(false, "step_attention: q and k/v must be float32, bfloat16 or float16, got q ", q.scalar_type(),
+                  " and k/v ", k.scalar_type());
   }
   return out;
 }
