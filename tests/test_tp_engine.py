@@ -50,8 +50,8 @@ def llama_pair(tiny_models):
     two.close()
 
 
-def test_tp2_matches_tp1_tokens_and_logits(llama_pair) -> None:
-    one, two = llama_pair
+def assert_same_tokens_and_logits(one: LLM, two: LLM) -> None:
+    """``two`` generates ``one``'s greedy tokens, from float32 logits within 1e-5 at every step."""
     logits_one, logits_two = _recording(one), _recording(two)
     want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
     got = two.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -62,6 +62,10 @@ def test_tp2_matches_tp1_tokens_and_logits(llama_pair) -> None:
         assert (a - b).abs().max().item() < 1e-5
 
 
+def test_tp2_matches_tp1_tokens_and_logits(llama_pair) -> None:
+    assert_same_tokens_and_logits(*llama_pair)
+
+
 def test_every_rank_keeps_a_float16_cache_when_asked(tiny_models) -> None:
     """kv_cache_dtype reaches the workers' pools: rank 1's heads are rounded as rank 0's, so the logits
     equal a single process's with the same cache (a float32 pool on one rank would differ by ~1e-3)."""
@@ -69,13 +73,7 @@ def test_every_rank_keeps_a_float16_cache_when_asked(tiny_models) -> None:
     one = LLM(tiny_models["llama"], **options)
     with LLM(tiny_models["llama"], tensor_parallel_size=2, **options) as two:
         assert two.engine.pool.k.dtype == torch.float16
-        logits_one, logits_two = _recording(one), _recording(two)
-        want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
-        got = two.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert _tokens(got) == _tokens(want)
-    assert len(logits_two) == len(logits_one) > 1
-    for a, b in zip(logits_one, logits_two, strict=True):
-        assert (a - b).abs().max().item() < 1e-5
+        assert_same_tokens_and_logits(one, two)
 
 
 def test_prefix_cache_hits_across_requests_under_tp(llama_pair) -> None:

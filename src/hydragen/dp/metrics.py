@@ -87,7 +87,7 @@ def _totals(name: str, parts, per_replica) -> list[tuple[str, dict, float]]:
 
 
 def router_families(
-    snapshot: list[dict], replicas, failed: list[int], unreachable: list[int] | None = None
+    snapshot: list[dict], replicas, failed: list[int], unreachable: list[int]
 ) -> list[Metric]:
     """The front's own figures: ``snapshot`` is ``Router.snapshot()``, ``replicas`` the ReplicaSet's
     replicas, ``failed[i]`` the requests ended by replica i's failure, ``unreachable[i]`` the requests it
@@ -130,7 +130,6 @@ def router_families(
         "requests the replica could not be connected for; each was routed again to another replica",
         labels=["replica"],
     )
-    unreachable = unreachable or [0] * len(failed)
     for r, replica, n_failed, n_refused in zip(snapshot, replicas, failed, unreachable, strict=True):
         i = str(r["replica"])
         up.add_metric([i], 1.0 if r["healthy"] else 0.0)

@@ -158,8 +158,7 @@ class LLM:
         else:
             self.tokenizer = None
         c = self.config
-        kv_dt = engine_options.get("kv_dtype") or dt
-        bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(kv_dt).bits // 8
+        bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(engine_options["kv_dtype"]).bits // 8
         if kv_cache_tokens is None:
             kv_cache_tokens = default_kv_cache_tokens(
                 bytes_per_token, dev, max_num_seqs * c.max_position_embeddings
