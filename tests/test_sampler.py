@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hydragen.engine import sampler as sampler_module
 from hydragen.engine import truncation
 from hydragen.engine.sampler import Sampler, derive_seed
 from hydragen.engine.sampling_params import SamplingParams
@@ -14,9 +15,11 @@ from hydragen.native import build as native_build
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def truncation_impl(request, monkeypatch):
-    """Every test runs with the C++ truncated-sampling op and with its torch twin (the op's oracle)."""
+    """Every test runs with the C++ ops (the whole sampling step, the truncated draw) and with their torch
+    twins (the ops' oracle)."""
     if request.param == "torch":
         monkeypatch.setattr(truncation, "_native_op", lambda probs: None)
+        monkeypatch.setattr(sampler_module, "_sample_step_op", lambda logits: None)
     elif native_build.sample_truncated_op() is None:
         pytest.skip(f"the C++ ops are unavailable: {native_build.build_error()}")
     return request.param
@@ -319,12 +322,51 @@ def test_native_op_draws_the_torch_twins_tokens(vocab, truncation_impl):
     seeds = torch.randint(0, 2**32, (rows,), generator=gen)
     steps = torch.randint(0, 1000, (rows,), generator=gen)
     args = (logits, temperature, top_k, top_p, seeds, steps, True, True, True, min_p, True)
-    sampler = Sampler()
+    sampler = Sampler(native=False)  # the truncated-draw op alone (the whole step is compared below)
     native = sampler.sample(*args).tokens
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(truncation, "_native_op", lambda probs: None)
         twin = sampler.sample(*args).tokens
     assert torch.equal(native, twin)
+
+
+@pytest.mark.parametrize("vocab", [64 * 40 + 13, 49152])
+def test_native_step_draws_the_twins_tokens(vocab, truncation_impl):
+    """The C++ sampling step (sample_step) gives the tensor code's token for every row of a batch mixing
+    greedy rows, temperature 1 and other temperatures, untruncated rows, top_p, top_k, min_p and their
+    combinations, ties, underflow, NaN rows, and feature flags that are off while rows carry values."""
+    if truncation_impl == "torch":
+        pytest.skip("compares the two implementations")
+    gen = torch.Generator().manual_seed(vocab + 1)
+    rows = 120
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.1, 12.0, rows).unsqueeze(1)
+    logits[::4] = logits[::4].round()  # ties
+    logits[1::5, ::3] = -1e4  # probabilities that underflow to 0
+    logits[7] = float("nan")
+    logits[11, 5] = float("nan")
+
+    def some(share):
+        return torch.rand(rows, generator=gen) < share
+
+    temperature = torch.rand(rows, generator=gen) * 1.5 + 0.05
+    temperature = torch.where(some(0.15), 0.0, torch.where(some(0.15), 1.0, temperature))
+    top_p = torch.where(some(0.6), torch.rand(rows, generator=gen).clamp_min(1e-3), 1.0)
+    top_k = torch.where(some(0.3), torch.randint(1, 200, (rows,), generator=gen), 0)
+    top_k[3] = vocab  # a top_k of the whole vocabulary keeps every token
+    min_p = torch.where(some(0.3), torch.rand(rows, generator=gen) * 0.3, 0.0)
+    seeds = torch.randint(0, 2**32, (rows,), generator=gen)
+    steps = torch.randint(0, 1000, (rows,), generator=gen)
+    for flags in [(True, True, True, True), (True, False, True, False), (True, True, False, True)]:
+        any_random, any_top_k, any_top_p, any_min_p = flags
+        args = (logits, temperature, top_k, top_p, seeds, steps, any_random, any_top_k, any_top_p)
+        native = Sampler().sample(*args, min_p, any_min_p).tokens
+        twin = Sampler(native=False).sample(*args, min_p, any_min_p).tokens
+        assert torch.equal(native, twin), flags
+        for row in (0, 7, 11, rows - 1):  # alone as in the batch
+            alone = (logits[row : row + 1], *(a[row : row + 1] for a in args[1:6]), *flags[:3])
+            single = Sampler().sample(*alone, min_p[row : row + 1], any_min_p).tokens
+            assert torch.equal(single, native[row : row + 1])
+    assert not 0 <= int(native[7]) < vocab  # a NaN row gets an impossible token (the runner reports it)
 
 
 def test_nan_rows_get_an_impossible_token():
@@ -343,3 +385,17 @@ def test_nan_rows_get_an_impossible_token():
     assert torch.equal(run(sampler, logits[[0]], settings[:1]).tokens, tokens[[0]])
     broken = run(sampler, nan_everywhere, settings).tokens
     assert all(not 0 <= t < vocab for t in broken[1:].tolist())
+
+
+def test_small_batch_uniforms_hash_like_the_tensor_code():
+    """Up to SMALL_BATCH rows the uniforms are hashed with Python ints; they equal the tensor version's
+    bits for seeds over the whole 64-bit range and steps past 2**31 (where int64 products wrap)."""
+    gen = torch.Generator().manual_seed(5)
+    seeds = torch.cat([torch.randint(-(2**62), 2**62, (40,), generator=gen), torch.tensor([0, 1, 2**32 - 1])])
+    steps = torch.cat([torch.randint(0, 2**40, (40,), generator=gen), torch.tensor([0, 2**31, 2**33 + 7])])
+    sampler = Sampler()
+    small = torch.cat([sampler.uniform_bits(seeds[i : i + 8], steps[i : i + 8]) for i in range(0, 43, 8)])
+    padding = sampler_module.SMALL_BATCH + 1 - seeds.numel()  # one call above the threshold
+    wide = sampler.uniform_bits(torch.cat([seeds, seeds[:padding]]), torch.cat([steps, steps[:padding]]))
+    assert torch.equal(small, wide[: seeds.numel()])
+    assert bool((small >= 0).all()) and bool((small < 2**24).all())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hydragen.engine.truncation import block_maxima, pad_to_blocks, sample_truncated, top_values
+from hydragen.native import build as native_build
 
 _M32 = 0xFFFFFFFF
 
@@ -34,6 +35,14 @@ def _mix32_int(x: int) -> int:
 
 _SEED_SALT = 0x5BD1E995  # arbitrary odd constants: keep 0 inputs away from mix32's fixed point 0
 _STEP_SALT = 0x27D4EB2F
+SMALL_BATCH = 64  # up to this many rows, the uniforms are hashed with Python ints
+
+
+def _uniform_bits_int(seed: int, step: int) -> int:
+    """Sampler.uniform_bits for one row, on Python ints (the tensor version's int64 arithmetic, whose
+    wrap-around the masks make exact)."""
+    mixed = _mix32_int((seed ^ _SEED_SALT) & _M32) ^ ((step * 0xC2B2AE3D + _STEP_SALT) & _M32)
+    return _mix32_int(mixed) >> 8
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -54,10 +63,16 @@ class SampleOutput:
 
 class Sampler:
     """Samples one token per row; keeps two vocabulary-wide work buffers between calls, because fresh
-    buffers of that size are fresh pages from the OS on every step (costlier than the softmax itself)."""
+    buffers of that size are fresh pages from the OS on every step (costlier than the softmax itself).
 
-    def __init__(self) -> None:
+    On CPU a sampling step without logprobs is one C++ call (``native/csrc/sampling.cpp``: sample_step),
+    the same arithmetic as the tensor code below, which stays as its twin (``native=False``) and serves
+    every other case.
+    """
+
+    def __init__(self, native: bool = True) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.native = native
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """A [rows, V] buffer shaped like ``like``; grown, never shrunk, so batch sizes can vary."""
@@ -78,6 +93,9 @@ class Sampler:
         """[B] int64 in [0, 2**24): the 24 random bits of each row's uniform for this step."""
         # Offsets before each mix: mix32(0) == 0, so without them seed 0 at step 0 would draw u ~ 0
         # (always the lowest-id token with any probability).
+        if seeds.numel() <= SMALL_BATCH and seeds.device.type == "cpu":  # a dozen tensor ops cost more
+            bits = [_uniform_bits_int(a, b) for a, b in zip(seeds.tolist(), steps.tolist(), strict=True)]
+            return torch.tensor(bits, dtype=torch.long)
         return mix32(mix32((seeds ^ _SEED_SALT) & _M32) ^ (steps * 0xC2B2AE3D + _STEP_SALT & _M32)) >> 8
 
     def uniforms(self, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -133,6 +151,23 @@ class Sampler:
         Temperature 0 is greedy (argmax). The flags say whether any row is random / uses top_k / top_p /
         min_p, so a batch that uses none of them skips their work.
         """
+        if any_random and num_logprobs is None and self.native:
+            op = _sample_step_op(logits)
+            if op is not None:
+                # A feature no row uses is off for every row, as in the tensor code below.
+                off = torch.zeros(logits.shape[0])
+                return SampleOutput(
+                    op(
+                        logits,
+                        temperature.float().contiguous(),
+                        top_k.long().contiguous() if any_top_k else off.long(),
+                        top_p.float().contiguous() if any_top_p else off + 1,
+                        min_p.float().contiguous() if any_min_p and min_p is not None else off,
+                        self.uniform_bits(seeds, steps).contiguous(),
+                        self._buffer("scratch", logits),
+                        self._buffer("probs", logits),
+                    )
+                )
         batch, vocab = logits.shape
         random_rows = temperature > 0
         if any_random:
@@ -220,6 +255,15 @@ class Sampler:
             return SampleOutput(tokens, chosen)
         values, ids = top_values(padded, n, maxima)
         return SampleOutput(tokens, chosen, ids, values - lse.unsqueeze(1))
+
+
+def _sample_step_op(logits: torch.Tensor):
+    """The C++ sampling step when it serves these logits (CPU, fp32, dense rows) and builds; else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return None
+    if logits.shape[0] == 0 or logits.shape[1] == 0:
+        return None
+    return native_build.sample_step_op()
 
 
 def _rows_where(mask: torch.Tensor) -> torch.Tensor:

@@ -160,6 +160,12 @@ def sample_truncated_op() -> Callable | None:
     return None if ops is None else ops.sample_truncated
 
 
+def sample_step_op() -> Callable | None:
+    """``torch.ops.hydragen.sample_step``, or None when the ops are unavailable."""
+    ops = load_ops()
+    return None if ops is None else ops.sample_step
+
+
 def build_error() -> str | None:
     """Why the op is unavailable: disabled, or the build's error; None when it built (or was never tried)."""
     return disabled_reason() or _error

@@ -11,9 +11,17 @@
 //   3. the candidates of the level the top_p cut falls in, sorted by probability to decide each one;
 //   4. the draw: the kept tokens' masses accumulated in token order until they pass the row's target.
 // Rows never interact, so a row's token cannot depend on the batch.
+//
+// sample_step is the whole of engine/sampler.py's Sampler.sample (without logprobs) in one call: the same
+// softmax (ATen's, on the same scaled logits), the caller's uniforms, and per row an argmax (greedy),
+// an inverse CDF over the whole vocabulary (the fp32 CDF accumulated in double, as torch.cumsum does), or
+// the truncated draw above. At batch 1 the Python version is ~25 small tensor ops around the softmax, each
+// a few microseconds with cold caches: more than the arithmetic.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_softmax.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -23,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -207,6 +216,139 @@ at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& maxima, c
   return tokens;
 }
 
+
+// torch.argmax of one row: the first maximum, a NaN counting as the largest.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
+// Sampler._draw_plain on one row: cdf = cumsum(probs) in fp32 accumulated in double (torch.cumsum on CPU),
+// target = min(u * total, the float below total), the first token whose cdf passes it (searchsorted right).
+int64_t draw_plain_row(const float* probs, int64_t n, int64_t bits) {
+  double acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc += probs[i];
+  const float total = static_cast<float>(acc);
+  // NaN probabilities: no distribution. Past the end, as torch.searchsorted gives; the model runner
+  // reports the row.
+  if (!(total > 0)) return n;
+  const float u = (static_cast<float>(bits) + 0.5f) * (1.0f / 16777216.0f);
+  const float target = std::min(u * total, std::nextafter(total, 0.0f));
+  acc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc += probs[i];
+    if (static_cast<float>(acc) > target) return i;
+  }
+  return n;  // not reached: the last cdf value is total > target
+}
+
+// The k-th largest of probs [n] (k >= 1): the k blocks with the largest maxima hold it (truncation.py's
+// top_values), so only those are searched when that is much less than the row.
+float kth_largest(const float* probs, const float* block_max, int64_t n, int64_t k, RowScratch& w) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<float>& pool = w.sorted_max;
+  pool.clear();
+  if (k * kBlock * 4 > n) {
+    pool.assign(probs, probs + n);
+  } else {
+    std::vector<int32_t>& ids = w.order;
+    ids.resize(blocks);
+    for (int64_t b = 0; b < blocks; ++b) ids[b] = static_cast<int32_t>(b);
+    std::nth_element(ids.begin(), ids.begin() + (k - 1), ids.end(),
+                     [&](int32_t a, int32_t b) { return block_max[a] > block_max[b]; });
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t lo = ids[j] * kBlock, hi = std::min(n, lo + kBlock);
+      pool.insert(pool.end(), probs + lo, probs + hi);
+    }
+  }
+  std::nth_element(pool.begin(), pool.begin() + (k - 1), pool.end(), std::greater<float>());
+  return pool[k - 1];
+}
+
+// Sampler.sample without logprobs. probs_out / scaled_out are [rows, vocab] work buffers the caller keeps
+// between steps (fresh ones would be fresh pages from the OS every step).
+at::Tensor sample_step(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& bits,
+                       at::Tensor scaled_out, at::Tensor probs_out) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "sample_step: logits must be a contiguous float32 [rows, vocab] tensor");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "sample_step: an empty vocabulary");
+  for (const at::Tensor* t : {&temperature, &top_k, &top_p, &min_p, &bits}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous() && t->device().is_cpu(),
+                "sample_step: per-row tensors must be contiguous [rows] CPU tensors");
+  }
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+                  min_p.scalar_type() == at::kFloat && top_k.scalar_type() == at::kLong &&
+                  bits.scalar_type() == at::kLong,
+              "sample_step: temperature/top_p/min_p float32, top_k/bits int64");
+  for (const at::Tensor* t : {&scaled_out, &probs_out}) {
+    TORCH_CHECK(t->sizes() == logits.sizes() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "sample_step: work buffers must be contiguous float32 tensors shaped like logits");
+  }
+  const float* temp = temperature.const_data_ptr<float>();
+  // Greedy rows are divided by 1 (their softmax is not used); the division is skipped when every row's
+  // scale is 1, as in Sampler._softmax (x / 1 == x, so the probabilities are the same either way).
+  bool all_one = true;
+  for (int64_t r = 0; r < rows; ++r) all_one &= !(temp[r] > 0) || temp[r] == 1.0f;
+  at::Tensor scaled = logits;
+  if (!all_one) {
+    at::Tensor scale = at::empty({rows, 1}, temperature.options());
+    float* sc = scale.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) sc[r] = temp[r] > 0 ? temp[r] : 1.0f;
+    scaled = at::div_out(scaled_out, logits, scale);
+  }
+  at::_softmax_out(probs_out, scaled, -1, false);
+
+  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* lp = logits.const_data_ptr<float>();
+  const float* pp = probs_out.const_data_ptr<float>();
+  const int64_t* kp = top_k.const_data_ptr<int64_t>();
+  const float* tp = top_p.const_data_ptr<float>();
+  const float* mp = min_p.const_data_ptr<float>();
+  const int64_t* bp = bits.const_data_ptr<int64_t>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t blocks = (vocab + kBlock - 1) / kBlock;
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    RowScratch scratch;
+    std::vector<float> block_max(blocks);
+    for (int64_t r = lo; r < hi; ++r) {
+      if (!(temp[r] > 0)) {
+        out[r] = argmax_row(lp + r * vocab, vocab);
+        continue;
+      }
+      const float* probs = pp + r * vocab;
+      const int64_t row_bits = bp[r];
+      const bool top_k_on = kp[r] > 0 && kp[r] < vocab;
+      if (!(tp[r] < 1) && !top_k_on && !(mp[r] > 0)) {
+        out[r] = draw_plain_row(probs, vocab, row_bits);
+        continue;
+      }
+      float pmax = -std::numeric_limits<float>::infinity();
+      for (int64_t b = 0; b < blocks; ++b) {  // torch.amax: a NaN propagates
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = b * kBlock; i < std::min(vocab, (b + 1) * kBlock); ++i) {
+          m = std::isnan(probs[i]) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, probs[i]);
+        }
+        block_max[b] = m;
+        pmax = std::isnan(m) || std::isnan(pmax) ? std::numeric_limits<float>::quiet_NaN() : std::max(pmax, m);
+      }
+      if (std::isnan(pmax)) {
+        out[r] = -1;
+        continue;
+      }
+      float survive = pmax * mp[r];
+      if (top_k_on) survive = std::max(survive, kth_largest(probs, block_max.data(), vocab, kp[r], scratch));
+      const bool free_row = survive <= 0;
+      out[r] = draw_row(probs, block_max.data(), vocab, free_row ? 0.0f : survive, free_row, tp[r], row_bits, scratch);
+    }
+  });
+  return tokens;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
@@ -214,4 +356,8 @@ TORCH_LIBRARY_FRAGMENT(hydragen, m) {
       "sample_truncated(Tensor probs, Tensor maxima, Tensor survive, Tensor free, Tensor top_p, Tensor bits) "
       "-> Tensor");
   m.impl("sample_truncated", c10::DispatchKey::CPU, &sample_truncated);
+  m.def(
+      "sample_step(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor bits, "
+      "Tensor(a!) scaled_out, Tensor(b!) probs_out) -> Tensor");
+  m.impl("sample_step", c10::DispatchKey::CPU, &sample_step);
 }
