@@ -149,6 +149,7 @@ CUTS = {
     "default": {},
     "fine-flash": dict(FINE, FLASH_MIN_ROWS=0, FLASH_MIN_KEYS=0),
     "fine-own": dict(FINE, FLASH_MIN_ROWS=-1),
+    "fine-tensor-index": dict(FINE, SMALL_STEP_PARTS=-1),  # the token -> partial rows index by tensor ops
 }
 
 
@@ -233,6 +234,31 @@ def test_cpp_equals_torch_on_a_random_tree(cuts):
     b = step_attention(q, k, v, meta, 0.125, impl="torch")
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(a.double(), oracle(q, k, v, units, segments, 0.125), atol=2e-6, rtol=1e-5)
+
+
+def test_token_rows_index_is_the_same_from_lists_and_tensors(monkeypatch):
+    """The CSR of each token's partial rows, built with plain lists (small steps) and with tensor ops."""
+    monkeypatch.setattr(step_work, "MAX_PIECE_KEYS", 8)
+    monkeypatch.setattr(step_work, "PIECE_TOKENS", 4)
+    gen = torch.Generator().manual_seed(3)
+    pages = Pages(200, 16, gen)
+    units = [(*pages.contiguous(30), 0, 12, 0), (*pages.contiguous(20), 4, 12, 0), (40, 60, 12, 32, 1)]
+    segments = [(r, r + 1, pages.runs(int(torch.randint(0, 50, (1,), generator=gen))), 5) for r in range(12)]
+    segments.append((12, 32, pages.runs(20), 1))
+    work = step_work._WorkItems([run for seg in segments for run in seg[2]])
+    for kv_lo, kv_hi, tok_lo, tok_hi, causal in units:
+        if causal:
+            work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi)
+        else:
+            work.add_shared(tok_lo, tok_hi, [(kv_lo, kv_hi)])
+    first_run = 0
+    for seg in segments:
+        work.add_segment(*seg, first_run=first_run, split=True)
+        first_run += len(seg[2])
+    assert work.rows > 32  # many rows, several per token
+    small = step_work._token_rows_small(work.pieces, 32)
+    big = step_work._token_rows(work.pieces, work.rows, 32)
+    assert torch.equal(small[0], big[0]) and torch.equal(small[1], big[1])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

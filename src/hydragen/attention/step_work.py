@@ -35,6 +35,7 @@ MIN_SPLIT_KEYS = 128
 # Pieces go through ATen's flash kernel only from this many query rows (tokens x g) and keys on: below, its
 # fixed cost per call (~25 us here) outweighs its faster matrix products, and the op's own loop wins.
 FLASH_MIN_ROWS = 24
+SMALL_STEP_PARTS = 256  # up to this many partial rows, the token -> rows index is built with plain lists
 FLASH_MIN_KEYS = 512
 
 
@@ -67,23 +68,44 @@ def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_to
         work.add_segment(*segment, first_run=first_run, split=split)
         first_run += len(segment[2])
 
-    pieces = torch.tensor(work.pieces, dtype=torch.int64).view(-1, 7)
-    lens = pieces[:, 1] - pieces[:, 0]
-    num_parts = int(lens.sum())
-    # Partial row p belongs to token owner[p]; a stable sort by owner lists each token's rows in order.
-    piece_of_row = torch.repeat_interleave(torch.arange(len(work.pieces)), lens)
-    owner = pieces[piece_of_row, 0] + torch.arange(num_parts) - pieces[piece_of_row, 6]
-    tok_ptr = torch.zeros(num_tokens + 1, dtype=torch.int64)
-    tok_ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=num_tokens), 0)
+    num_parts = work.rows
+    if num_parts <= SMALL_STEP_PARTS:  # a handful of partial rows: plain lists beat a dozen tensor ops
+        tok_ptr, tok_parts = _token_rows_small(work.pieces, num_tokens)
+    else:
+        tok_ptr, tok_parts = _token_rows(work.pieces, num_parts, num_tokens)
     return StepWork(
         work_runs=_pairs_tensor(work.runs),
         pieces=torch.tensor(_by_cost(work.pieces), dtype=torch.int64).view(-1, 7),
         blocks=torch.tensor(_by_cost(work.blocks), dtype=torch.int64).view(-1, 6),
         tok_ptr=tok_ptr,
-        tok_parts=torch.sort(owner, stable=True).indices,
+        tok_parts=tok_parts,
         num_parts=num_parts,
         max_item_tokens=max((x[1] - x[0] for x in work.pieces + work.blocks), default=0),
     )
+
+
+def _token_rows(pieces: list[tuple[int, ...]], num_parts: int, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """The CSR of each token's partial rows (tok_ptr, tok_parts), with tensor ops."""
+    table = torch.tensor(pieces, dtype=torch.int64).view(-1, 7)
+    lens = table[:, 1] - table[:, 0]
+    # Partial row p belongs to token owner[p]; a stable sort by owner lists each token's rows in order.
+    piece_of_row = torch.repeat_interleave(torch.arange(len(pieces)), lens)
+    owner = table[piece_of_row, 0] + torch.arange(num_parts) - table[piece_of_row, 6]
+    tok_ptr = torch.zeros(num_tokens + 1, dtype=torch.int64)
+    tok_ptr[1:] = torch.cumsum(torch.bincount(owner, minlength=num_tokens), 0)
+    return tok_ptr, torch.sort(owner, stable=True).indices
+
+
+def _token_rows_small(pieces: list[tuple[int, ...]], num_tokens: int) -> tuple[Tensor, Tensor]:
+    """_token_rows on Python lists (pieces hand out their partial rows in order, one per token)."""
+    owner = [t for p in pieces for t in range(p[0], p[1])]
+    counts = [0] * (num_tokens + 1)
+    for t in owner:
+        counts[t + 1] += 1
+    for t in range(num_tokens):
+        counts[t + 1] += counts[t]
+    order = sorted(range(len(owner)), key=owner.__getitem__)  # stable: a token's rows in order
+    return torch.tensor(counts, dtype=torch.int64), torch.tensor(order, dtype=torch.int64)
 
 
 def _by_cost(items: list[tuple]) -> list[tuple]:
