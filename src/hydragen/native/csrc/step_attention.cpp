@@ -2,8 +2,9 @@
 // against its keys, in one call per layer. The Python side (attention/step_attention.py) documents the
 // metadata and cuts the step into work items once per step; here is the arithmetic.
 //
-// Two phases, each one parallel region whose threads take items from a shared counter (items come sorted
-// most expensive first, so uneven items balance and a busy core delays nobody). An item covers every KV
+// Two phases in one parallel region whose threads take items from shared counters (items come sorted most
+// expensive first, so uneven items balance and a busy core delays nobody); a thread that finds phase 1
+// handed out waits for it to finish before taking phase-2 items. An item covers every KV
 // head (a slot's rows of all heads are one contiguous read), except a flash piece, one item per KV head:
 //  1. Pieces of units (shared tree nodes, prefill ancestors, causal diagonals) and of very long segments:
 //     a piece with enough query rows and keys goes through ATen's CPU flash kernel as a matrix product
@@ -14,7 +15,8 @@
 //     row per (piece, token).
 //  2. Segment blocks (private tails, pages read in place): attend() runs an online softmax in fp32 over the
 //     block's visible keys, reading each K/V row straight from the pool by slot once for all its query
-//     rows, then folds in the partials covering each token (a CSR built once per step) and writes.
+//     rows (a 16-bit cache widened in registers), then folds in the partials covering each token (a CSR
+//     built once per step) and writes.
 //
 // aten_vec.h maps ATen's Vectorized<float> to the AVX2 or AVX-512 registers -march=native gives.
 
@@ -35,6 +37,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -45,15 +48,40 @@ constexpr int64_t kVL = Vec::size();
 constexpr int64_t kBlockKeys = 32;  // keys per online-softmax step: scores stay in L1
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// kVL values of a row as float32 (the first `count` of them, the rest 0): a 16-bit cache is widened in
+// registers as it is read, to the values a float32 copy of the row would hold.
+template <typename kv_t>
+inline Vec load_f(const kv_t* p) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec x;
+    at::vec::load_to_float<kv_t>(p, x);
+    return x;
+  }
+}
+
+template <typename kv_t>
+inline Vec load_f(const kv_t* p, int64_t count) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    return Vec::loadu(p, count);
+  } else {
+    float tmp[kVL] = {};
+    for (int64_t i = 0; i < count; ++i) tmp[i] = static_cast<float>(p[i]);
+    return Vec::loadu(tmp);
+  }
+}
+
+template <typename kv_t>
+inline float dot(const float* a, const kv_t* b, int64_t n) {
   Vec s0(0.f), s1(0.f);
   int64_t d = 0;
   for (; d + 2 * kVL <= n; d += 2 * kVL) {
-    s0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), s0);
-    s1 = at::vec::fmadd(Vec::loadu(a + d + kVL), Vec::loadu(b + d + kVL), s1);
+    s0 = at::vec::fmadd(Vec::loadu(a + d), load_f(b + d), s0);
+    s1 = at::vec::fmadd(Vec::loadu(a + d + kVL), load_f(b + d + kVL), s1);
   }
-  for (; d + kVL <= n; d += kVL) s0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), s0);
-  if (d < n) s1 = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), s1);
+  for (; d + kVL <= n; d += kVL) s0 = at::vec::fmadd(Vec::loadu(a + d), load_f(b + d), s0);
+  if (d < n) s1 = at::vec::fmadd(Vec::loadu(a + d, n - d), load_f(b + d, n - d), s1);
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s0 + s1);
 }
 
@@ -80,27 +108,29 @@ inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, fl
 #endif
 }
 
-// s[i] = <q, rows[i]> for i < nk: four keys at a time share each load of q and one reduction.
-inline void dots(const float* q, const float* const* rows, int64_t nk, int64_t d, float* s) {
+// s[i] = <q, rows[i]> for i < nk: four keys at a time share each load of q and one reduction. Rows are in the
+// cache's dtype, widened as they are loaded.
+template <typename kv_t>
+inline void dots(const float* q, const kv_t* const* rows, int64_t nk, int64_t d, float* s) {
   int64_t i = 0;
   for (; i + 4 <= nk; i += 4) {
-    const float *k0 = rows[i], *k1 = rows[i + 1], *k2 = rows[i + 2], *k3 = rows[i + 3];
+    const kv_t *k0 = rows[i], *k1 = rows[i + 1], *k2 = rows[i + 2], *k3 = rows[i + 3];
     Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
     int64_t j = 0;
     for (; j + kVL <= d; j += kVL) {
       const Vec x = Vec::loadu(q + j);
-      a0 = at::vec::fmadd(x, Vec::loadu(k0 + j), a0);
-      a1 = at::vec::fmadd(x, Vec::loadu(k1 + j), a1);
-      a2 = at::vec::fmadd(x, Vec::loadu(k2 + j), a2);
-      a3 = at::vec::fmadd(x, Vec::loadu(k3 + j), a3);
+      a0 = at::vec::fmadd(x, load_f(k0 + j), a0);
+      a1 = at::vec::fmadd(x, load_f(k1 + j), a1);
+      a2 = at::vec::fmadd(x, load_f(k2 + j), a2);
+      a3 = at::vec::fmadd(x, load_f(k3 + j), a3);
     }
     if (j < d) {
       const int64_t c = d - j;
       const Vec x = Vec::loadu(q + j, c);
-      a0 = at::vec::fmadd(x, Vec::loadu(k0 + j, c), a0);
-      a1 = at::vec::fmadd(x, Vec::loadu(k1 + j, c), a1);
-      a2 = at::vec::fmadd(x, Vec::loadu(k2 + j, c), a2);
-      a3 = at::vec::fmadd(x, Vec::loadu(k3 + j, c), a3);
+      a0 = at::vec::fmadd(x, load_f(k0 + j, c), a0);
+      a1 = at::vec::fmadd(x, load_f(k1 + j, c), a1);
+      a2 = at::vec::fmadd(x, load_f(k2 + j, c), a2);
+      a3 = at::vec::fmadd(x, load_f(k3 + j, c), a3);
     }
     hsum4(a0, a1, a2, a3, s + i);
   }
@@ -108,21 +138,22 @@ inline void dots(const float* q, const float* const* rows, int64_t nk, int64_t d
 }
 
 // acc[d0 : d0 + NV * kVL] = acc * alpha + sum_i p[i] * rows[i][...]: NV accumulators stay in registers.
-template <int NV>
-inline void scale_add_tile(float* acc, const Vec& alpha, const float* p, const float* const* rows, int64_t nk,
+template <int NV, typename kv_t>
+inline void scale_add_tile(float* acc, const Vec& alpha, const float* p, const kv_t* const* rows, int64_t nk,
                            int64_t d0) {
   Vec a[NV];
   for (int j = 0; j < NV; ++j) a[j] = Vec::loadu(acc + d0 + j * kVL) * alpha;
   for (int64_t i = 0; i < nk; ++i) {
     const Vec w(p[i]);
-    const float* r = rows[i] + d0;
-    for (int j = 0; j < NV; ++j) a[j] = at::vec::fmadd(w, Vec::loadu(r + j * kVL), a[j]);
+    const kv_t* r = rows[i] + d0;
+    for (int j = 0; j < NV; ++j) a[j] = at::vec::fmadd(w, load_f(r + j * kVL), a[j]);
   }
   for (int j = 0; j < NV; ++j) a[j].store(acc + d0 + j * kVL);
 }
 
-// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n].
-inline void scale_add_rows(float* acc, float alpha, const float* p, const float* const* rows, int64_t nk,
+// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n] (rows in the cache's dtype, read as float32).
+template <typename kv_t>
+inline void scale_add_rows(float* acc, float alpha, const float* p, const kv_t* const* rows, int64_t nk,
                            int64_t n) {
   const Vec va(alpha);
   int64_t d = 0;
@@ -135,7 +166,7 @@ inline void scale_add_rows(float* acc, float alpha, const float* p, const float*
   if (d < n) {
     const int64_t c = n - d;
     Vec a = Vec::loadu(acc + d, c) * va;
-    for (int64_t i = 0; i < nk; ++i) a = at::vec::fmadd(Vec(p[i]), Vec::loadu(rows[i] + d, c), a);
+    for (int64_t i = 0; i < nk; ++i) a = at::vec::fmadd(Vec(p[i]), load_f(rows[i] + d, c), a);
     a.store(acc + d, c);
   }
 }
@@ -186,17 +217,33 @@ struct Item {
 
 inline Item item_at(const int64_t* row) { return {row[0], row[1], row[2], row[3], row[4], row[5]}; }
 
-// Per-thread scratch, sized once for the largest item.
+// Per-thread scratch for the largest item, kept by each worker thread between calls (grown, never shrunk):
+// a decode step calls the op once per layer, and fresh buffers cost more than a short item's arithmetic.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kbuf, vbuf;
-  std::vector<const float*> krow, vrow;
+  std::vector<float> q, acc, s, m, l;
   std::vector<const void*> next_k, next_v;  // the following block's rows, being prefetched
   std::vector<int64_t> lim;
-  Scratch(int64_t rows, int64_t d, int64_t heads)
-      : q(rows * d), acc(rows * d), s(rows * kBlockKeys), m(rows), l(rows), kbuf(heads * kBlockKeys * d),
-        vbuf(heads * kBlockKeys * d), krow(heads * kBlockKeys), vrow(heads * kBlockKeys),
-        next_k(heads * kBlockKeys), next_v(heads * kBlockKeys), lim(rows) {}
+
+  void fit(int64_t rows, int64_t d, int64_t heads) {
+    const auto grow = [](auto& x, int64_t n) {
+      if (static_cast<int64_t>(x.size()) < n) x.resize(n);
+    };
+    grow(q, rows * d);
+    grow(acc, rows * d);
+    grow(s, rows * kBlockKeys);
+    grow(m, rows);
+    grow(l, rows);
+    grow(next_k, heads * kBlockKeys);
+    grow(next_v, heads * kBlockKeys);
+    grow(lim, rows);
+  }
 };
+
+Scratch& thread_scratch(int64_t rows, int64_t d, int64_t heads) {
+  thread_local Scratch w;
+  w.fit(rows, d, heads);
+  return w;
+}
 
 // Walks the slots of a concatenation of runs.
 struct SlotCursor {
@@ -211,6 +258,24 @@ struct SlotCursor {
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
+
+// Loads one word of every cache line of [p, p + bytes), front to back. Sweeping each window of keys into
+// cache before the arithmetic reads it is what made the op faster in the engine (n = 1 decode, 512 keys: ~10 %
+// float32, more with a 16-bit cache): the hardware prefetchers follow a plain sequential sweep, and the
+// software prefetches of the gather alone did not hide the latency. Integer loads: 16-bit bytes read as
+// floats could be denormals.
+inline uint64_t sweep(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  uint64_t a = 0;
+  for (int64_t i = 0; i + 8 <= bytes; i += 64) {
+    uint64_t x;
+    std::memcpy(&x, c + i, sizeof x);
+    a ^= x;
+  }
+  return a;
+}
+
+constexpr int64_t kSweepKeys = 64;  // keys swept ahead of the arithmetic (96 KB of float32 K/V, 3 KV heads)
 
 // Online softmax of the item's rows over its visible keys, for the nh KV heads h, h + 1, ... together
 // (row r = token tok_lo + r / (g nh), query head h g + r % (g nh)), reading each key's K/V rows of those
@@ -234,7 +299,33 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
 
   const int64_t kmax = std::min(it.first + nt - 1, it.total);  // keys seen by the last token
   if (kmax <= 0) return;
+  // This block's K / V rows, read in place in the cache's dtype (one table per dtype and thread).
+  static thread_local std::vector<const scalar_t*> krow, vrow;
+  if (static_cast<int64_t>(krow.size()) < nh * kBlockKeys) {
+    krow.resize(nh * kBlockKeys);
+    vrow.resize(nh * kBlockKeys);
+  }
   SlotCursor cursor{runs, it.run_lo, runs[2 * it.run_lo]};
+  // The sweep's own walk over the runs: [run, slot) is where the next window starts.
+  int64_t sweep_run = it.run_lo, sweep_slot = runs[2 * it.run_lo], swept = 0;
+  const int64_t span = ((nh - 1) * st.k_h + d) * static_cast<int64_t>(sizeof(scalar_t));  // a slot's heads
+  volatile uint64_t sink = 0;
+  const auto sweep_window = [&]() {
+    uint64_t acc = 0;
+    for (int64_t left = std::min(kSweepKeys, kmax - swept); left > 0;) {
+      if (sweep_slot >= runs[2 * sweep_run + 1]) {
+        sweep_slot = runs[2 * ++sweep_run];
+        continue;
+      }
+      const int64_t n = std::min(left, runs[2 * sweep_run + 1] - sweep_slot);
+      acc ^= sweep(k + sweep_slot * st.k_s, (n - 1) * st.k_s * static_cast<int64_t>(sizeof(scalar_t)) + span);
+      acc ^= sweep(v + sweep_slot * st.v_s, (n - 1) * st.v_s * static_cast<int64_t>(sizeof(scalar_t)) + span);
+      sweep_slot += n;
+      swept += n;
+      left -= n;
+    }
+    sink = sink ^ acc;
+  };
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
   const auto gather = [&](int64_t count) {  // the next block's rows, prefetched; head j's at j * kBlockKeys
     for (int64_t i = 0; i < count; ++i) {
@@ -249,20 +340,12 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   };
   gather(std::min(kBlockKeys, kmax));
   for (int64_t pos = 0; pos < kmax;) {
+    if (pos >= swept) sweep_window();
     const int64_t nk = std::min(kBlockKeys, kmax - pos);
     for (int64_t j = 0; j < nh; ++j) {
       for (int64_t i = j * kBlockKeys; i < j * kBlockKeys + nk; ++i) {
-        const auto* kr = static_cast<const scalar_t*>(w.next_k[i]);
-        const auto* vr = static_cast<const scalar_t*>(w.next_v[i]);
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          w.krow[i] = kr;
-          w.vrow[i] = vr;
-        } else {
-          row_to_float(kr, w.kbuf.data() + i * d, d);
-          row_to_float(vr, w.vbuf.data() + i * d, d);
-          w.krow[i] = w.kbuf.data() + i * d;
-          w.vrow[i] = w.vbuf.data() + i * d;
-        }
+        krow[i] = static_cast<const scalar_t*>(w.next_k[i]);
+        vrow[i] = static_cast<const scalar_t*>(w.next_v[i]);
       }
     }
     gather(std::min(kBlockKeys, kmax - pos - nk));
@@ -272,7 +355,7 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t j = (r % gh) / g;  // the row's head among the item's
-      dots(qf + r * d, w.krow.data() + j * kBlockKeys, w.lim[r], d, w.s.data() + r * kBlockKeys);
+      dots(qf + r * d, krow.data() + j * kBlockKeys, w.lim[r], d, w.s.data() + r * kBlockKeys);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = w.lim[r];
@@ -282,7 +365,7 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
       const float alpha = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
       w.l[r] = w.l[r] * alpha + exp_shifted(s, s, m_new, n);
       w.m[r] = m_new;
-      scale_add_rows(acc + r * d, alpha, s, w.vrow.data() + (r % gh) / g * kBlockKeys, n, d);
+      scale_add_rows(acc + r * d, alpha, s, vrow.data() + (r % gh) / g * kBlockKeys, n, d);
     }
     pos += nk;
   }
@@ -400,15 +483,27 @@ void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out,
   }
 }
 
-// Runs fn(item index, thread scratch) over [0, n) on all threads; items are handed out one at a time in
-// order (the build sorts them most expensive first), so uneven items still balance.
-template <typename F>
-void for_each_item(int64_t n, int64_t rows, int64_t d, int64_t heads, const F& fn) {
-  if (n == 0) return;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    Scratch w(rows, d, heads);
-    for (int64_t i = next++; i < n; i = next++) fn(i, w);
+// Runs first(i, scratch) for i in [0, n1), then second(i, scratch) for i in [0, n2), on all threads in one
+// parallel region: items are handed out one at a time in order (the build sorts them most expensive first,
+// so uneven items still balance), and a thread that finds the first phase handed out waits until it is
+// done (a phase-2 block reads phase-1 partials) rather than ending the region and forking a second one.
+template <typename F1, typename F2>
+void for_each_item(int64_t n1, const F1& first, int64_t n2, const F2& second, int64_t rows, int64_t d,
+                   int64_t heads) {
+  const int64_t jobs = std::max(n1, n2);
+  if (jobs == 0) return;
+  std::atomic<int64_t> next1{0}, done1{0}, next2{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), jobs), 1, [&](int64_t, int64_t) {
+    Scratch& w = thread_scratch(rows, d, heads);
+    for (int64_t i = next1++; i < n1; i = next1++) {
+      struct Done {  // counted even if the item throws, so no thread waits forever
+        std::atomic<int64_t>& n;
+        ~Done() { n.fetch_add(1, std::memory_order_release); }
+      } done{done1};
+      first(i, w);
+    }
+    while (done1.load(std::memory_order_acquire) < n1) std::this_thread::yield();
+    for (int64_t i = next2++; i < n2; i = next2++) second(i, w);
   });
 }
 
@@ -458,7 +553,7 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     q_t* op = out.data_ptr<q_t>();
     // Phase 1: a piece for the flash kernel is one item per KV head; any other piece, one item (its first
     // head's slot) for all heads.
-    for_each_item(pieces.size(0) * hkv, rows, d, hkv, [&](int64_t i, Scratch& w) {
+    const auto piece = [&](int64_t i, Scratch& w) {
       const int64_t* row = pp + 7 * (i / hkv);
       const Item it = item_at(row);
       const int64_t nt = it.tok_hi - it.tok_lo;
@@ -469,11 +564,12 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       } else if (i % hkv == 0) {
         own_piece<q_t, scalar_t>(qp, kp, vp, st, rp, it, row[6], 0, hkv, hq, g, d, fscale, part, w);
       }
-    });
-    for_each_item(blocks.size(0), rows, d, hkv, [&](int64_t i, Scratch& w) {
+    };
+    const auto block = [&](int64_t i, Scratch& w) {
       segment_block<q_t, scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * i), tp, tq, 0, hkv, hq, g, d, fscale,
                                    part, w);
-    });
+    };
+    for_each_item(pieces.size(0) * hkv, piece, blocks.size(0), block, rows, d, hkv);
   };
   // k's dtype picks the kernel; q has it too, or is float32 over a 16-bit cache (checked above)
   const bool wide_q = q.scalar_type() != k.scalar_type();
