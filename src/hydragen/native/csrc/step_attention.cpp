@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <thread>
 #include <tuple>
@@ -171,6 +172,39 @@ inline void scale_add_rows(float* acc, float alpha, const float* p, const kv_t* 
   }
 }
 
+// acc_r[0 : NV * kVL] = acc_r * alpha_r + sum_i p_r[i] * rows[i][...] for R rows sharing the V rows: each
+// loaded V vector feeds R accumulators. Per row the same operations in the same order as scale_add_rows,
+// so the results are bit-identical; what changes is R independent FMA chains instead of one.
+template <int R, int NV, typename kv_t>
+inline void scale_add_rows_shared(float* const* acc, const float* alpha, const float* const* p,
+                                  const kv_t* const* rows, int64_t nk) {
+  Vec a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const Vec al(alpha[r]);
+    for (int j = 0; j < NV; ++j) a[r][j] = Vec::loadu(acc[r] + j * kVL) * al;
+  }
+  for (int64_t i = 0; i < nk; ++i) {
+    const kv_t* vr = rows[i];
+    Vec w[R];
+    for (int r = 0; r < R; ++r) w[r] = Vec(p[r][i]);
+    for (int j = 0; j < NV; ++j) {
+      const Vec x = load_f(vr + j * kVL);
+      for (int r = 0; r < R; ++r) a[r][j] = at::vec::fmadd(w[r], x, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j].store(acc[r] + j * kVL);
+}
+
+inline float vmax(const float* s, int64_t n) {
+  int64_t i = 0;
+  Vec m(kNegInf);
+  for (; i + kVL <= n; i += kVL) m = at::vec::maximum(m, Vec::loadu(s + i));
+  float best = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, m);
+  for (; i < n; ++i) best = std::max(best, s[i]);
+  return best;
+}
+
 // p[0:n] = exp(s[0:n] - m); returns their sum.
 inline float exp_shifted(const float* s, float* p, float m, int64_t n) {
   const Vec vm(m);
@@ -220,7 +254,7 @@ inline Item item_at(const int64_t* row) { return {row[0], row[1], row[2], row[3]
 // Per-thread scratch for the largest item, kept by each worker thread between calls (grown, never shrunk):
 // a decode step calls the op once per layer, and fresh buffers cost more than a short item's arithmetic.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l;
+  std::vector<float> q, acc, s, m, l, alpha;
   std::vector<const void*> next_k, next_v;  // the following block's rows, being prefetched
   std::vector<int64_t> lim;
 
@@ -233,6 +267,7 @@ struct Scratch {
     grow(s, rows * kBlockKeys);
     grow(m, rows);
     grow(l, rows);
+    grow(alpha, rows);
     grow(next_k, heads * kBlockKeys);
     grow(next_v, heads * kBlockKeys);
     grow(lim, rows);
@@ -327,6 +362,8 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
     sink = sink ^ acc;
   };
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+  // The g rows of one token and KV head share their V rows: they take them together where the tile fits.
+  const bool shared_pv = g <= 4 && (d == 2 * kVL || d == 4 * kVL || d == 8 * kVL);
   const auto gather = [&](int64_t count) {  // the next block's rows, prefetched; head j's at j * kBlockKeys
     for (int64_t i = 0; i < count; ++i) {
       const int64_t slot = cursor.next();
@@ -357,15 +394,47 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
       const int64_t j = (r % gh) / g;  // the row's head among the item's
       dots(qf + r * d, krow.data() + j * kBlockKeys, w.lim[r], d, w.s.data() + r * kBlockKeys);
     }
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {  // online softmax: p = exp(s - m) in place
       const int64_t n = w.lim[r];
       if (n == 0) continue;
       float* s = w.s.data() + r * kBlockKeys;
-      const float m_new = std::max(w.m[r], *std::max_element(s, s + n));
+      const float m_new = std::max(w.m[r], vmax(s, n));
       const float alpha = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
       w.l[r] = w.l[r] * alpha + exp_shifted(s, s, m_new, n);
       w.m[r] = m_new;
-      scale_add_rows(acc + r * d, alpha, s, vrow.data() + (r % gh) / g * kBlockKeys, n, d);
+      w.alpha[r] = alpha;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += g) {  // acc = acc * alpha + p V; the g rows of a token and KV head
+      const int64_t n = w.lim[r0];            // share their V rows and their lim
+      if (n == 0) continue;
+      const scalar_t* const* vr = vrow.data() + (r0 % gh) / g * kBlockKeys;
+      if (!shared_pv) {
+        for (int64_t r = r0; r < r0 + g; ++r) {
+          scale_add_rows(acc + r * d, w.alpha[r], w.s.data() + r * kBlockKeys, vr, n, d);
+        }
+        continue;
+      }
+      float* accs[4];
+      const float* ps[4];
+      for (int64_t u = 0; u < g; ++u) {
+        accs[u] = acc + (r0 + u) * d;
+        ps[u] = w.s.data() + (r0 + u) * kBlockKeys;
+      }
+      const float* al = w.alpha.data() + r0;
+      const auto tile = [&](auto rows_c, auto nv_c) {
+        scale_add_rows_shared<decltype(rows_c)::value, decltype(nv_c)::value, scalar_t>(accs, al, ps, vr, n);
+      };
+      const auto by_width = [&](auto rows_c) {
+        if (d == 2 * kVL) tile(rows_c, std::integral_constant<int, 2>{});
+        else if (d == 4 * kVL) tile(rows_c, std::integral_constant<int, 4>{});
+        else tile(rows_c, std::integral_constant<int, 8>{});
+      };
+      switch (g) {
+        case 1: by_width(std::integral_constant<int, 1>{}); break;
+        case 2: by_width(std::integral_constant<int, 2>{}); break;
+        case 3: by_width(std::integral_constant<int, 3>{}); break;
+        default: by_width(std::integral_constant<int, 4>{}); break;
+      }
     }
     pos += nk;
   }
