@@ -330,7 +330,7 @@ def test_native_op_draws_the_torch_twins_tokens(vocab, truncation_impl):
     assert torch.equal(native, twin)
 
 
-@pytest.mark.parametrize("vocab", [64 * 40 + 13, 49152])
+@pytest.mark.parametrize("vocab", [13, 64 * 40 + 13, 49152])
 def test_native_step_draws_the_twins_tokens(vocab, truncation_impl):
     """The C++ sampling step (sample_step) gives the tensor code's token for every row of a batch mixing
     greedy rows, temperature 1 and other temperatures, untruncated rows, top_p, top_k, min_p and their
@@ -353,6 +353,8 @@ def test_native_step_draws_the_twins_tokens(vocab, truncation_impl):
     top_p = torch.where(some(0.6), torch.rand(rows, generator=gen).clamp_min(1e-3), 1.0)
     top_k = torch.where(some(0.3), torch.randint(1, 200, (rows,), generator=gen), 0)
     top_k[3] = vocab  # a top_k of the whole vocabulary keeps every token
+    if vocab < 64:  # one partial block: top_k must stay below the vocabulary to restrict anything
+        top_k = top_k.clamp_max(vocab - 1)
     min_p = torch.where(some(0.3), torch.rand(rows, generator=gen) * 0.3, 0.0)
     seeds = torch.randint(0, 2**32, (rows,), generator=gen)
     steps = torch.randint(0, 1000, (rows,), generator=gen)
@@ -367,6 +369,25 @@ def test_native_step_draws_the_twins_tokens(vocab, truncation_impl):
             single = Sampler().sample(*alone, min_p[row : row + 1], any_min_p).tokens
             assert torch.equal(single, native[row : row + 1])
     assert not 0 <= int(native[7]) < vocab  # a NaN row gets an impossible token (the runner reports it)
+    assert not 0 <= int(native[11]) < vocab  # one NaN logit is enough, greedy or not
+    # Every random row at temperature 1: the logits go to the softmax undivided.
+    ones = torch.where(temperature > 0, 1.0, 0.0)
+    args = (logits, ones, top_k, top_p, seeds, steps, True, True, True)
+    native_ones = Sampler().sample(*args, min_p, True).tokens
+    assert torch.equal(native_ones, Sampler(native=False).sample(*args, min_p, True).tokens)
+
+
+def test_greedy_nan_rows_get_an_impossible_token():
+    """A greedy row with a NaN logit has no most likely token: -1, not whatever argmax picks, so the request
+    ends with an error; the greedy rows beside it are unaffected."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    logits[1, 17] = float("nan")
+    zeros = torch.zeros(3)
+    steps = torch.zeros(3, dtype=torch.long)
+    args = (logits, zeros, steps, zeros + 1, torch.arange(3), steps)
+    tokens = Sampler().sample(*args, False, False, False).tokens
+    assert int(tokens[1]) == -1
+    assert torch.equal(tokens[[0, 2]], logits[[0, 2]].argmax(-1))
 
 
 def test_nan_rows_get_an_impossible_token():

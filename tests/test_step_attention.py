@@ -451,3 +451,105 @@ def test_another_checkout_of_the_same_source_loads_the_cached_build(monkeypatch,
     assert cpp_build._build() is not None
     assert "compiled" not in capsys.readouterr().err
     assert (where / f"{cpp_build.library_name()}.so").stat().st_mtime_ns == built
+
+
+# --------------------------------------------------------------------------------------------------
+# The C++ op's exactness guarantees (bit for bit, not within a tolerance)
+# --------------------------------------------------------------------------------------------------
+
+
+def _cpp_or_skip():
+    if cpp_build.step_attention_op() is None:
+        pytest.skip(f"the C++ op is unavailable: {cpp_build.build_error()}")
+
+
+@pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 20])
+def test_a_16bit_cache_reads_exactly_its_float32_widening(cache, d):
+    """A 16-bit cache is widened in registers as it is read: the output is the float32 op's on the widened
+    cache, bit for bit (head dims that fill whole vectors and one that leaves a tail)."""
+    _cpp_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    pages = Pages(200, 16, gen)
+    lengths = torch.randint(1, 300, (5,), generator=gen).tolist()
+    segments = [(r, r + 1, pages.runs(n), 1000) for r, n in enumerate(lengths)]
+    segments.append((5, 17, pages.runs(40), 29))
+    q, k, v = make_qkv(17, 200 * 16, 9, 3, d, torch.float32, seed=12)
+    k16, v16 = k.to(cache), v.to(cache)
+    meta = StepAttentionMeta.build([], segments, 17, "cpu")
+    narrow = step_attention(q, k16, v16, meta, d**-0.5, impl="cpp")
+    wide = step_attention(q, k16.float(), v16.float(), meta, d**-0.5, impl="cpp")
+    assert torch.equal(narrow, wide)
+
+
+def test_query_heads_sharing_v_rows_give_the_per_row_bits():
+    """Up to 4 query heads of a KV head take its V rows together; each row's arithmetic is the per-row path's:
+    the same rows computed with 5 query heads per KV head (the per-row path) give the same bits."""
+    _cpp_or_skip()
+    gen = torch.Generator().manual_seed(13)
+    pages = Pages(200, 16, gen)
+    lengths = torch.randint(1, 300, (6,), generator=gen).tolist()
+    segments = [(r, r + 1, pages.runs(n), 1000) for r, n in enumerate(lengths)]
+    q5, k, v = make_qkv(6, 200 * 16, 15, 3, 64, torch.float32, seed=14)
+    meta = StepAttentionMeta.build([], segments, 6, "cpu")
+    heads = [h * 5 + j for h in range(3) for j in range(3)]  # 3 of each KV head's 5 query heads
+    per_row = step_attention(q5, k, v, meta, 0.125, impl="cpp")[:, heads]
+    shared = step_attention(q5[:, heads].contiguous(), k, v, meta, 0.125, impl="cpp")
+    assert torch.equal(shared, per_row)
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    """Items are handed out dynamically, but each writes its own partial and the merge order is fixed."""
+    _cpp_or_skip()
+    gen = torch.Generator().manual_seed(15)
+    pages = Pages(400, 16, gen)
+    units = [(*pages.contiguous(70), 0, 8, 0)]
+    lengths = torch.randint(1, 600, (8,), generator=gen).tolist()
+    segments = [(r, r + 1, pages.runs(n), 1000) for r, n in enumerate(lengths)]
+    segments.append((8, 30, pages.runs(22), 1))
+    q, k, v = make_qkv(30, 400 * 16, 9, 3, 64, torch.float32, seed=16)
+    meta = StepAttentionMeta.build(units, segments, 30, "cpu")
+    outs = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        outs.append(step_attention(q, k, v, meta, 0.125, impl="cpp"))
+    torch.set_num_threads(2)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_k_and_v_with_different_layouts_are_read_within_their_rows(tmp_path):
+    """K and V need only the same shape: with K's heads further apart than V's (a view of a wider tensor) the
+    op must still read no byte past V's last row. V ends right before an unreadable page, so a stray read
+    crashes the child process that runs the op."""
+    _cpp_or_skip()
+    script = tmp_path / "guard.py"
+    script.write_text(
+        """
+import ctypes, mmap
+import numpy as np, torch
+from hydragen.attention.step_attention import StepAttentionMeta, step_attention
+torch.set_num_threads(1)
+S, H, D = 64, 2, 64
+nbytes = S * H * D * 4
+page = mmap.PAGESIZE
+assert nbytes % page == 0
+buf = mmap.mmap(-1, nbytes + page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+libc = ctypes.CDLL(None)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+assert libc.mprotect(ctypes.c_void_p(addr + nbytes), page, 0) == 0
+v = torch.from_numpy(np.frombuffer(buf, dtype=np.float32, count=S * H * D)).view(S, H, D)
+v.copy_(torch.randn(S, H, D))
+k = torch.randn(S, H, 2 * D)[..., :D]
+q = torch.randn(1, 6, D)
+meta = StepAttentionMeta.build([], [(0, 1, [(S - 40, S)], 40)], 1, "cpu")
+out = step_attention(q, k, v, meta, 0.125, impl="cpp")
+ref = step_attention(q, k, v.clone(), meta, 0.125, impl="torch")
+torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])

@@ -97,8 +97,11 @@ def _token_rows(pieces: list[tuple[int, ...]], num_parts: int, num_tokens: int) 
 
 
 def _token_rows_small(pieces: list[tuple[int, ...]], num_tokens: int) -> tuple[Tensor, Tensor]:
-    """_token_rows on Python lists (pieces hand out their partial rows in order, one per token)."""
-    owner = [t for p in pieces for t in range(p[0], p[1])]
+    """_token_rows on Python lists: piece p's partial rows p[6], p[6] + 1, ... belong to its tokens p[0],
+    p[0] + 1, ... in order."""
+    owner = [0] * sum(p[1] - p[0] for p in pieces)
+    for p in pieces:
+        owner[p[6] : p[6] + p[1] - p[0]] = range(p[0], p[1])
     counts = [0] * (num_tokens + 1)
     for t in owner:
         counts[t + 1] += 1

@@ -151,7 +151,8 @@ class Sampler:
         Temperature 0 is greedy (argmax). The flags say whether any row is random / uses top_k / top_p /
         min_p, so a batch that uses none of them skips their work.
         """
-        if any_random and num_logprobs is None and self.native:
+        native = self.native and _op_dtypes(temperature, top_k, top_p, min_p)
+        if any_random and num_logprobs is None and native:
             op = _sample_step_op(logits)
             if op is not None:
                 # A feature no row uses is off for every row, as in the tensor code below.
@@ -159,10 +160,10 @@ class Sampler:
                 return SampleOutput(
                     op(
                         logits,
-                        temperature.float().contiguous(),
-                        top_k.long().contiguous() if any_top_k else off.long(),
-                        top_p.float().contiguous() if any_top_p else off + 1,
-                        min_p.float().contiguous() if any_min_p and min_p is not None else off,
+                        temperature.contiguous(),
+                        top_k.contiguous() if any_top_k else off.long(),
+                        top_p.contiguous() if any_top_p else off + 1,
+                        min_p.contiguous() if any_min_p and min_p is not None else off,
                         self.uniform_bits(seeds, steps).contiguous(),
                         self._buffer("scratch", logits),
                         self._buffer("probs", logits),
@@ -170,10 +171,7 @@ class Sampler:
                 )
         batch, vocab = logits.shape
         random_rows = temperature > 0
-        if any_random:
-            tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
-        else:
-            tokens = logits.argmax(-1)
+        tokens = torch.empty(batch, dtype=torch.long, device=logits.device) if any_random else _argmax(logits)
         probs = maxima = None
         if any_random or num_logprobs is not None:
             # Greedy rows get temperature 1 here, which is what their logprobs need.
@@ -182,7 +180,7 @@ class Sampler:
         if any_random:
             greedy = _rows_where(~random_rows)
             if greedy.numel():
-                tokens[greedy] = logits[greedy].argmax(-1)
+                tokens[greedy] = _argmax(logits[greedy])
             truncated = torch.zeros_like(random_rows)
             if any_top_p:
                 truncated |= top_p < 1
@@ -255,6 +253,19 @@ class Sampler:
             return SampleOutput(tokens, chosen)
         values, ids = top_values(padded, n, maxima)
         return SampleOutput(tokens, chosen, ids, values - lse.unsqueeze(1))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens; a row with a NaN logit (a broken model or input) has no most likely token and gets -1,
+    an impossible token the model runner reports as that request's error (as the sampled rows do)."""
+    return torch.where(torch.isnan(logits).any(-1), -1, logits.argmax(-1))
+
+
+def _op_dtypes(temperature, top_k, top_p, min_p) -> bool:
+    """Whether the per-row tensors have the dtypes the op computes in (what the model runner builds); others
+    take the tensor code, which computes in theirs."""
+    floats = (temperature, top_p) + (() if min_p is None else (min_p,))
+    return all(t.dtype == torch.float32 for t in floats) and top_k.dtype == torch.long
 
 
 def _sample_step_op(logits: torch.Tensor):

@@ -1,6 +1,7 @@
 """Compile hydragen's C++ CPU ops on first use and cache the build on disk.
 
-The ops (``torch.ops.hydragen.step_attention`` and ``sample_truncated``) are built into one library with
+The ops (``torch.ops.hydragen.step_attention``, the sampling ops ``sample_truncated`` and ``sample_step``,
+and the quantized-matmul ops of ``native/quant.py``) are built into one library with
 ``-march=native`` for the machine they run on, so they ship as source (``native/csrc/``) and are compiled
 by ``torch.utils.cpp_extension`` the first time one is needed. The build lives under
 ``$HYDRAGEN_CACHE_DIR`` (else ``$HYDRAGEN_CACHE``, else ``~/.cache/hydragen``) in a folder keyed by a hash

@@ -217,11 +217,12 @@ at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& maxima, c
 }
 
 
-// torch.argmax of one row: the first maximum, a NaN counting as the largest.
+// The greedy token: the first maximum, or -1 (an impossible token, which the model runner reports as the row's
+// error) when the row holds a NaN, as Sampler._argmax.
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t best = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (std::isnan(x[i])) return i;
+    if (std::isnan(x[i])) return -1;
     if (x[i] > x[best]) best = i;
   }
   return best;

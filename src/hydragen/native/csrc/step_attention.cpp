@@ -294,7 +294,8 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
-// Loads one word of every cache line of [p, p + bytes), front to back. Sweeping each window of keys into
+// Loads one word per 64 bytes of [p, p + bytes), front to back (every cache line of the range but perhaps an
+// unaligned last one). Sweeping each window of keys into
 // cache before the arithmetic reads it is what made the op faster in the engine (n = 1 decode, 512 keys: ~10 %
 // float32, more with a 16-bit cache): the hardware prefetchers follow a plain sequential sweep, and the
 // software prefetches of the gather alone did not hide the latency. Integer loads: 16-bit bytes read as
@@ -334,7 +335,7 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
 
   const int64_t kmax = std::min(it.first + nt - 1, it.total);  // keys seen by the last token
   if (kmax <= 0) return;
-  // This block's K / V rows, read in place in the cache's dtype (one table per dtype and thread).
+  // This block's K / V rows, read in place in the cache's dtype (tables per thread and instantiation).
   static thread_local std::vector<const scalar_t*> krow, vrow;
   if (static_cast<int64_t>(krow.size()) < nh * kBlockKeys) {
     krow.resize(nh * kBlockKeys);
@@ -343,7 +344,12 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   SlotCursor cursor{runs, it.run_lo, runs[2 * it.run_lo]};
   // The sweep's own walk over the runs: [run, slot) is where the next window starts.
   int64_t sweep_run = it.run_lo, sweep_slot = runs[2 * it.run_lo], swept = 0;
-  const int64_t span = ((nh - 1) * st.k_h + d) * static_cast<int64_t>(sizeof(scalar_t));  // a slot's heads
+  // A slot's rows of the item's heads, from the first head's start to the last one's end. Only a compact layout
+  // (the pool's [slot, head, dim], the item's heads filling each slot) is swept: there a run of slots is one
+  // range of exactly the bytes the item reads; in any other layout a range would take in bytes it does not.
+  const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t k_span = (nh - 1) * st.k_h + d, v_span = (nh - 1) * st.v_h + d;
+  const bool slot_major = st.k_h == d && st.v_h == d && k_span == st.k_s && v_span == st.v_s;
   volatile uint64_t sink = 0;
   const auto sweep_window = [&]() {
     uint64_t acc = 0;
@@ -353,8 +359,8 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
         continue;
       }
       const int64_t n = std::min(left, runs[2 * sweep_run + 1] - sweep_slot);
-      acc ^= sweep(k + sweep_slot * st.k_s, (n - 1) * st.k_s * static_cast<int64_t>(sizeof(scalar_t)) + span);
-      acc ^= sweep(v + sweep_slot * st.v_s, (n - 1) * st.v_s * static_cast<int64_t>(sizeof(scalar_t)) + span);
+      acc ^= sweep(k + sweep_slot * st.k_s + h * st.k_h, ((n - 1) * st.k_s + k_span) * elem);
+      acc ^= sweep(v + sweep_slot * st.v_s + h * st.v_h, ((n - 1) * st.v_s + v_span) * elem);
       sweep_slot += n;
       swept += n;
       left -= n;
@@ -363,7 +369,9 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   };
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
   // The g rows of one token and KV head share their V rows: they take them together where the tile fits.
-  const bool shared_pv = g <= 4 && (d == 2 * kVL || d == 4 * kVL || d == 8 * kVL);
+  // (g accumulators of d / kVL vectors each: at most 24 of AVX-512's 32 registers, 12 of AVX2's 16.)
+  const bool shared_pv =
+      g <= 4 && (d == 2 * kVL || d == 4 * kVL || d == 8 * kVL) && g * (d / kVL) <= (kVL >= 16 ? 24 : 12);
   const auto gather = [&](int64_t count) {  // the next block's rows, prefetched; head j's at j * kBlockKeys
     for (int64_t i = 0; i < count; ++i) {
       const int64_t slot = cursor.next();
@@ -377,7 +385,7 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   };
   gather(std::min(kBlockKeys, kmax));
   for (int64_t pos = 0; pos < kmax;) {
-    if (pos >= swept) sweep_window();
+    if (slot_major && pos >= swept) sweep_window();
     const int64_t nk = std::min(kBlockKeys, kmax - pos);
     for (int64_t j = 0; j < nh; ++j) {
       for (int64_t i = j * kBlockKeys; i < j * kBlockKeys + nk; ++i) {
@@ -562,6 +570,7 @@ void for_each_item(int64_t n1, const F1& first, int64_t n2, const F2& second, in
   const int64_t jobs = std::max(n1, n2);
   if (jobs == 0) return;
   std::atomic<int64_t> next1{0}, done1{0}, next2{0};
+  std::atomic<bool> failed{false};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), jobs), 1, [&](int64_t, int64_t) {
     Scratch& w = thread_scratch(rows, d, heads);
     for (int64_t i = next1++; i < n1; i = next1++) {
@@ -569,10 +578,15 @@ void for_each_item(int64_t n1, const F1& first, int64_t n2, const F2& second, in
         std::atomic<int64_t>& n;
         ~Done() { n.fetch_add(1, std::memory_order_release); }
       } done{done1};
-      first(i, w);
+      try {
+        first(i, w);
+      } catch (...) {
+        failed = true;  // phase 2 would read partials never written; parallel_for rethrows this
+        throw;
+      }
     }
     while (done1.load(std::memory_order_acquire) < n1) std::this_thread::yield();
-    for (int64_t i = next2++; i < n2; i = next2++) second(i, w);
+    for (int64_t i = next2++; i < n2 && !failed; i = next2++) second(i, w);
   });
 }
 
