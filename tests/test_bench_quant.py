@@ -48,6 +48,7 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
         assert 0 <= r["top-1 agreement (all positions)"] <= 1 and r["KL mean (all positions)"] >= -1e-9
     engines = {r["mode"] for r in data["decode"]}
     assert {"hydragen", "hydragen-kv16", "hydragen-per-op", "hydragen-int8", "hydragen-fp32"} <= engines
+    assert all("vs llama.cpp, paired" in r for r in data["decode"])
     assert [r["model"] for r in data["memory"]] == ["embedded SmolLM2-135M Q4_1", f"{config}:Q4_K_M"]
     assert all(r["file MB"] > 0 and r["runtime MB"] > 0 for r in data["memory"])
     assert {r["n"] for r in data["real"]} == {1, 16}
@@ -89,3 +90,28 @@ def test_bench_quant_refuses_bad_parts(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "quant", "--parts", "real"])
     assert "needs --real-size" in capsys.readouterr().err
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio():
+    """Round by round, so a phase that slows both engines of a round cancels, and one engine's outlier round
+    counts once: here the two best rates give 100 / 120 = 0.83x, where two rounds of three say 1.05x."""
+    from hydragen.bench.quant import paired_ratio
+
+    assert paired_ratio([100.0, 60.0, 62.0], [95.0, 57.0, 120.0]) == pytest.approx(60.0 / 57.0)
+    assert paired_ratio([100.0, 60.0], [80.0, 60.0]) == pytest.approx((1.0 + 1.25) / 2)
+    assert paired_ratio([100.0, 60.0], [0.0, 60.0]) == pytest.approx(1.0)  # a failed peer round is left out
+    assert paired_ratio([100.0], []) != paired_ratio([100.0], [])  # NaN: no peer
+
+
+def test_bench_quant_points_and_engines_are_checked(capsys):
+    from hydragen import cli
+    from hydragen.bench.quant import _engines, _points
+
+    assert _points("1:512, 8:64") == ((1, 512), (8, 64))
+    assert _engines("hydragen,llamacpp") == ("hydragen", "llamacpp")
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "quant", "--parts", "decode", "--points", "1:512,8"])
+    assert "'8' is not COMPLETIONS:PROMPT_TOKENS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "quant", "--parts", "decode", "--engines", "hydragen,vllm"])
+    assert "unknown engine 'vllm'" in capsys.readouterr().err

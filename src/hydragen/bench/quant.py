@@ -101,6 +101,7 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
             vocab = llm.config.vocab_size
             runners[mode] = (llm, _per_op_timer if mode == "hydragen-per-op" else e2e.time_engine)
     best: dict[tuple[str, int, int], tuple[float, float]] = {}
+    per_round: dict[tuple[str, int, int], list[float]] = {}  # each round's rate, in round order
     for r in range(rounds):
         for mode, (runner, timer) in runners.items():
             for n, p in points:
@@ -109,10 +110,8 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
                 key = (mode, n, p)
                 old = best.get(key, (float("inf"), float("inf")))
                 best[key] = (min(old[0], t1), min(old[1], tt))
-                _say(
-                    f"round {r + 1}: {mode:13s} n={n:3d} P={p}: "
-                    f"decode {e2e.decode_rate(n, new_tokens, t1, tt):7.1f} tok/s"
-                )
+                per_round.setdefault(key, []).append(e2e.decode_rate(n, new_tokens, t1, tt))
+                _say(f"round {r + 1}: {mode:13s} n={n:3d} P={p}: decode {per_round[key][-1]:7.1f} tok/s")
     rows = []
     for (mode, n, p), (t1, tt) in best.items():
         rows.append(
@@ -137,11 +136,27 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
             None,
         )
         row["vs llama.cpp"] = row["decode tok/s"] / peer["decode tok/s"] if peer else float("nan")
+        key, peer_key = (row["mode"], row["n"], row["prompt"]), ("llamacpp", row["n"], row["prompt"])
+        row["vs llama.cpp, paired"] = paired_ratio(per_round.get(key, []), per_round.get(peer_key, []))
     return rows
 
 
+def paired_ratio(ours: list[float], peer: list[float]) -> float:
+    """The median over rounds of the rate ratio within each round. The engines run back to back in a round,
+    so a slow phase of the machine (this VM's speed drifts 20-30 % within minutes) slows both: the ratio of
+    each engine's best round can pair a fast moment of one with a slow moment of the other."""
+    ratios = sorted(a / b for a, b in zip(ours, peer, strict=False) if b > 0)
+    if not ratios:
+        return float("nan")
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
+
 # ---- the run ----------------------------------------------------------------------------------------
-DECODE_COLUMNS = ["engine", "n", "prompt", "new_tokens", "decode tok/s", "vs llama.cpp", "t(1) s", "t(T) s"]
+DECODE_COLUMNS = [
+    "engine", "n", "prompt", "new_tokens", "decode tok/s", "vs llama.cpp", "vs llama.cpp, paired",
+    "t(1) s", "t(T) s",
+]  # fmt: skip
 
 
 def _kernels(a, quick: bool) -> tuple[list[dict], dict, str]:
@@ -173,15 +188,17 @@ def _accuracy(a, quick: bool) -> tuple[list[dict], dict, str]:
 
 
 def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
-    points = ((1, 64), (4, 64)) if quick else DECODE_POINTS
+    points = ((1, 64), (4, 64)) if quick else a.points or DECODE_POINTS
     new_tokens = 4 if quick else a.new_tokens
-    rows = decode_rows(a.model, points, new_tokens, 1 if quick else a.rounds)
+    rounds = 1 if quick else a.rounds
+    rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES)
     notes = (
         "n completions of one prompt (its KV shared by every engine); hydragen samples at temperature 0.8, "
         "top_p 0.95, llama.cpp picks greedily from its logits. Decode-only rate n (T - 1) / (t(T) - t(1)); "
-        f"best of {1 if quick else a.rounds} alternating rounds."
+        f"best of {rounds} alternating rounds. 'vs llama.cpp' divides the two best rates; 'paired' is the "
+        "median over rounds of the ratio within a round (the engines run back to back in each round)."
     )
-    return rows, {"points": points, "new_tokens": new_tokens}, notes
+    return rows, {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or MODES)}, notes
 
 
 def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
@@ -354,6 +371,26 @@ def plots(data: dict, out: Path) -> list[Path]:
     return paths
 
 
+def _points(text: str) -> tuple[tuple[int, int], ...]:
+    """'1:512,8:512' -> ((1, 512), (8, 512)); anything else is an argparse error naming the bad item."""
+    out = []
+    for item in text.split(","):
+        n, _, prompt = item.strip().partition(":")
+        if not (n.isdigit() and prompt.isdigit() and int(n) > 0 and int(prompt) > 0):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not COMPLETIONS:PROMPT_TOKENS, e.g. 1:512")
+        out.append((int(n), int(prompt)))
+    return tuple(out)
+
+
+def _engines(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in names if x not in MODES]
+    if bad or not names:
+        name = bad[0] if bad else text
+        raise argparse.ArgumentTypeError(f"unknown engine {name!r}; choose from {', '.join(MODES)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="hydragen bench quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a GGUF (default: the embedded SmolLM2-135M Q4_1)")
@@ -369,6 +406,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="T, tokens per completion (default 64)")
     p.add_argument("--real-tokens", type=int, default=32, help="T for the real-size model (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds, best kept (default 2)")
+    p.add_argument(
+        "--points",
+        type=_points,
+        default=None,
+        metavar="N:PROMPT,...",
+        help="decode points, completions:prompt tokens (default 1:512,8:512,64:2048)",
+    )
+    p.add_argument(
+        "--engines",
+        type=_engines,
+        default=None,
+        help=f"decode engines, comma-separated, of {', '.join(MODES)} (default: all)",
+    )
     p.add_argument("--prompts", type=int, default=128, help="accuracy prompts (default 128)")
     p.add_argument("--kernel-shape", type=int, nargs=2, default=(4096, 4096), metavar=("N", "K"))
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
