@@ -216,7 +216,6 @@ at::Tensor sample_truncated(const at::Tensor& probs, const at::Tensor& maxima, c
   return tokens;
 }
 
-
 // The greedy token: the first maximum, or -1 (an impossible token, which the model runner reports as the row's
 // error) when the row holds a NaN, as Sampler._argmax.
 int64_t argmax_row(const float* x, int64_t n) {
@@ -329,14 +328,15 @@ at::Tensor sample_step(const at::Tensor& logits, const at::Tensor& temperature, 
         out[r] = draw_plain_row(probs, vocab, row_bits);
         continue;
       }
+      const auto amax = [](float a, float b) {  // torch.amax's: a NaN propagates
+        return std::isnan(a) || std::isnan(b) ? std::numeric_limits<float>::quiet_NaN() : std::max(a, b);
+      };
       float pmax = -std::numeric_limits<float>::infinity();
-      for (int64_t b = 0; b < blocks; ++b) {  // torch.amax: a NaN propagates
+      for (int64_t b = 0; b < blocks; ++b) {
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = b * kBlock; i < std::min(vocab, (b + 1) * kBlock); ++i) {
-          m = std::isnan(probs[i]) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, probs[i]);
-        }
+        for (int64_t i = b * kBlock; i < std::min(vocab, (b + 1) * kBlock); ++i) m = amax(m, probs[i]);
         block_max[b] = m;
-        pmax = std::isnan(m) || std::isnan(pmax) ? std::numeric_limits<float>::quiet_NaN() : std::max(pmax, m);
+        pmax = amax(pmax, m);
       }
       if (std::isnan(pmax)) {
         out[r] = -1;
@@ -345,11 +345,13 @@ at::Tensor sample_step(const at::Tensor& logits, const at::Tensor& temperature, 
       float survive = pmax * mp[r];
       if (top_k_on) survive = std::max(survive, kth_largest(probs, block_max.data(), vocab, kp[r], scratch));
       const bool free_row = survive <= 0;
-      out[r] = draw_row(probs, block_max.data(), vocab, free_row ? 0.0f : survive, free_row, tp[r], row_bits, scratch);
+      out[r] = draw_row(probs, block_max.data(), vocab, free_row ? 0.0f : survive, free_row, tp[r], row_bits,
+                        scratch);
     }
   });
   return tokens;
 }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {

@@ -36,10 +36,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <limits>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -138,53 +138,19 @@ inline void dots(const float* q, const kv_t* const* rows, int64_t nk, int64_t d,
   for (; i < nk; ++i) s[i] = dot(q, rows[i], d);
 }
 
-// acc[d0 : d0 + NV * kVL] = acc * alpha + sum_i p[i] * rows[i][...]: NV accumulators stay in registers.
-template <int NV, typename kv_t>
-inline void scale_add_tile(float* acc, const Vec& alpha, const float* p, const kv_t* const* rows, int64_t nk,
-                           int64_t d0) {
-  Vec a[NV];
-  for (int j = 0; j < NV; ++j) a[j] = Vec::loadu(acc + d0 + j * kVL) * alpha;
-  for (int64_t i = 0; i < nk; ++i) {
-    const Vec w(p[i]);
-    const kv_t* r = rows[i] + d0;
-    for (int j = 0; j < NV; ++j) a[j] = at::vec::fmadd(w, load_f(r + j * kVL), a[j]);
-  }
-  for (int j = 0; j < NV; ++j) a[j].store(acc + d0 + j * kVL);
-}
-
-// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n] (rows in the cache's dtype, read as float32).
-template <typename kv_t>
-inline void scale_add_rows(float* acc, float alpha, const float* p, const kv_t* const* rows, int64_t nk,
-                           int64_t n) {
-  const Vec va(alpha);
-  int64_t d = 0;
-  for (; d + 8 * kVL <= n; d += 8 * kVL) scale_add_tile<8>(acc, va, p, rows, nk, d);
-  if (d + 4 * kVL <= n) {
-    scale_add_tile<4>(acc, va, p, rows, nk, d);
-    d += 4 * kVL;
-  }
-  for (; d + kVL <= n; d += kVL) scale_add_tile<1>(acc, va, p, rows, nk, d);
-  if (d < n) {
-    const int64_t c = n - d;
-    Vec a = Vec::loadu(acc + d, c) * va;
-    for (int64_t i = 0; i < nk; ++i) a = at::vec::fmadd(Vec(p[i]), load_f(rows[i] + d, c), a);
-    a.store(acc + d, c);
-  }
-}
-
-// acc_r[0 : NV * kVL] = acc_r * alpha_r + sum_i p_r[i] * rows[i][...] for R rows sharing the V rows: each
-// loaded V vector feeds R accumulators. Per row the same operations in the same order as scale_add_rows,
-// so the results are bit-identical; what changes is R independent FMA chains instead of one.
+// acc_r[0 : NV * kVL] = acc_r * alpha_r + sum_i p_r[i] * rows[i][d0 : d0 + NV * kVL] for R rows sharing the
+// V rows: the R x NV accumulators stay in registers and each loaded V vector feeds R of them. Per row the
+// operations and their order do not depend on R, so R rows together give each row's bits alone.
 template <int R, int NV, typename kv_t>
-inline void scale_add_rows_shared(float* const* acc, const float* alpha, const float* const* p,
-                                  const kv_t* const* rows, int64_t nk) {
+inline void scale_add_tile(float* const* acc, const float* alpha, const float* const* p, const kv_t* const* rows,
+                           int64_t nk, int64_t d0) {
   Vec a[R][NV];
   for (int r = 0; r < R; ++r) {
     const Vec al(alpha[r]);
     for (int j = 0; j < NV; ++j) a[r][j] = Vec::loadu(acc[r] + j * kVL) * al;
   }
   for (int64_t i = 0; i < nk; ++i) {
-    const kv_t* vr = rows[i];
+    const kv_t* vr = rows[i] + d0;
     Vec w[R];
     for (int r = 0; r < R; ++r) w[r] = Vec(p[r][i]);
     for (int j = 0; j < NV; ++j) {
@@ -196,6 +162,30 @@ inline void scale_add_rows_shared(float* const* acc, const float* alpha, const f
     for (int j = 0; j < NV; ++j) a[r][j].store(acc[r] + j * kVL);
 }
 
+// acc[0:n] = acc * alpha + sum_i p[i] * rows[i][0:n] (rows in the cache's dtype, read as float32).
+template <typename kv_t>
+inline void scale_add_rows(float* acc, float alpha, const float* p, const kv_t* const* rows, int64_t nk,
+                           int64_t n) {
+  int64_t d = 0;
+  const auto tile = [&](auto nv_c) {
+    float* const at = acc + d;
+    scale_add_tile<1, decltype(nv_c)::value>(&at, &alpha, &p, rows, nk, d);
+  };
+  for (; d + 8 * kVL <= n; d += 8 * kVL) tile(std::integral_constant<int, 8>{});
+  if (d + 4 * kVL <= n) {
+    tile(std::integral_constant<int, 4>{});
+    d += 4 * kVL;
+  }
+  for (; d + kVL <= n; d += kVL) tile(std::integral_constant<int, 1>{});
+  if (d < n) {
+    const int64_t c = n - d;
+    Vec a = Vec::loadu(acc + d, c) * Vec(alpha);
+    for (int64_t i = 0; i < nk; ++i) a = at::vec::fmadd(Vec(p[i]), load_f(rows[i] + d, c), a);
+    a.store(acc + d, c);
+  }
+}
+
+// The largest of s[0:n].
 inline float vmax(const float* s, int64_t n) {
   int64_t i = 0;
   Vec m(kNegInf);
@@ -255,10 +245,9 @@ inline Item item_at(const int64_t* row) { return {row[0], row[1], row[2], row[3]
 // a decode step calls the op once per layer, and fresh buffers cost more than a short item's arithmetic.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha;
-  std::vector<const void*> next_k, next_v;  // the following block's rows, being prefetched
   std::vector<int64_t> lim;
 
-  void fit(int64_t rows, int64_t d, int64_t heads) {
+  void fit(int64_t rows, int64_t d) {
     const auto grow = [](auto& x, int64_t n) {
       if (static_cast<int64_t>(x.size()) < n) x.resize(n);
     };
@@ -268,15 +257,13 @@ struct Scratch {
     grow(m, rows);
     grow(l, rows);
     grow(alpha, rows);
-    grow(next_k, heads * kBlockKeys);
-    grow(next_v, heads * kBlockKeys);
     grow(lim, rows);
   }
 };
 
-Scratch& thread_scratch(int64_t rows, int64_t d, int64_t heads) {
+Scratch& thread_scratch(int64_t rows, int64_t d) {
   thread_local Scratch w;
-  w.fit(rows, d, heads);
+  w.fit(rows, d);
   return w;
 }
 
@@ -295,11 +282,10 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 }
 
 // Loads one word per 64 bytes of [p, p + bytes), front to back (every cache line of the range but perhaps an
-// unaligned last one). Sweeping each window of keys into
-// cache before the arithmetic reads it is what made the op faster in the engine (n = 1 decode, 512 keys: ~10 %
-// float32, more with a 16-bit cache): the hardware prefetchers follow a plain sequential sweep, and the
-// software prefetches of the gather alone did not hide the latency. Integer loads: 16-bit bytes read as
-// floats could be denormals.
+// unaligned last one). Sweeping each window of keys into cache before the arithmetic reads it is what made
+// the op faster in the engine (n = 1 decode, 512 keys: ~10 % float32, more with a 16-bit cache): the hardware
+// prefetchers follow a plain sequential sweep, and the software prefetches of the gather alone did not hide
+// the latency. Integer loads: 16-bit bytes read as floats could be denormals.
 inline uint64_t sweep(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   uint64_t a = 0;
@@ -335,11 +321,11 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
 
   const int64_t kmax = std::min(it.first + nt - 1, it.total);  // keys seen by the last token
   if (kmax <= 0) return;
-  // This block's K / V rows, read in place in the cache's dtype (tables per thread and instantiation).
-  static thread_local std::vector<const scalar_t*> krow, vrow;
-  if (static_cast<int64_t>(krow.size()) < nh * kBlockKeys) {
-    krow.resize(nh * kBlockKeys);
-    vrow.resize(nh * kBlockKeys);
+  // This block's K / V rows and the next block's (being prefetched), read in place in the cache's dtype; head
+  // j's at j * kBlockKeys. Tables per thread and instantiation, swapped from block to block.
+  static thread_local std::vector<const scalar_t*> krow, vrow, next_k, next_v;
+  for (auto* table : {&krow, &vrow, &next_k, &next_v}) {
+    if (static_cast<int64_t>(table->size()) < nh * kBlockKeys) table->resize(nh * kBlockKeys);
   }
   SlotCursor cursor{runs, it.run_lo, runs[2 * it.run_lo]};
   // The sweep's own walk over the runs: [run, slot) is where the next window starts.
@@ -372,14 +358,14 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   // (g accumulators of d / kVL vectors each: at most 24 of AVX-512's 32 registers, 12 of AVX2's 16.)
   const bool shared_pv =
       g <= 4 && (d == 2 * kVL || d == 4 * kVL || d == 8 * kVL) && g * (d / kVL) <= (kVL >= 16 ? 24 : 12);
-  const auto gather = [&](int64_t count) {  // the next block's rows, prefetched; head j's at j * kBlockKeys
+  const auto gather = [&](int64_t count) {  // the next block's rows, prefetched
     for (int64_t i = 0; i < count; ++i) {
       const int64_t slot = cursor.next();
       for (int64_t j = 0; j < nh; ++j) {
-        w.next_k[j * kBlockKeys + i] = k + slot * st.k_s + (h + j) * st.k_h;
-        w.next_v[j * kBlockKeys + i] = v + slot * st.v_s + (h + j) * st.v_h;
-        prefetch_row(w.next_k[j * kBlockKeys + i], row_bytes);
-        prefetch_row(w.next_v[j * kBlockKeys + i], row_bytes);
+        next_k[j * kBlockKeys + i] = k + slot * st.k_s + (h + j) * st.k_h;
+        next_v[j * kBlockKeys + i] = v + slot * st.v_s + (h + j) * st.v_h;
+        prefetch_row(next_k[j * kBlockKeys + i], row_bytes);
+        prefetch_row(next_v[j * kBlockKeys + i], row_bytes);
       }
     }
   };
@@ -387,12 +373,8 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   for (int64_t pos = 0; pos < kmax;) {
     if (slot_major && pos >= swept) sweep_window();
     const int64_t nk = std::min(kBlockKeys, kmax - pos);
-    for (int64_t j = 0; j < nh; ++j) {
-      for (int64_t i = j * kBlockKeys; i < j * kBlockKeys + nk; ++i) {
-        krow[i] = static_cast<const scalar_t*>(w.next_k[i]);
-        vrow[i] = static_cast<const scalar_t*>(w.next_v[i]);
-      }
-    }
+    krow.swap(next_k);
+    vrow.swap(next_v);
     gather(std::min(kBlockKeys, kmax - pos - nk));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t seen = std::min(it.first + r / gh, it.total);
@@ -430,7 +412,7 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
       }
       const float* al = w.alpha.data() + r0;
       const auto tile = [&](auto rows_c, auto nv_c) {
-        scale_add_rows_shared<decltype(rows_c)::value, decltype(nv_c)::value, scalar_t>(accs, al, ps, vr, n);
+        scale_add_tile<decltype(rows_c)::value, decltype(nv_c)::value>(accs, al, ps, vr, n, 0);
       };
       const auto by_width = [&](auto rows_c) {
         if (d == 2 * kVL) tile(rows_c, std::integral_constant<int, 2>{});
@@ -565,14 +547,13 @@ void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out,
 // so uneven items still balance), and a thread that finds the first phase handed out waits until it is
 // done (a phase-2 block reads phase-1 partials) rather than ending the region and forking a second one.
 template <typename F1, typename F2>
-void for_each_item(int64_t n1, const F1& first, int64_t n2, const F2& second, int64_t rows, int64_t d,
-                   int64_t heads) {
+void for_each_item(int64_t n1, const F1& first, int64_t n2, const F2& second, int64_t rows, int64_t d) {
   const int64_t jobs = std::max(n1, n2);
   if (jobs == 0) return;
   std::atomic<int64_t> next1{0}, done1{0}, next2{0};
   std::atomic<bool> failed{false};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), jobs), 1, [&](int64_t, int64_t) {
-    Scratch& w = thread_scratch(rows, d, heads);
+    Scratch& w = thread_scratch(rows, d);
     for (int64_t i = next1++; i < n1; i = next1++) {
       struct Done {  // counted even if the item throws, so no thread waits forever
         std::atomic<int64_t>& n;
@@ -652,7 +633,7 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       segment_block<q_t, scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * i), tp, tq, 0, hkv, hq, g, d, fscale,
                                    part, w);
     };
-    for_each_item(pieces.size(0) * hkv, piece, blocks.size(0), block, rows, d, hkv);
+    for_each_item(pieces.size(0) * hkv, piece, blocks.size(0), block, rows, d);
   };
   // k's dtype picks the kernel; q has it too, or is float32 over a 16-bit cache (checked above)
   const bool wide_q = q.scalar_type() != k.scalar_type();
