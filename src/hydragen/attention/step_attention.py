@@ -42,7 +42,7 @@ from hydragen.attention.step_work import cut_step
 from hydragen.native import build as cpp_build
 
 UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
-_CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q and K/V dtypes the C++ op reads
 
 
 @dataclass
@@ -226,7 +226,7 @@ def step_attention(
     if impl not in ("auto", "cpp", "torch"):
         raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
     _check_inputs(q, k, v, meta)
-    cpp_ready = q.device.type == "cpu" and q.dtype in _CPP_DTYPES and k.stride(2) == 1 and v.stride(2) == 1
+    cpp_ready = q.device.type == "cpu" and q.dtype in CPP_DTYPES and k.stride(2) == 1 and v.stride(2) == 1
     if impl == "cpp" and not cpp_ready:
         raise ValueError(
             f"impl='cpp' needs CPU fp32/bf16/fp16 tensors with a dense head dim, got {q.dtype} on {q.device}"
@@ -261,4 +261,4 @@ def step_attention(
     )
 
 
-__all__ = ["StepAttentionMeta", "step_attention"]
+__all__ = ["CPP_DTYPES", "StepAttentionMeta", "step_attention"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hydragen.attention.step_attention import CPP_DTYPES
 from hydragen.model.linear import PackedProjection
 
 # layers(h [T, hidden], rope (cos, sin, cols)) -> h after every layer (updated in place)
@@ -36,9 +37,6 @@ class PackedStack:
     norms: list[torch.Tensor]
     act_bits: int
     isa: int
-
-
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the pools the op writes and reads
 
 
 def enabled() -> bool:
@@ -75,7 +73,7 @@ def packed_stack(model) -> PackedStack | None:
 def stack_layers(model, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, meta, scale: float):
     """The ``layers`` callable for ``LlamaModel.forward`` (the KV write and step attention inside), or None
     when the model or the pool cannot take the one-call path."""
-    if not enabled() or pool_k.dtype not in KV_DTYPES or pool_k.device.type != "cpu":
+    if not enabled() or pool_k.dtype not in CPP_DTYPES or pool_k.device.type != "cpu":
         return None
     stack = getattr(model, "_packed_stack", False)
     if stack is False:  # computed once per model: the packed modules never change after load
