@@ -143,6 +143,34 @@ def test_activation_quantization_is_the_kernels(bits) -> None:
     assert (q[0, :32] - x[0, :32]).abs().max() <= step / 2 * 1.0001
 
 
+@pytest.mark.parametrize("bits", [15, 8])
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
+def test_every_path_quantizes_activations_as_the_twin_bit_for_bit(isa, bits) -> None:
+    """Through a Q8_0 identity (each output reads one input's integer times its group's scale, exactly), the
+    kernels' activation integers are the twin's on every instruction-set path: random groups, an all-zero
+    group, a group with a NaN (ignored by the scale), and ties rounded half to even (a group whose largest
+    value is QMAX has scale 1, so k + 0.5 is a tie)."""
+    k = 192
+    blocks = np.zeros((k, k // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    for r in range(k):
+        blocks[r, r // 32, 2 + r % 32] = 1
+    packed = quant.pack(torch.from_numpy(blocks.reshape(k, -1)), int(Q.Q8_0))
+    qmax = {15: 16191.0, 8: 127.0}[bits]
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(bits)) * torch.logspace(-3, 3, 5)[:, None]
+    x[1, 32:64] = 0.0
+    x[2, :32] = torch.arange(32) - 15.5  # ties at both signs ...
+    x[2, 31] = qmax  # ... with scale 1
+    x[3, 64:96] = torch.tensor([-qmax] + [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4 + [-4.5, 4.5, 6.5])
+    got = quant.linear(x, [packed], [int(Q.Q8_0)], [k], act_bits=bits, isa=isa)
+    assert torch.equal(got, quantize_activations(x, bits))
+    x[4, 100] = float("nan")  # its group's scale ignores it; the other groups are untouched
+    with_nan = quant.linear(x, [packed], [int(Q.Q8_0)], [k], act_bits=bits, isa=isa)
+    keep = torch.ones(k, dtype=torch.bool)
+    keep[96:128] = False
+    assert torch.equal(with_nan[:4], got[:4]) and torch.equal(with_nan[4, keep], got[4, keep])
+
+
 def test_the_quantizers_round_trip_within_their_step() -> None:
     """The numpy K-quant writers (model/gguf_quantize.py) give blocks the gguf package reads back close to
     the input: within one quantization step of each sub-block."""

@@ -215,40 +215,140 @@ struct QuantizedActs {
 
 constexpr float kQMax8 = 127.0f, kQMax15 = 16191.0f;  // 15 bits: hi = floor((q + 64) / 128) stays in int8
 
-void quantize_rows(const float* x, int64_t m_rows, int64_t k, int bits, QuantizedActs& out) {
+// One group of 32 activations, the reference: scale d = max|x| / qmax (NaNs ignored), integers rounded half to
+// even (the default rounding mode), split into high and low planes for 15 bits, and their sums per 16.
+void quantize_group(const float* v, float qmax, bool fifteen, int8_t* q, int8_t* lo, float* dx, float* xs,
+                    int32_t* qs16) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / qmax;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  int32_t s0 = 0, s1 = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int qi = static_cast<int>(std::nearbyint(v[i] * id));
+    if (fifteen) {
+      const int hi = (qi + 64) >> 7;  // floor: lo = qi - 128 * hi in [-64, 63]
+      q[i] = static_cast<int8_t>(hi);
+      lo[i] = static_cast<int8_t>(qi - 128 * hi);
+    } else {
+      q[i] = static_cast<int8_t>(qi);
+    }
+    (i < 16 ? s0 : s1) += qi;
+  }
+  *dx = d;
+  *xs = d * static_cast<float>(s0 + s1);
+  qs16[0] = s0;
+  qs16[1] = s1;
+}
+
+}  // namespace
+
+// The same group in vector registers, bit for bit: max is exact in any order (a NaN lane keeps the running
+// maximum, as std::max(amax, NaN) does), the conversion rounds half to even as nearbyint does, the integer
+// sums are exact, and the int8 stores keep each integer's low byte as the scalar casts do.
+#if HQ_X86
+HQ_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+namespace hq::a512 {
+void quantize_group(const float* v, float qmax, bool fifteen, int8_t* q, int8_t* lo, float* dx, float* xs,
+                    int32_t* qs16) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 m = _mm512_max_ps(_mm512_andnot_ps(sign, b), _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_setzero_ps()));
+  const float d = _mm512_reduce_max_ps(m) / qmax;
+  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+  if (fifteen) {
+    const __m512i k64 = _mm512_set1_epi32(64);
+    const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, k64), 7), hb = _mm512_srai_epi32(_mm512_add_epi32(qb, k64), 7);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(ha));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(hb));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 7))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 7))));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  }
+  const int32_t s0 = _mm512_reduce_add_epi32(qa), s1 = _mm512_reduce_add_epi32(qb);
+  *dx = d;
+  *xs = d * static_cast<float>(s0 + s1);
+  qs16[0] = s0;
+  qs16[1] = s1;
+}
+}  // namespace hq::a512
+HQ_END
+
+HQ_BEGIN("avx2,fma")
+namespace hq::a256 {
+// The low byte of each of 8 int32 lanes, in order.
+inline void store_low_bytes(int8_t* dst, __m256i x) {
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i y = _mm256_shuffle_epi8(x, pick);
+  const int32_t lo = _mm256_extract_epi32(y, 0), hi = _mm256_extract_epi32(y, 4);
+  std::memcpy(dst, &lo, 4);
+  std::memcpy(dst + 4, &hi, 4);
+}
+
+inline int32_t sum8(__m256i x) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+void quantize_group(const float* v, float qmax, bool fifteen, int8_t* q, int8_t* lo, float* dx, float* xs,
+                    int32_t* qs16) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * j)), m);
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_max_ss(r, _mm_shuffle_ps(r, r, 1));
+  const float d = _mm_cvtss_f32(r) / qmax;
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m256i k64 = _mm256_set1_epi32(64);
+  int32_t s[2] = {0, 0};
+  for (int j = 0; j < 4; ++j) {
+    const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), id));
+    if (fifteen) {
+      const __m256i hi = _mm256_srai_epi32(_mm256_add_epi32(qi, k64), 7);
+      store_low_bytes(q + 8 * j, hi);
+      store_low_bytes(lo + 8 * j, _mm256_sub_epi32(qi, _mm256_slli_epi32(hi, 7)));
+    } else {
+      store_low_bytes(q + 8 * j, qi);
+    }
+    s[j / 2] += sum8(qi);
+  }
+  *dx = d;
+  *xs = d * static_cast<float>(s[0] + s[1]);
+  qs16[0] = s[0];
+  qs16[1] = s[1];
+}
+}  // namespace hq::a256
+HQ_END
+#endif  // HQ_X86
+
+namespace {
+
+// Quantizes every group of x [m_rows, k] into out, on the vector path the instruction-set level allows.
+void quantize_rows(const float* x, int64_t m_rows, int64_t k, int bits, int level, QuantizedActs& out) {
   const int64_t groups = k / 32;
   const float qmax = bits == 15 ? kQMax15 : kQMax8;
+  const bool fifteen = bits == 15;
   out.q.resize(m_rows * k);
-  out.lo.resize(bits == 15 ? m_rows * k : 0);
+  out.lo.resize(fifteen ? m_rows * k : 0);
   out.dx.resize(m_rows * groups);
   out.xs.resize(m_rows * groups);
   out.qs16.resize(m_rows * groups * 2);
+  auto* group = &quantize_group;
+#if HQ_X86
+  if (level >= kAvx512) group = &hq::a512::quantize_group;
+  else if (level >= kAvx2) group = &hq::a256::quantize_group;
+#endif
   at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* v = x + m * k + 32 * g;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / qmax;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int8_t* q = out.q.data() + m * k + 32 * g;
-        int32_t s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int qi = static_cast<int>(std::nearbyint(v[i] * id));
-          if (bits == 15) {
-            const int hi = (qi + 64) >> 7;  // floor: lo = qi - 128 * hi in [-64, 63]
-            q[i] = static_cast<int8_t>(hi);
-            out.lo[m * k + 32 * g + i] = static_cast<int8_t>(qi - 128 * hi);
-          } else {
-            q[i] = static_cast<int8_t>(qi);
-          }
-          (i < 16 ? s0 : s1) += qi;
-        }
-        out.dx[m * groups + g] = d;
-        out.xs[m * groups + g] = d * static_cast<float>(s0 + s1);
-        out.qs16[(m * groups + g) * 2] = s0;
-        out.qs16[(m * groups + g) * 2 + 1] = s1;
-      }
+    for (int64_t i = begin * groups; i < end * groups; ++i) {
+      group(x + 32 * i, qmax, fifteen, out.q.data() + 32 * i, fifteen ? out.lo.data() + 32 * i : nullptr,
+            out.dx.data() + i, out.xs.data() + i, out.qs16.data() + 2 * i);
     }
   });
 }
@@ -429,7 +529,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   // thread's own (empty) copy, so the region sees it through this reference.
   static thread_local QuantizedActs scratch;
   QuantizedActs& qa = scratch;
-  if (any_packed) quantize_rows(xf, m_rows, k, static_cast<int>(act_bits), qa);
+  if (any_packed) quantize_rows(xf, m_rows, k, static_cast<int>(act_bits), level, qa);
 
   at::Tensor y;
   bool accumulate = false;
