@@ -15,6 +15,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_bench_quant_quick(tmp_path, monkeypatch):
     from hydragen import cli
+    from hydragen.bench.quant import MODES
 
     monkeypatch.setenv("HYDRAGEN_CACHE_DIR", str(tmp_path / "cache"))
     config = tmp_path / "config.json"
@@ -47,7 +48,7 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     for r in data["accuracy"]:
         assert 0 <= r["top-1 agreement (all positions)"] <= 1 and r["KL mean (all positions)"] >= -1e-9
     engines = {r["mode"] for r in data["decode"]}
-    assert {"hydragen", "hydragen-kv16", "hydragen-per-op", "hydragen-int8", "hydragen-fp32"} <= engines
+    assert set(MODES) - {"llamacpp"} <= engines
     assert all("vs llama.cpp, paired" in r for r in data["decode"])
     assert [r["model"] for r in data["memory"]] == ["embedded SmolLM2-135M Q4_1", f"{config}:Q4_K_M"]
     assert all(r["file MB"] > 0 and r["runtime MB"] > 0 for r in data["memory"])
@@ -115,3 +116,20 @@ def test_bench_quant_points_and_engines_are_checked(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "quant", "--parts", "decode", "--engines", "hydragen,vllm"])
     assert "unknown engine 'vllm'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("mode", "act_bits", "kv_dtype"),
+    [("hydragen", 15, "float32"), ("hydragen-int8", 8, "float32"), ("hydragen-int8-kv16", 8, "float16")],
+)
+def test_each_engine_of_the_decode_table_runs_what_its_label_says(mode, act_bits, kv_dtype):
+    import torch
+
+    from hydragen.bench.quant import MODE_LABELS, _engine
+    from hydragen.model.linear import PackedProjection
+
+    llm = _engine(None, mode, 256)
+    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedProjection)]
+    assert packed and {m.act_bits for m in packed} == {act_bits}
+    assert llm.engine.pool.k.dtype == getattr(torch, kv_dtype)
+    assert mode in MODE_LABELS

@@ -35,12 +35,21 @@ RESULT_NAME = "quant"
 PARTS = ("kernels", "accuracy", "decode", "memory", "real")
 # (n, prompt tokens, one shared prompt): the three points
 DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
-MODES = ("hydragen", "hydragen-kv16", "hydragen-per-op", "hydragen-int8", "hydragen-fp32", "llamacpp")
+MODES = (
+    "hydragen",
+    "hydragen-kv16",
+    "hydragen-per-op",
+    "hydragen-int8",
+    "hydragen-int8-kv16",
+    "hydragen-fp32",
+    "llamacpp",
+)
 MODE_LABELS = {
     "hydragen": "hydragen (GGUF kept quantized)",
     "hydragen-kv16": "hydragen, float16 KV cache (--kv-cache-dtype float16)",
     "hydragen-per-op": "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)",
     "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
+    "hydragen-int8-kv16": "hydragen, llama.cpp's numerics (int8 activations, float16 KV cache)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
     "llamacpp": "llama.cpp",
 }
@@ -70,9 +79,9 @@ def _per_op_timer(llm, prompt: list[int], n: int, tokens: int) -> float:
 def _engine(model, mode: str, kv_tokens: int):
     from hydragen import LLM
 
-    if mode == "hydragen-int8":
-        return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens)
-    kv_dtype = "float16" if mode == "hydragen-kv16" else "auto"
+    kv_dtype = "float16" if mode.endswith("-kv16") else "auto"
+    if mode.startswith("hydragen-int8"):
+        return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens, kv_cache_dtype=kv_dtype)
     return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_dtype)
 
 

@@ -70,13 +70,13 @@ def chat_prompts(tokenizer, count: int = 128) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts]
 
 
-def llm_with_act_bits(model, bits: int, kv_tokens: int):
+def llm_with_act_bits(model, bits: int, kv_tokens: int, kv_cache_dtype: str = "auto"):
     """An LLM whose quantized projections quantize activations to ``bits`` (15 or 8) bits."""
     from hydragen import LLM
 
     os.environ["HYDRAGEN_QUANT_ACT_BITS"] = str(bits)  # read when the projections are built
     try:
-        return LLM(model, kv_cache_tokens=kv_tokens)
+        return LLM(model, kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_cache_dtype)
     finally:
         del os.environ["HYDRAGEN_QUANT_ACT_BITS"]
 
