@@ -44,6 +44,7 @@ STYLES = {
     "hydragen, float16 KV cache (--kv-cache-dtype float16)": dict(color="C1"),
     "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)": dict(color="C2"),
     "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)": dict(color="C4"),
+    "hydragen, llama.cpp's numerics (int8 activations, float16 KV cache)": dict(color="C5", linestyle="--"),
     "attention skipped (ceiling)": dict(linestyle="--", color="0.45", marker="s"),
 }
 QUICK_TITLE = "QUICK RUN (smoke test, not a measurement)"
