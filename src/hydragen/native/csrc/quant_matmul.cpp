@@ -43,6 +43,15 @@ struct ActRows {
   const int32_t* qs16[4];
 };
 
+// The end of quantizing one group of 32, shared by every instruction-set path so they agree bit for bit: the
+// scale, the float sum xs = dx * sum q, and the integer sums of the two halves.
+inline void finish_group(float d, int32_t s0, int32_t s1, float* dx, float* xs, int32_t* qs16) {
+  *dx = d;
+  *xs = d * static_cast<float>(s0 + s1);
+  qs16[0] = s0;
+  qs16[1] = s1;
+}
+
 #if HQ_X86
 #define HQ_STR(x) #x
 #if defined(__clang__)
@@ -235,10 +244,7 @@ void quantize_group(const float* v, float qmax, bool fifteen, int8_t* q, int8_t*
     }
     (i < 16 ? s0 : s1) += qi;
   }
-  *dx = d;
-  *xs = d * static_cast<float>(s0 + s1);
-  qs16[0] = s0;
-  qs16[1] = s1;
+  finish_group(d, s0, s1, dx, xs, qs16);
 }
 
 }  // namespace
@@ -253,26 +259,26 @@ void quantize_group(const float* v, float qmax, bool fifteen, int8_t* q, int8_t*
                     int32_t* qs16) {
   const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  const __m512 m = _mm512_max_ps(_mm512_andnot_ps(sign, b), _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_setzero_ps()));
+  const __m512 m =
+      _mm512_max_ps(_mm512_andnot_ps(sign, b), _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_setzero_ps()));
   const float d = _mm512_reduce_max_ps(m) / qmax;
   const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
   if (fifteen) {
     const __m512i k64 = _mm512_set1_epi32(64);
-    const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, k64), 7), hb = _mm512_srai_epi32(_mm512_add_epi32(qb, k64), 7);
+    const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, k64), 7);
+    const __m512i hb = _mm512_srai_epi32(_mm512_add_epi32(qb, k64), 7);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(ha));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(hb));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 7))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 7))));
+    const __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 7));
+    const __m512i lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 7));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(la));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(lb));
   } else {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
   }
-  const int32_t s0 = _mm512_reduce_add_epi32(qa), s1 = _mm512_reduce_add_epi32(qb);
-  *dx = d;
-  *xs = d * static_cast<float>(s0 + s1);
-  qs16[0] = s0;
-  qs16[1] = s1;
+  finish_group(d, _mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qb), dx, xs, qs16);
 }
 }  // namespace hq::a512
 HQ_END
@@ -319,10 +325,7 @@ void quantize_group(const float* v, float qmax, bool fifteen, int8_t* q, int8_t*
     }
     s[j / 2] += sum8(qi);
   }
-  *dx = d;
-  *xs = d * static_cast<float>(s[0] + s[1]);
-  qs16[0] = s[0];
-  qs16[1] = s[1];
+  finish_group(d, s[0], s[1], dx, xs, qs16);
 }
 }  // namespace hq::a256
 HQ_END
