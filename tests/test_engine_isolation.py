@@ -158,10 +158,10 @@ def test_prefill_fault_fails_only_the_requests_on_that_prompt(path):
     real = engine.model
 
     class PoisonedModel:
-        def __call__(self, ids, pos, attend):
+        def __call__(self, ids, pos, attend, **options):
             if ids.numel() > 1 and bool((ids == poison).any()):
                 raise RuntimeError("injected prefill fault")
-            return real(ids, pos, attend)
+            return real(ids, pos, attend, **options)
 
         def __getattr__(self, name):
             return getattr(real, name)

@@ -232,3 +232,27 @@ def test_half_precision_tracks_fp32(tiny_models, dtype):
         tok = r.outputs[0].token_ids[0]
         assert o.outputs[0].token_ids[0] == tok
         assert abs(o.outputs[0].logprobs[0][tok] - r.outputs[0].logprobs[0][tok]) < 0.1
+
+
+def test_each_row_samples_with_its_own_settings_as_the_batch_changes(tiny_models):
+    """The runner keeps the last batch's sampling settings as tensors and reuses them while the same sequences
+    sample again. Here the batch changes under it (a request ends and a waiting one takes its row, with the
+    same batch size), and every request must still draw exactly what it draws alone."""
+    path = tiny_models["llama"]
+    settings = [
+        dict(temperature=0.0, max_tokens=3),
+        dict(temperature=1.5, top_k=5, max_tokens=8, seed=3),
+        dict(temperature=0.7, top_p=0.5, min_p=0.1, max_tokens=12, seed=4),
+        dict(temperature=1.2, top_p=0.9, max_tokens=9, seed=5),
+        dict(temperature=0.9, max_tokens=6, seed=6),
+    ]
+    params = [SamplingParams(ignore_eos=True, **s) for s in settings]
+    prompts = [PROMPTS[i] for i in range(len(params))]
+    llm = LLM(path, kv_cache_tokens=4096, max_num_seqs=3)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [
+        llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids
+        for p, q in zip(prompts, params, strict=True)
+    ]
+    assert together == alone
+    assert len({tuple(t[:3]) for t in alone}) == len(alone)  # the settings draw different tokens

@@ -164,6 +164,28 @@ def test_every_format_stays_compact_and_matches_its_twin(tiny_ggufs, scheme, mon
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.85
 
 
+@pytest.mark.parametrize("scheme", ["Q4_K_M", "Q8_0", "BF16"])
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_the_head_normalises_the_rows_it_is_handed(tiny_ggufs, scheme, dequantize) -> None:
+    """The runner hands the head its sampled rows before the final RMSNorm; the head normalises them in its
+    own call (fused into a packed head's kernel). The logits are those of the normalised rows: the same bits
+    for a float head (the same ops, on fewer rows), float32 rounding apart for a packed one (the kernel's
+    norm)."""
+    net, cfg, _ = load_model(tiny_ggufs[scheme], CPU, torch.float32, dequantize=dequantize)
+    ids = torch.randint(3, cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(1))
+    raw = net(ids, torch.arange(len(ids)), plain_attention, final_norm=False)
+    normed = net(ids, torch.arange(len(ids)), plain_attention)
+    assert torch.equal(normed, llama.rms_norm(raw, net.norm, cfg.rms_norm_eps))
+    assert not torch.allclose(raw, normed)
+    rows = torch.tensor([0, 7, 22])
+    got, want = net.logits(raw[rows], normalized=False), net.logits(normed[rows])
+    if dequantize:
+        assert torch.equal(got, want)
+    else:
+        assert isinstance(net.lm_head, PackedProjection)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_the_q4_k_m_mix_is_llama_quantizes() -> None:
     """llama.cpp's Q4_K_M: Q6_K for attn_v and ffn_down in the first and last eighth of the layers and every
     third between, Q6_K for the output, Q4_K elsewhere; 256-block types fall back on rows of other lengths."""

@@ -39,9 +39,9 @@ class ShardedLlamaModel(LlamaModel):
         return self.group.all_reduce(partial)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def logits(self, hidden: torch.Tensor, normalized: bool = True) -> torch.Tensor | None:
         """Full-vocabulary logits [B, V] (fp32) on rank 0; None on the other ranks."""
-        parts = self.group.gather_to_first(super().logits(hidden))
+        parts = self.group.gather_to_first(super().logits(hidden, normalized))
         if parts is None:
             return None
         return torch.cat(parts, dim=1)[:, : self.full_vocab]

@@ -34,6 +34,7 @@ class ModelRunner:
             check_device(torch.device(device))  # fail here, not in the first decode step
         self.scale = cfg.head_dim**-0.5
         self.sampler = Sampler()
+        self._settings: tuple | None = None  # (ids, sequences, tensors) of the last batch sampled
         if torch.device(device).type == "cpu":
             # Compile (once per machine, ~30 s) or load the CPU ops now, not inside the first request: the
             # sampler uses them whatever the attention implementation.
@@ -70,13 +71,10 @@ class ModelRunner:
         layers = None
         if impl in ("auto", "cpp") and batch.tree_plan is None:  # every layer in one C++ call, if it can
             layers = stack_layers(self.model, pool.k, pool.v, batch.slots, meta, self.scale)
-        if layers is None:
-            hidden = self.model(batch.input_ids, batch.positions, attend)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, attend, layers=layers)
+        hidden = self.model(batch.input_ids, batch.positions, attend, layers=layers, final_norm=False)
         if batch.logit_rows.numel() == 0:
             return None
-        return self.model.logits(hidden[batch.logit_rows])
+        return self.model.logits(hidden[batch.logit_rows], normalized=False)
 
     def _triton_attention(self, layer: int, q: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         from hydragen.attention.triton_kernels import tree_decode_attention  # optional dependency
@@ -102,7 +100,7 @@ class ModelRunner:
         vocab = logits.shape[1]
         try:
             out = self._sample_batch(logits, row_args, flags[:3] + extra, num_logprobs)
-            if out.tokens.shape == (len(seqs),) and bool(((out.tokens >= 0) & (out.tokens < vocab)).all()):
+            if out.tokens.shape == (len(seqs),) and all(0 <= t < vocab for t in out.tokens.tolist()):
                 return out.tokens, _logprob_dicts(out) if num_logprobs is not None else None, {}
         except Exception:  # noqa: BLE001  found row by row below
             pass
@@ -127,6 +125,18 @@ class ModelRunner:
         return sample(logits, *row_args, *flags, num_logprobs=num_logprobs)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> tuple:
+        """The rows' sampling settings as tensors, and which features any row uses. A decode step usually
+        samples the same sequences as the step before, and a request's settings are fixed once it is
+        submitted: then the last step's tensors serve again (five tensor builds a step, at batch 1 a few
+        per cent of it). The sequences are kept with them, so their ids cannot be reused meanwhile."""
+        key = tuple(map(id, seqs))
+        if self._settings is not None and self._settings[0] == key:
+            return self._settings[2]
+        built = self._build_sampling_tensors(seqs)
+        self._settings = (key, seqs, built)
+        return built
+
+    def _build_sampling_tensors(self, seqs: list[Sequence]) -> tuple:
         dev = self.device
         ps = [s.request.params for s in seqs]
         return (

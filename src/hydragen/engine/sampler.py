@@ -72,6 +72,7 @@ class Sampler:
 
     def __init__(self, native: bool = True) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._off: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.native = native
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -82,6 +83,14 @@ class Sampler:
             buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         self._buffers[name] = buf
         return buf[: like.shape[0]]
+
+    def _off_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """top_k 0, top_p 1 and min_p 0 for ``rows`` rows (kept per batch size: the op only reads them)."""
+        off = self._off.get(rows)
+        if off is None:
+            zeros = torch.zeros(rows)
+            off = self._off[rows] = (zeros.long(), zeros + 1, zeros)
+        return off
 
     def _softmax(self, logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """softmax(logits / scale) in the "probs" buffer (valid until the next call)."""
@@ -156,14 +165,14 @@ class Sampler:
             op = _sample_step_op(logits)
             if op is not None:
                 # A feature no row uses is off for every row, as in the tensor code below.
-                off = torch.zeros(logits.shape[0])
+                no_top_k, no_top_p, no_min_p = self._off_rows(logits.shape[0])
                 return SampleOutput(
                     op(
                         logits,
                         temperature.contiguous(),
-                        top_k.contiguous() if any_top_k else off.long(),
-                        top_p.contiguous() if any_top_p else off + 1,
-                        min_p.contiguous() if any_min_p and min_p is not None else off,
+                        top_k.contiguous() if any_top_k else no_top_k,
+                        top_p.contiguous() if any_top_p else no_top_p,
+                        min_p.contiguous() if any_min_p and min_p is not None else no_min_p,
                         self.uniform_bits(seeds, steps).contiguous(),
                         self._buffer("scratch", logits),
                         self._buffer("probs", logits),

@@ -79,9 +79,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attention: AttentionFn,
         layers: LayersFn | None = None,
+        final_norm: bool = True,
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden] (normalised). ``layers``, when given,
-        runs every layer at once in place of the loop (model/layer_stack.py: the same calls, from C++)."""
+        """input_ids/positions [T] -> final hidden states [T, hidden], normalised unless ``final_norm`` is
+        False (the runner then normalises only the rows it samples, inside the head: ``logits``).
+        ``layers``, when given, runs every layer at once in place of the loop (model/layer_stack.py: the
+        same calls, from C++)."""
         c = self.cfg
         t = input_ids.shape[0]
         h = self.embed_tokens(input_ids)
@@ -89,7 +92,8 @@ class LlamaModel(nn.Module):
         rope = (cos.view(t, -1), sin.view(t, -1), (c.num_heads + c.num_kv_heads) * c.head_dim)
         eps = c.rms_norm_eps
         if layers is not None:
-            return rms_norm(layers(h.contiguous(), rope), self.norm, eps)
+            h = layers(h.contiguous(), rope)
+            return rms_norm(h, self.norm, eps) if final_norm else h
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=rope)
             q, k, v = qkv.split(layer.split, dim=-1)
@@ -105,7 +109,7 @@ class LlamaModel(nn.Module):
                 h = h.add_(self.reduce(layer.o(o.reshape(t, -1))))
                 mlp = layer.gate_up(h, norm=layer.mlp_norm, eps=eps, swiglu=True)
                 h = h.add_(self.reduce(layer.down(mlp)))
-        return rms_norm(h, self.norm, eps)
+        return rms_norm(h, self.norm, eps) if final_norm else h
 
     # Hooks a tensor-parallel shard overrides (hydragen.distributed.sharded_model): a vocabulary shard's
     # lookup, and the sum over ranks of a row-parallel projection's partial output.
@@ -116,9 +120,16 @@ class LlamaModel(nn.Module):
         return partial
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+        """Logits [R, V] (fp32) of final hidden rows. Rows taken before the final RMSNorm
+        (``normalized=False``) are normalised by the head's own call: a packed head fuses the norm, so a
+        decode step does not pay a handful of tensor ops for one row, and a prefill normalises only the
+        rows it samples."""
+        norm, eps = (None, 0.0) if normalized else (self.norm, self.cfg.rms_norm_eps)
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden, norm=norm, eps=eps).float()
+        if norm is not None:
+            hidden = rms_norm(hidden, norm, eps)
         return F.linear(hidden, self.embed.weight).float()
 
     @torch.inference_mode()

@@ -38,17 +38,18 @@ class Rotary:
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device):
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
         self.max_positions = max_positions
+        # Each frequency twice (rotate-half pairs column i with i + D/2), and the sign rotate-half puts on
+        # the first half: folded into the sin table, exact (IEEE negation commutes with rounding), it saves
+        # one op per rotation. Built once, so a step's tables are five small ops (a decode step pays each
+        # op's overhead for a single row).
+        self._freq_cols = torch.cat([self.inv_freq, self.inv_freq])
+        ones = torch.ones_like(self.inv_freq)
+        self._sin_sign = torch.cat([-ones, ones])
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) for ``positions`` [T], each [T, 1, D] in ``dtype`` to broadcast over heads."""
-        freqs = positions.to(self.inv_freq.device, torch.float32).unsqueeze(1) * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        # Rotate-half negates the first half of the rotated vector; folding that sign into the table is
-        # exact (IEEE negation commutes with rounding) and saves one op per rotation.
-        sin = emb.sin()
-        half = emb.shape[-1] // 2
-        signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        return emb.cos().unsqueeze(1).to(dtype), signed_sin.unsqueeze(1).to(dtype)
+        emb = positions.to(self.inv_freq.device, torch.float32).unsqueeze(1) * self._freq_cols
+        return emb.cos().unsqueeze(1).to(dtype), emb.sin().mul_(self._sin_sign).unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
