@@ -244,3 +244,46 @@ def test_live_rate_line_for_several_completions(capsys):
     quiet(10, 2.0)
     quiet.clear()
     assert capsys.readouterr().err == ""
+
+
+def test_random_weights_shape_and_scheme_run_like_a_downloaded_file(capsys, tmp_path, monkeypatch):
+    """--random-weights SHAPE:SCHEME writes its random GGUF once into the cache and runs it as --model would
+    (with the embedded model's tokenizer, so a text prompt works); a bare shape, a bad scheme, or both flags
+    at once are one line and exit 2."""
+    import json
+
+    from hydragen.native.build import load_ops
+
+    load_ops()  # built (or found) in the usual cache before the random file's cache moves to tmp_path
+    monkeypatch.setenv("HYDRAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    shape = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=49152,  # the embedded tokenizer's ids fit
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(shape))
+    argv = ["generate", "Hello", "--random-weights", f"{config}:Q8_0", "--max-tokens", "3", *GREEDY[:2]]
+    assert main(argv) == 0
+    written = list((tmp_path / "cache" / "random-gguf").glob("*.Q8_0.gguf"))
+    out = capsys.readouterr()
+    assert len(written) == 1 and f"{written[0].name} loaded in" in out.out + out.err
+    assert main(argv) == 0  # written once: the second run loads the same file
+    assert list((tmp_path / "cache" / "random-gguf").glob("*.gguf")) == written
+    capsys.readouterr()
+    for bad, message in [
+        (["generate", "Hi", "--random-weights", str(config)], "needs SHAPE:SCHEME"),
+        (["generate", "Hi", "--random-weights", f"{config}:Q9_Z"], "'Q9_Z' is not one of"),
+        (["serve", "--model", "x.gguf", "--random-weights", f"{config}:Q8_0"], "not both"),
+    ]:
+        assert main(bad) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

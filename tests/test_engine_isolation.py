@@ -411,3 +411,38 @@ def test_sampler_rows_are_independent_of_the_batch():
     batched = sampler(logits, *args, *flags)
     rows = [int(sampler(logits[i : i + 1], *(a[i : i + 1] for a in args), *flags)) for i in range(6)]
     assert batched.tolist() == rows
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_row_of_nan_logits_fails_alone_and_says_why(temperature):
+    """A model that computes NaN logits (or +inf ones, sampled at a temperature) for one request: that row's
+    error says so; a row with tokens masked to -inf (structured outputs) and a plain row sample as they
+    would alone."""
+    from hydragen.engine.isolation import sample_rows
+    from hydragen.engine.sampler import Sampler
+
+    vocab = 50
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = float("nan")
+    logits[2, :40] = float("-inf")
+    logits[3, 3] = float("inf")
+    rows = 4
+    args = (
+        torch.full((rows,), temperature),
+        torch.zeros(rows, dtype=torch.long),
+        torch.ones(rows),
+        torch.arange(rows, dtype=torch.long),
+        torch.zeros(rows, dtype=torch.long),
+    )
+    flags = (temperature > 0, False, False)
+    sampler = Sampler()
+    tokens, errors = sample_rows(sampler, logits, args, flags, vocab)
+    broken = {1, 3} if temperature > 0 else {1}  # greedy takes the +inf token: an argmax is defined
+    assert set(errors) == broken
+    assert all("NaN or infinite logits" in errors[i] for i in broken), errors
+    if temperature == 0:
+        assert tokens[3] == 3
+    for i in (0, 2):
+        alone = sampler(logits[i : i + 1], *(a[i : i + 1] for a in args), *flags)
+        assert tokens[i] == alone[0]
+    assert tokens[2] >= 40

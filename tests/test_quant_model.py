@@ -230,26 +230,29 @@ def test_generation_and_tensor_parallel_on_a_q4_k_m_file(tiny_ggufs) -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in one]
 
 
-def test_a_type_hydragen_cannot_compute_in_is_one_line_naming_it(tmp_path) -> None:
+@pytest.mark.parametrize("qtype, readable", [(Q.IQ4_NL, True), (Q.Q8_K, False)])
+def test_a_type_hydragen_cannot_compute_in_is_one_line_naming_it(tmp_path, qtype, readable) -> None:
+    """One line naming the file, the tensor and the type, and whether dequantizing (the API's flag and the
+    command line's) reads it: IQ4_NL the gguf package can dequantize, Q8_K it cannot."""
     from hydragen.model.errors import ModelFileError
 
     cfg = ModelConfig.from_hf(TINY)
     weights = _tiny_weights(cfg)
     make = float_maker(weights, cfg)
 
-    def iq4(name, shape, qtype):
-        if name == "blk.0.ffn_up.weight":  # IQ4_NL: readable by the gguf package, not computed in by hydragen
-            block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    def odd(name, shape, qt):
+        if name == "blk.0.ffn_up.weight":
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
             return np.zeros((shape[0], shape[1] // block * size), np.uint8)
-        return make(name, shape, qtype)
+        return make(name, shape, qt)
 
-    path = tmp_path / "iq4.gguf"
+    path = tmp_path / f"{qtype.name}.gguf"
     from hydragen.model import gguf_write
 
     original = gguf_write.scheme_type
-    gguf_write.scheme_type = lambda s, n, *a: Q.IQ4_NL if n == "blk.0.ffn_up.weight" else original(s, n, *a)
+    gguf_write.scheme_type = lambda s, n, *a: qtype if n == "blk.0.ffn_up.weight" else original(s, n, *a)
     try:
-        write_llama_gguf(path, cfg, "Q8_0", iq4)
+        write_llama_gguf(path, cfg, "Q8_0", odd)
     finally:
         gguf_write.scheme_type = original
     with pytest.raises(ModelFileError) as e:
@@ -257,11 +260,18 @@ def test_a_type_hydragen_cannot_compute_in_is_one_line_naming_it(tmp_path) -> No
     msg = str(e.value)
     assert "\n" not in msg and str(path) in msg
     assert (
-        "tensor 'blk.0.ffn_up.weight' uses quantization type IQ4_NL, which hydragen cannot compute in" in msg
+        f"tensor 'blk.0.ffn_up.weight' uses quantization type {qtype.name}, which hydragen cannot compute in"
+        in msg
     )
-    assert "dequantize=True" in msg
-    net, _, _ = load_model(path, CPU, torch.float32, dequantize=True)
-    assert isinstance(net.layers[0].gate_up, DenseProjection)
+    if readable:
+        assert "dequantize=True (--dequantize on the command line) reads it as float32" in msg
+        net, _, _ = load_model(path, CPU, torch.float32, dequantize=True)
+        assert isinstance(net.layers[0].gate_up, DenseProjection)
+    else:
+        assert "nor can it read it with dequantize=True" in msg
+        cannot_read = f"uses quantization type {qtype.name}, which hydragen cannot read"
+        with pytest.raises(ModelFileError, match=cannot_read):
+            load_model(path, CPU, torch.float32, dequantize=True)
 
 
 def test_a_bfloat16_checkpoint_stays_16_bit_in_a_float32_model(tiny_models, tmp_path) -> None:

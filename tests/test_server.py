@@ -123,6 +123,29 @@ def test_stop_seed_and_logprobs(client):
     assert stopped.choices[0].finish_reason == "stop" and word not in stopped.choices[0].text
 
 
+def test_completion_logprobs_give_each_token_its_text_offset(client):
+    """The legacy completions logprobs: one text_offset per token, where the token starts in the choice's
+    text, counted on across stream chunks; with plain ASCII text the tokens spell the text."""
+    kw = dict(model=MODEL, prompt="Roses are red, violets are", max_tokens=12, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    assert len(lp.text_offset) == len(lp.tokens) == len(lp.token_logprobs) == 12
+    ends = [0]
+    for t in lp.tokens:
+        ends.append(ends[-1] + len(t))
+    assert lp.text_offset == ends[:-1]
+    if whole.text.isascii():
+        assert "".join(lp.tokens) == whole.text
+        assert all(whole.text[o : o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens, strict=True))
+    offsets, tokens = [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                offsets += c.logprobs.text_offset
+                tokens += c.logprobs.tokens
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [

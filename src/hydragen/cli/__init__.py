@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from hydragen.cli.common import UsageError, torchrun_worker
+from hydragen.cli.common import UsageError, resolve_random_weights, torchrun_worker
 from hydragen.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]
@@ -17,6 +17,7 @@ __all__ = ["build_parser", "main"]
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        resolve_random_weights(args)  # before anything reads --model (torchrun ranks, serve's checks)
         worker = torchrun_worker(args)
         if worker is not None:
             return worker

@@ -69,6 +69,30 @@ def constraint(args: argparse.Namespace):
         raise UsageError(f"{named[0]}: {e}") from None
 
 
+def resolve_random_weights(args: argparse.Namespace) -> None:
+    """--random-weights SHAPE:SCHEME becomes --model: its random-weights GGUF (model/gguf_write.py), written
+    once into hydragen's cache with llama-quantize's type mix and the embedded model's tokenizer, so text
+    prompts work and every command (tensor or data parallel too) loads it like a downloaded file."""
+    spec = getattr(args, "random_weights", None)
+    if spec is None:
+        return
+    if args.model is not None:
+        raise UsageError("give either --model or --random-weights, not both")
+    shape, _, scheme = spec.rpartition(":")
+    if not shape or not scheme:
+        raise UsageError(
+            f"--random-weights needs SHAPE:SCHEME (e.g. llama-3.1-8b:Q4_K_M), got {spec!r}: the random file "
+            "carries a tokenizer; a bare random shape without one is for the Python API and `hydragen bench`"
+        )
+    from hydragen.model.gguf_write import random_gguf_file
+
+    try:
+        args.model = str(random_gguf_file(spec))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise UsageError(f"--random-weights {spec!r}: {e}") from None
+    args.random_weights = None
+
+
 def apply_machine_flags(args: argparse.Namespace) -> None:
     """Flags checked before the (slow) model load."""
     if args.threads is not None and args.threads < 1:

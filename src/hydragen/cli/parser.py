@@ -40,6 +40,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a .gguf file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)",
     )
+    _add_random_weights_arg(p)
     p.add_argument("--system", default=None, help="system prompt (the chat template's system message)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
@@ -59,6 +60,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--version", action=_VersionAction, help="print the version and exit")
     _add_tp_arg(p)
+
+
+def _add_random_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--random-weights",
+        default=None,
+        metavar="SHAPE:SCHEME",
+        help="instead of --model: a random-weights GGUF of a real shape and quantization (e.g. "
+        "llama-3.1-8b:Q4_K_M, llama-3.2-1b:Q4_K_M, or a config.json and a scheme), written once into the "
+        "cache in llama-quantize's type mix: try or measure a model size without downloading it",
+    )
 
 
 def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -188,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--model", default=None, help="a .gguf file or Hugging Face model directory (default: embedded)"
     )
+    _add_random_weights_arg(v)
     v.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     v.add_argument(

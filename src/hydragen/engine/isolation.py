@@ -62,6 +62,12 @@ def sample_rows(
         try:
             t = sampler(logits[i : i + 1], *(a[i : i + 1] for a in row_args), *flags)
             if _bad_token_rows(t, 1, vocab) != []:
+                row = logits[i]  # -inf is a masked token (structured outputs); NaN or +inf is a broken model
+                if bool((torch.isnan(row) | torch.isposinf(row)).any()):
+                    raise ValueError(
+                        "the model computed NaN or infinite logits for this request: its weights hold NaN "
+                        "or infinity, or its activations overflowed"
+                    )
                 raise ValueError(f"the sampler returned an invalid token {t!r}")
             out[i] = t[0]
         except Exception as e:

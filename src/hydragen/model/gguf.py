@@ -171,13 +171,14 @@ def _check_quantization(path: Path, tensors: dict[str, Any], keep: bool) -> None
         if keep and t.tensor_type not in KEPT_TYPES and t.tensor_type != gguf.GGMLQuantizationType.F32:
             kept = ", ".join(q.name for q in KEPT_TYPES)
             also = (
-                " (LLM(..., dequantize=True) reads it as float32)" if _can_dequantize(t.tensor_type) else ""
+                "; dequantize=True (--dequantize on the command line) reads it as float32, slower"
+                if _can_dequantize(t.tensor_type)
+                else "; nor can it read it with dequantize=True"
             )
             raise ModelFileError(
                 path,
                 f"tensor {name!r} uses quantization type {t.tensor_type.name}, which hydragen cannot compute "
-                "in "
-                f"(it computes in {kept} and F32){also}",
+                f"in (it computes in {kept} and F32){also}",
             )
         if not _can_dequantize(t.tensor_type):
             readable = sorted(

@@ -2,8 +2,9 @@
 
 Converting a GGUF vocab through transformers costs ~10-20 s, so the converted tokenizer is cached on disk
 (keyed by the file's name, size and mtime) and later loads read the cached tokenizer.json in well under 1 s.
-The cache lives in ``$HYDRAGEN_CACHE/tokenizers`` (default ``~/.cache/hydragen/tokenizers``); the one slow
-build says so on stderr, with the folder.
+The cache lives in hydragen's cache folder, ``tokenizers/`` (``$HYDRAGEN_CACHE_DIR``, else the older
+``$HYDRAGEN_CACHE``, else ``~/.cache/hydragen``: the compiled ops and random-weights files live there too);
+the one slow build says so on stderr, with the folder.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from hydragen.model.errors import ModelFileError, first_line
 
-CACHE_ENV = "HYDRAGEN_CACHE"  # where converted tokenizers are kept (default ~/.cache/hydragen)
+CACHE_ENV = "HYDRAGEN_CACHE_DIR"  # hydragen's cache folder (default ~/.cache/hydragen; HYDRAGEN_CACHE too)
 _META = "hydragen_tokenizer.json"  # extra eos ids from the GGUF metadata, kept beside the cached tokenizer
 
 
@@ -122,7 +123,10 @@ def _json_eos(path: Path) -> list[int]:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hydragen")
+    """hydragen's cache folder: one setting for every cache."""
+    from hydragen.native.build import cache_dir
+
+    return cache_dir()
 
 
 def _cache_dir(gguf_path: Path) -> Path:

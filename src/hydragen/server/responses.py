@@ -16,19 +16,21 @@ class Shapes:
         self.tok, self.chat, self.top, self.want_lp = tokenizer, chat, top_logprobs, want_logprobs
         self.tools = tools
         self._streams: dict[int, ToolCallStream] = {}  # per choice, while streaming with tools
+        self._text_offset: dict[int, int] = {}  # per choice: characters of its tokens' strings sent so far
 
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False) if self.tok is not None else str(t)
 
-    def logprobs(self, lps: list[dict[int, float]], ids: list[int]) -> dict | None:
+    def logprobs(self, lps: list[dict[int, float]], ids: list[int], index: int = 0) -> dict | None:
         if not self.want_lp:
             return None
         if not self.chat:
+            tokens = [self.token_str(t) for t in ids]
             return {
-                "tokens": [self.token_str(t) for t in ids],
+                "tokens": tokens,
                 "token_logprobs": [lp[t] for lp, t in zip(lps, ids, strict=False)],
                 "top_logprobs": [{self.token_str(k): v for k, v in lp.items()} for lp in lps],
-                "text_offset": [],
+                "text_offset": self._offsets(index, tokens),
             }
         content = []
         for lp, t in zip(lps, ids, strict=False):
@@ -48,6 +50,17 @@ class Shapes:
             )
         return {"content": content}
 
+    def _offsets(self, index: int, tokens: list[str]) -> list[int]:
+        """Where each token starts in the choice's text, counted over the tokens' own strings and carried
+        across stream chunks (as vLLM counts them; a character split over tokens shows in each as U+FFFD)."""
+        at = self._text_offset.get(index, 0)
+        out = []
+        for t in tokens:
+            out.append(at)
+            at += len(t)
+        self._text_offset[index] = at
+        return out
+
     def final_choice(self, index: int, text: str, ids: list[int], lps: list, reason: str | None) -> dict:
         c: dict = {"index": index, "finish_reason": reason}
         if self.chat and self.tools is not None:
@@ -59,7 +72,7 @@ class Shapes:
             c["message"] = {"role": "assistant", "content": text}
         else:
             c["text"] = text
-        c["logprobs"] = self.logprobs(lps, ids)
+        c["logprobs"] = self.logprobs(lps, ids, index)
         return c
 
     def delta_choices(self, index: int, d: SeqDelta) -> list[dict]:
@@ -69,7 +82,7 @@ class Shapes:
             return [self.delta_choice(index, d)]
         stream = self._streams.setdefault(index, ToolCallStream(self.tools.fmt))
         deltas = stream.feed(d.text, final=d.finish_reason is not None)
-        lp = self.logprobs(d.logprobs, d.token_ids) if self.want_lp and d.logprobs else None
+        lp = self.logprobs(d.logprobs, d.token_ids, index) if self.want_lp and d.logprobs else None
         out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
         if lp is not None:
             if not out:
@@ -81,7 +94,7 @@ class Shapes:
         return out
 
     def delta_choice(self, index: int, d: SeqDelta) -> dict:
-        lp = self.logprobs(d.logprobs, d.token_ids) if self.want_lp and d.logprobs else None
+        lp = self.logprobs(d.logprobs, d.token_ids, index) if self.want_lp and d.logprobs else None
         if self.chat:
             return {
                 "index": index,
