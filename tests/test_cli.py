@@ -246,29 +246,21 @@ def test_live_rate_line_for_several_completions(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_random_weights_shape_and_scheme_run_like_a_downloaded_file(capsys, tmp_path, monkeypatch):
+def test_random_weights_shape_and_scheme_run_like_a_downloaded_file(
+    capsys, tmp_path, monkeypatch, tiny_models
+):
     """--random-weights SHAPE:SCHEME writes its random GGUF once into the cache and runs it as --model would
     (with the embedded model's tokenizer, so a text prompt works); a bare shape, a bad scheme, or both flags
     at once are one line and exit 2."""
     import json
+    from pathlib import Path
 
     from hydragen.native.build import load_ops
 
     load_ops()  # built (or found) in the usual cache before the random file's cache moves to tmp_path
     monkeypatch.setenv("HYDRAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    shape = dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=49152,  # the embedded tokenizer's ids fit
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
+    shape = json.loads((Path(tiny_models["llama"]) / "config.json").read_text())
+    shape["vocab_size"] = 49152  # the embedded tokenizer's ids fit
     config = tmp_path / "config.json"
     config.write_text(json.dumps(shape))
     argv = ["generate", "Hello", "--random-weights", f"{config}:Q8_0", "--max-tokens", "3", *GREEDY[:2]]
