@@ -90,7 +90,6 @@ def resolve_random_weights(args: argparse.Namespace) -> None:
         args.model = str(random_gguf_file(spec))
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise UsageError(f"--random-weights {spec!r}: {e}") from None
-    args.random_weights = None
 
 
 def apply_machine_flags(args: argparse.Namespace) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 
 from hydragen.model.errors import ModelFileError, first_line
 
-CACHE_ENV = "HYDRAGEN_CACHE_DIR"  # hydragen's cache folder (default ~/.cache/hydragen; HYDRAGEN_CACHE too)
 _META = "hydragen_tokenizer.json"  # extra eos ids from the GGUF metadata, kept beside the cached tokenizer
 
 
@@ -122,17 +121,12 @@ def _json_eos(path: Path) -> list[int]:
         return []
 
 
-def cache_root() -> Path:
-    """hydragen's cache folder: one setting for every cache."""
-    from hydragen.native.build import cache_dir
-
-    return cache_dir()
-
-
 def _cache_dir(gguf_path: Path) -> Path:
+    from hydragen.native.build import cache_dir  # the one folder of every hydragen cache
+
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.name}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "tokenizers" / f"{gguf_path.stem}-{key}"
+    return cache_dir() / "tokenizers" / f"{gguf_path.stem}-{key}"
 
 
 def _save_cache(hf_tokenizer: Any, extra_eos: list[int], target: Path) -> str | None:
@@ -180,6 +174,8 @@ def _load_gguf(path: Path) -> Tokenizer:
         for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         if meta.get(k) is not None
     ]
+    from hydragen.native.build import CACHE_ENV
+
     _say(
         f"building the tokenizer cache for {path.name}, once (10-20 s): {cached} "
         f"(set {CACHE_ENV} to keep it elsewhere)"

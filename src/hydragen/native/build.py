@@ -42,8 +42,12 @@ _ops: object | None = None  # the torch.ops.hydragen namespace once loaded
 _error: str | None = None
 
 
+CACHE_ENV = "HYDRAGEN_CACHE_DIR"  # hydragen's cache folder; HYDRAGEN_CACHE is its older name
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("HYDRAGEN_CACHE_DIR") or os.environ.get("HYDRAGEN_CACHE")
+    """The folder of every hydragen cache: compiled ops, converted tokenizers, random-weights files."""
+    root = os.environ.get(CACHE_ENV) or os.environ.get("HYDRAGEN_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "hydragen"
 
 
