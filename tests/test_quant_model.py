@@ -338,6 +338,28 @@ def test_every_layer_in_one_call_is_the_per_op_path_bit_for_bit(tiny_ggufs, sche
     assert layer_stack.packed_stack(llm.engine.runner.model) is not None
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_every_layer_in_one_call_is_exact_at_any_thread_count(tiny_ggufs, threads, monkeypatch) -> None:
+    """The one call runs its layers in one parallel region, each thread taking a share of every stage between
+    barriers: one thread, and more threads than this machine's cores (uneven shares, waiters that yield), give
+    the per-op path's tokens and logprobs bit for bit, prefill and decode, with a shared prefix."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(tiny_ggufs["Q4_K_M"], kv_cache_tokens=1024)
+        params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=2)
+        prompts = [list(range(5, 90)) + [91], list(range(5, 90)) + [93, 94], [7, 8]]
+        got = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("HYDRAGEN_FUSED_LAYERS", flag)
+            llm.reset_prefix_cache()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got[flag] = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+        assert got["1"] == got["0"]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_layer_loop_stays_where_one_call_cannot_run(tiny_ggufs) -> None:
     """Float projections (dequantized), and tensor-parallel shards (o and down all-reduced before the
     residual), keep the Python loop."""

@@ -1,26 +1,95 @@
 // hydragen::quant_layers: every decoder layer of a model whose projections are all packed (GGUF kept
-// quantized, float32 activations), run in one call instead of one Python iteration per layer. Per layer it
-// makes the same calls, in the same order, as LlamaModel.forward with the runner's attention callback:
+// quantized, float32 activations), in one call and one parallel region. Per layer it computes what
+// LlamaModel.forward computes with the runner's attention callback, with the same functions:
 //   qkv = quant_linear(h, norm = attn_norm, rope);  pool_k/v[layer][slots] = k, v;
 //   o = step_attention(q, pool_k[layer], pool_v[layer], the step's work items);
-//   h = quant_mlp_tail(o, h, ...)  (o + residual, RMSNorm, gate/up + SwiGLU, down + residual)
-// so its result is bit for bit the per-op path's (tests/test_quant_layers.py). What it removes is the
-// Python between the ops: at batch 1 on a small model that is ~1 ms of a ~10 ms step. The ops are reached
-// through the dispatcher (they live in their own translation units); h is updated in place and returned.
+//   h += o_proj(o);  h += down(swiglu(gate_up(norm(h))))
+// so its result is bit for bit the per-op path's (tests/test_quant_model.py): every output row or tile is
+// computed by one thread, whichever it is.
+//
+// Why one region: at batch 1 a small model's projections are a few hundred KB each, and a region per op (fork,
+// join, the dispatcher, allocations), repeated ~6 times per layer, left the memory bus idle between streams; the
+// layers ran at ~20 GB/s where a plain read of the same bytes runs at ~32. Here the threads go through the
+// layers together, each taking its share of every stage (rows of the row-wise stages, output tiles of the
+// projections, attention items from shared counters) and meeting at a spin barrier between stages. h is
+// updated in place and returned.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <thread>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include "quant_linear.h"
+#include "step_attention.h"
 
 namespace {
 
-using OptTensor = c10::optional<at::Tensor>;
-
-c10::OperatorHandle op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#endif
 }
+
+// Threads meet here between stages. A thread that fails sets `failed`; everyone then leaves (wait returns
+// false) instead of waiting for it forever. Past a few thousand spins a waiter yields, in case the threads
+// outnumber the free cores.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(const std::atomic<bool>& failed) : failed_(failed) {}
+  void set_threads(int threads) { threads_ = threads; }  // before anyone waits
+
+  bool wait() {
+    if (threads_ == 1) return !failed_.load(std::memory_order_relaxed);
+    const int phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+    } else {
+      for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+        if (failed_.load(std::memory_order_relaxed)) return false;
+        if (spins < 4096) cpu_relax();
+        else std::this_thread::yield();
+      }
+    }
+    return !failed_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  int threads_ = 1;
+  const std::atomic<bool>& failed_;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> phase_{0};
+};
+
+// [begin, end) of n split evenly over the threads: thread `tid` of `threads` takes its own slice.
+struct Share {
+  int64_t begin, end;
+  Share(int64_t n, int tid, int threads) : begin(n * tid / threads), end(n * (tid + 1) / threads) {}
+};
+
+// One row of k or v (float32) into the pool's row, in the pool's dtype: rounded to nearest even, as
+// Tensor.to rounds.
+template <typename kv_t>
+inline void store_row(const float* src, void* dst, int64_t n) {
+  kv_t* out = static_cast<kv_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<kv_t>(src[i]);
+}
+
+using StoreRow = void (*)(const float*, void*, int64_t);
 
 at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t rope_cols,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, at::IntArrayRef counts,
@@ -29,66 +98,171 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
                         const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                         const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens, int64_t flash_min_rows,
                         int64_t flash_min_keys, double scale, int64_t act_bits, int64_t isa) {
-  static const auto linear =
-      op_handle("hydragen::quant_linear")
-          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef, const OptTensor&,
-                            double, const OptTensor&, const OptTensor&, const OptTensor&, int64_t, bool, int64_t,
-                            int64_t)>();
-  static const auto tail =
-      op_handle("hydragen::quant_mlp_tail")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef,
-                            const at::Tensor&, double, at::TensorList, at::IntArrayRef, at::IntArrayRef, at::TensorList,
-                            at::IntArrayRef, at::IntArrayRef, int64_t, int64_t)>();
-  static const auto attention =
-      op_handle("hydragen::step_attention")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                            int64_t, int64_t, int64_t, double)>();
-
   TORCH_CHECK(counts.size() % 4 == 0 && norms.size() == counts.size() / 2,
               "quant_layers: counts holds 4 part counts per layer (qkv, o, gate_up, down), norms 2 per layer");
   TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size(),
               "quant_layers: weights, qtypes and rows must have one length");
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
               "quant_layers: h must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_layers: act_bits must be 8 or 15, got ", act_bits);
   const int64_t layers = static_cast<int64_t>(counts.size()) / 4;
   const auto pool_type = pool_k.scalar_type();
   TORCH_CHECK(pool_k.dim() == 4 && pool_k.sizes() == pool_v.sizes() && pool_k.size(0) == layers &&
                   pool_k.size(2) == num_kv_heads && pool_v.scalar_type() == pool_type &&
                   (pool_type == at::kFloat || pool_type == at::kBFloat16 || pool_type == at::kHalf),
               "quant_layers: pool_k/v must be float32, bfloat16 or float16 [layers, slots, kv heads, head dim]");
-  const int64_t t = h.size(0), d = pool_k.size(3), qdim = num_heads * d, kvdim = num_kv_heads * d;
-  const OptTensor none;
-  const OptTensor cos = rope_cos, sin = rope_sin;
+  const int64_t t = h.size(0), hidden = h.size(1), d = pool_k.size(3), qdim = num_heads * d,
+                kvdim = num_kv_heads * d, qkv_cols = qdim + 2 * kvdim;
+  TORCH_CHECK(pool_k.stride(3) == 1 && pool_k.stride(2) == d && pool_v.stride(3) == 1 && pool_v.stride(2) == d,
+              "quant_layers: each slot's K and V rows must be dense");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
+              "quant_layers: slots must be a contiguous int64 vector with one slot per token");
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_k.size(1), "quant_layers: slot ", slot[i], " is outside the ",
+                pool_k.size(1), " slots of the KV pool");
+  }
+  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_sin.scalar_type() == at::kFloat &&
+                  rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.dim() == 2 &&
+                  rope_cos.size(0) == t && rope_cos.sizes() == rope_sin.sizes() &&
+                  rope_cos.size(1) <= hq::kMaxRopeDim && rope_cols >= 0 && rope_cols % rope_cos.size(1) == 0 &&
+                  rope_cols <= qkv_cols,
+              "quant_layers: rope tables must be contiguous float32 [tokens, head_dim <= 512] dividing rope_cols");
+
+  // Every projection planned (and checked) before any thread starts.
+  struct LayerPlan {
+    hq::LinearPlan qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm;
+  };
+  std::vector<LayerPlan> plan(layers);
   size_t next = 0;  // the next part in weights/qtypes/rows
-  auto take = [&](int64_t n) {
+  const auto take = [&](int64_t n, int64_t k) {
     TORCH_CHECK(n > 0 && next + n <= weights.size(), "quant_layers: counts do not match the weights given");
     const size_t at = next;
     next += n;
-    return std::make_tuple(weights.slice(at, n), qtypes.slice(at, n), rows.slice(at, n));
+    return hq::plan_linear(weights.slice(at, n), qtypes.slice(at, n), rows.slice(at, n), t, k, isa);
   };
+  int64_t ffn = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const auto [qkv_w, qkv_t, qkv_r] = take(counts[4 * layer]);
-    const auto [o_w, o_t, o_r] = take(counts[4 * layer + 1]);
-    const auto [gu_w, gu_t, gu_r] = take(counts[4 * layer + 2]);
-    const auto [d_w, d_t, d_r] = take(counts[4 * layer + 3]);
-    const OptTensor attn_norm = norms[2 * layer];
-    const at::Tensor qkv = linear.call(h, qkv_w, qkv_t, qkv_r, attn_norm, eps, none, cos, sin, rope_cols, false,
-                                       act_bits, isa);
-    TORCH_CHECK(qkv.size(1) == qdim + 2 * kvdim, "quant_layers: layer ", layer, " qkv gives ", qkv.size(1),
-                " columns, the heads call for ", qdim + 2 * kvdim);
-    const at::Tensor q = qkv.narrow(1, 0, qdim).view({t, num_heads, d});
-    const at::Tensor k = qkv.narrow(1, qdim, kvdim).view({t, num_kv_heads, d});
-    const at::Tensor v = qkv.narrow(1, qdim + kvdim, kvdim).view({t, num_kv_heads, d});
-    at::Tensor layer_k = pool_k.select(0, layer), layer_v = pool_v.select(0, layer);
-    layer_k.index_copy_(0, slots, k.to(pool_type));  // a 16-bit cache keeps the rounded values
-    layer_v.index_copy_(0, slots, v.to(pool_type));
-    const at::Tensor o = attention.call(q, layer_k, layer_v, runs, pieces, blocks, tok_ptr, tok_parts, num_parts,
-                                        max_item_tokens, flash_min_rows, flash_min_keys, scale);
-    tail.call(o.reshape({t, qdim}), h, o_w, o_t, o_r, norms[2 * layer + 1], eps, gu_w, gu_t, gu_r, d_w, d_t, d_r,
-              act_bits, isa);
+    LayerPlan& p = plan[layer];
+    p.qkv = take(counts[4 * layer], hidden);
+    p.o = take(counts[4 * layer + 1], qdim);
+    p.gate_up = take(counts[4 * layer + 2], hidden);
+    TORCH_CHECK(p.qkv.n_total == qkv_cols, "quant_layers: layer ", layer, " qkv gives ", p.qkv.n_total,
+                " columns, the heads call for ", qkv_cols);
+    TORCH_CHECK(p.o.n_total == hidden && p.gate_up.n_total % 2 == 0, "quant_layers: layer ", layer,
+                " o or gate_up has the wrong number of outputs");
+    ffn = std::max(ffn, p.gate_up.n_total / 2);
+    p.down = take(counts[4 * layer + 3], p.gate_up.n_total / 2);
+    TORCH_CHECK(p.down.n_total == hidden, "quant_layers: layer ", layer, " down gives ", p.down.n_total,
+                " columns, not ", hidden);
+    for (int j = 0; j < 2; ++j) {
+      const at::Tensor& norm = norms[2 * layer + j];
+      TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.numel() == hidden,
+                  "quant_layers: norms must be contiguous float32 vectors of ", hidden);
+    }
+    p.attn_norm = norms[2 * layer].const_data_ptr<float>();
+    p.mlp_norm = norms[2 * layer + 1].const_data_ptr<float>();
   }
   TORCH_CHECK(next == weights.size(), "quant_layers: more weights given than counts name");
+
+  // Buffers for the whole call, reused by every layer.
+  const auto f32 = h.options();
+  at::Tensor qkv = at::empty({t, qkv_cols}, f32);
+  at::Tensor normed = at::empty({t, hidden}, f32);
+  at::Tensor gate_up = at::empty({t, 2 * ffn}, f32);
+  at::Tensor act = at::empty({t, ffn}, f32);
+  hq::QuantizedActs qa;
+  const int bits = static_cast<int>(act_bits);
+  hq::size_acts(t, std::max({hidden, qdim, ffn}), bits, qa);
+  hsa::StepAttention attention(qkv.narrow(1, 0, qdim).view({t, num_heads, d}), pool_k, pool_v, runs, pieces, blocks,
+                               tok_ptr, tok_parts, num_parts, max_item_tokens, flash_min_rows, flash_min_keys, scale);
+  const float* attn_out = attention.out().const_data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  float* qkvp = qkv.data_ptr<float>();
+  float* np = normed.data_ptr<float>();
+  float* gup = gate_up.data_ptr<float>();
+  float* actp = act.data_ptr<float>();
+  const float* cos = rope_cos.const_data_ptr<float>();
+  const float* sin = rope_sin.const_data_ptr<float>();
+  StoreRow store = &store_row<float>;
+  if (pool_type == at::kHalf) store = &store_row<c10::Half>;
+  if (pool_type == at::kBFloat16) store = &store_row<c10::BFloat16>;
+  const int64_t elem = pool_k.element_size();
+  char* kbase = static_cast<char*>(pool_k.data_ptr());
+  char* vbase = static_cast<char*>(pool_v.data_ptr());
+  const int64_t k_layer = pool_k.stride(0) * elem, k_slot = pool_k.stride(1) * elem;
+  const int64_t v_layer = pool_v.stride(0) * elem, v_slot = pool_v.stride(1) * elem;
+  std::vector<std::atomic<int64_t>> taken(2 * layers);  // attention items handed out, per layer and phase
+  for (auto& n : taken) n.store(0, std::memory_order_relaxed);
+
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  SpinBarrier barrier(failed);
+  const int threads = static_cast<int>(std::max(1, std::min(at::get_num_threads(), omp_get_max_threads())));
+#pragma omp parallel num_threads(threads)
+  {
+    const int team = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp single
+    barrier.set_threads(team);  // the team OpenMP gave (one thread when nested); single ends with a barrier
+    const at::internal::ThreadIdGuard tid_guard(tid);
+    const Share my_rows(t, tid, team);
+    const auto matmul = [&](const hq::LinearPlan& p, const float* x, float* y, bool accumulate) {
+      const Share tasks(p.tasks(), tid, team);
+      hq::run_tasks(p, qa, x, y, accumulate, tasks.begin, tasks.end);
+    };
+    const auto quantize = [&](const float* x, int64_t k) {
+      hq::quantize_acts(x, my_rows.begin, my_rows.end, k, bits, plan[0].qkv.level, qa);
+    };
+    try {
+      for (int64_t layer = 0; layer < layers; ++layer) {
+        const LayerPlan& p = plan[layer];
+        // qkv = norm(h) @ W_qkv, with rotary on q and k; k and v written into the pool.
+        hq::rms_norm_range(hp, p.attn_norm, eps, my_rows.begin, my_rows.end, hidden, np);
+        quantize(np, hidden);
+        if (!barrier.wait()) break;
+        matmul(p.qkv, np, qkvp, false);
+        if (!barrier.wait()) break;
+        hq::rope_range(qkvp, qkv_cols, my_rows.begin, my_rows.end, rope_cols, cos, sin, rope_cos.size(1));
+        for (int64_t r = my_rows.begin; r < my_rows.end; ++r) {
+          const float* row = qkvp + r * qkv_cols + qdim;
+          store(row, kbase + layer * k_layer + slot[r] * k_slot, kvdim);
+          store(row + kvdim, vbase + layer * v_layer + slot[r] * v_slot, kvdim);
+        }
+        if (tid == 0) attention.set_layer(layer);  // read by the items after the barrier
+        if (!barrier.wait()) break;
+        // Attention: pieces, then blocks (which fold in the pieces' partials).
+        std::atomic<int64_t>& next_piece = taken[2 * layer];
+        std::atomic<int64_t>& next_block = taken[2 * layer + 1];
+        for (int64_t i = next_piece++; i < attention.num_pieces(); i = next_piece++) attention.piece(i);
+        if (!barrier.wait()) break;
+        for (int64_t i = next_block++; i < attention.num_blocks(); i = next_block++) attention.block(i);
+        if (!barrier.wait()) break;
+        // h += o(attention)
+        quantize(attn_out, qdim);
+        if (!barrier.wait()) break;
+        matmul(p.o, attn_out, hp, true);
+        if (!barrier.wait()) break;
+        // h += down(swiglu(gate_up(norm(h))))
+        hq::rms_norm_range(hp, p.mlp_norm, eps, my_rows.begin, my_rows.end, hidden, np);
+        quantize(np, hidden);
+        if (!barrier.wait()) break;
+        matmul(p.gate_up, np, gup, false);
+        if (!barrier.wait()) break;
+        const int64_t half = p.gate_up.n_total / 2;
+        hq::swiglu_range(gup, my_rows.begin, my_rows.end, half, actp);
+        hq::quantize_acts(actp, my_rows.begin, my_rows.end, half, bits, p.down.level, qa);
+        if (!barrier.wait()) break;
+        matmul(p.down, actp, hp, true);
+        if (!barrier.wait()) break;
+      }
+    } catch (...) {
+#pragma omp critical(hydragen_quant_layers)
+      if (!error) error = std::current_exception();
+      failed.store(true, std::memory_order_relaxed);
+    }
+  }
+  if (error) std::rethrow_exception(error);
   return h;
 }
 

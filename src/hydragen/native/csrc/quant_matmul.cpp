@@ -30,6 +30,7 @@
 #endif
 
 #include "quant_decode.h"
+#include "quant_linear.h"
 
 namespace hq {
 
@@ -213,15 +214,6 @@ using namespace hq;
 constexpr int kMaxMt = 4;  // activation rows per kernel call
 constexpr int64_t kRowChunk = 64;  // activation rows per task
 
-// An activation matrix quantized for the packed kernels (see quant_kernels.h): per group of 32, integers q
-// with |q| <= kQMax[bits] (int8, or 15 bits stored as q = 128 * hi + lo), the scale dx = max|x| / kQMax, the
-// float sum xs = dx * sum q and the integer sums per 16.
-struct QuantizedActs {
-  std::vector<int8_t> q, lo;
-  std::vector<float> dx, xs;
-  std::vector<int32_t> qs16;
-};
-
 constexpr float kQMax8 = 127.0f, kQMax15 = 16191.0f;  // 15 bits: hi = floor((q + 64) / 128) stays in int8
 
 // One group of 32 activations, the reference: scale d = max|x| / qmax (NaNs ignored), integers rounded half to
@@ -331,70 +323,68 @@ void quantize_group(const float* v, float qmax, bool fifteen, int8_t* q, int8_t*
 HQ_END
 #endif  // HQ_X86
 
-namespace {
+namespace hq {
 
-// Quantizes every group of x [m_rows, k] into out, on the vector path the instruction-set level allows.
-void quantize_rows(const float* x, int64_t m_rows, int64_t k, int bits, int level, QuantizedActs& out) {
+void size_acts(int64_t m_rows, int64_t k, int bits, QuantizedActs& qa) {
+  const int64_t groups = k / 32;
+  qa.q.resize(m_rows * k);
+  qa.lo.resize(bits == 15 ? m_rows * k : 0);
+  qa.dx.resize(m_rows * groups);
+  qa.xs.resize(m_rows * groups);
+  qa.qs16.resize(m_rows * groups * 2);
+}
+
+void quantize_acts(const float* x, int64_t m0, int64_t m1, int64_t k, int bits, int level, QuantizedActs& qa) {
   const int64_t groups = k / 32;
   const float qmax = bits == 15 ? kQMax15 : kQMax8;
   const bool fifteen = bits == 15;
-  out.q.resize(m_rows * k);
-  out.lo.resize(fifteen ? m_rows * k : 0);
-  out.dx.resize(m_rows * groups);
-  out.xs.resize(m_rows * groups);
-  out.qs16.resize(m_rows * groups * 2);
   auto* group = &quantize_group;
 #if HQ_X86
   if (level >= kAvx512) group = &hq::a512::quantize_group;
   else if (level >= kAvx2) group = &hq::a256::quantize_group;
 #endif
-  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * groups; i < end * groups; ++i) {
-      group(x + 32 * i, qmax, fifteen, out.q.data() + 32 * i, fifteen ? out.lo.data() + 32 * i : nullptr,
-            out.dx.data() + i, out.xs.data() + i, out.qs16.data() + 2 * i);
-    }
-  });
+  for (int64_t i = m0 * groups; i < m1 * groups; ++i) {
+    group(x + 32 * i, qmax, fifteen, qa.q.data() + 32 * i, fifteen ? qa.lo.data() + 32 * i : nullptr,
+          qa.dx.data() + i, qa.xs.data() + i, qa.qs16.data() + 2 * i);
+  }
 }
 
 // RMSNorm with the sum of squares in double: the result is then the exactly rounded one whatever the
 // summation order, so the twin (quant_twin.kernel_rms_norm) reproduces it bit for bit, and with it every
 // rounding of the activation quantization that follows.
-void rms_norm_rows(const float* x, const float* w, double eps, int64_t m_rows, int64_t k, float* out) {
-  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* v = x + m * k;
-      double ss = 0.0;
-      for (int64_t i = 0; i < k; ++i) ss += static_cast<double>(v[i]) * v[i];
-      const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(k) + eps));
-      for (int64_t i = 0; i < k; ++i) out[m * k + i] = w[i] * (v[i] * r);
-    }
-  });
+void rms_norm_range(const float* x, const float* w, double eps, int64_t m0, int64_t m1, int64_t k, float* out) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* v = x + m * k;
+    double ss = 0.0;
+    for (int64_t i = 0; i < k; ++i) ss += static_cast<double>(v[i]) * v[i];
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(k) + eps));
+    for (int64_t i = 0; i < k; ++i) out[m * k + i] = w[i] * (v[i] * r);
+  }
 }
 
-// out[:, :cols] rotated per head of cos.size(1) columns: x * cos + rotate_half(x) * signed_sin.
-void rope_rows(float* y, int64_t ld, int64_t m_rows, int64_t cols, const float* cos, const float* sin, int64_t d) {
+// y[:, :cols] rotated per head of d columns: x * cos + rotate_half(x) * signed_sin.
+void rope_range(float* y, int64_t ld, int64_t m0, int64_t m1, int64_t cols, const float* cos, const float* sin,
+                int64_t d) {
   const int64_t half = d / 2;
-  at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(d);
-    for (int64_t m = begin; m < end; ++m) {
-      const float* c = cos + m * d;
-      const float* s = sin + m * d;
-      for (int64_t h0 = 0; h0 < cols; h0 += d) {
-        float* x = y + m * ld + h0;
-        for (int64_t i = 0; i < d; ++i) tmp[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
-        std::memcpy(x, tmp.data(), d * sizeof(float));
-      }
+  float tmp[kMaxRopeDim];
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* c = cos + m * d;
+    const float* s = sin + m * d;
+    for (int64_t h0 = 0; h0 < cols; h0 += d) {
+      float* x = y + m * ld + h0;
+      for (int64_t i = 0; i < d; ++i) tmp[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
+      std::memcpy(x, tmp, d * sizeof(float));
     }
-  });
+  }
 }
 
 // out[m] = silu(y[m, :half]) * y[m, half:], with silu as ATen's CPU kernel computes it: x / (1 + exp(-x)) on
 // vectors of two registers at a time, the scalar formula for the rest. One pass, no temporaries.
-void swiglu_rows(const float* y, int64_t m_rows, int64_t half, float* out) {
+void swiglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* out) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t kStep = 2 * Vec::size();
   const Vec one(1.0f);
-  for (int64_t m = 0; m < m_rows; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
     const float* gate = y + m * 2 * half;
     const float* up = gate + half;
     float* o = out + m * half;
@@ -409,11 +399,9 @@ void swiglu_rows(const float* y, int64_t m_rows, int64_t half, float* out) {
   }
 }
 
-struct Part {
-  const uint8_t* data;
-  int qtype;
-  int64_t rows, col0, units, stride;  // stride: bytes per tile (packed) or per row (float)
-};
+}  // namespace hq
+
+namespace {
 
 void run_unit(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, const float* xf, int64_t k,
               int64_t m0, int64_t m1, float* y, int64_t ldy, bool accumulate) {
@@ -482,20 +470,19 @@ int64_t isa_level(int64_t requested) {
   return requested <= 0 ? best : std::min<int64_t>(requested, best);
 }
 
-at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows,
-                        const c10::optional<at::Tensor>& norm, double eps, const c10::optional<at::Tensor>& residual,
-                        const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin,
-                        int64_t rope_cols, bool swiglu, int64_t act_bits, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "quant_linear: x must be a contiguous 2-D float32 tensor");
+}  // namespace
+
+namespace hq {
+
+LinearPlan plan_linear(at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, int64_t m_rows,
+                       int64_t k, int64_t isa) {
   TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size() && !weights.empty(),
               "quant_linear: weights, qtypes and rows must be non-empty and of one length");
-  TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_linear: act_bits must be 8 or 15, got ", act_bits);
-  const int64_t m_rows = x.size(0), k = x.size(1);
-  const int level = static_cast<int>(isa_level(isa));
-  std::vector<Part> parts;
-  int64_t n_total = 0, units = 0;
-  bool any_packed = false;
+  LinearPlan plan;
+  plan.m_rows = m_rows;
+  plan.k = k;
+  plan.level = static_cast<int>(isa_level(isa));
+  plan.chunks = (m_rows + kRowChunk - 1) / kRowChunk;
   for (size_t i = 0; i < weights.size(); ++i) {
     const int qt = static_cast<int>(qtypes[i]);
     TORCH_CHECK(supported(qt), "quant_linear: GGML type ", qt, " is not supported");
@@ -512,12 +499,44 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     } else {
       TORCH_CHECK(w.size(0) == tiles && w.size(1) == (k / f.block) * tile_block_bytes(qt), "quant_linear: packed part ",
                   i, " has the wrong shape for ", k, " columns");
-      any_packed = true;
+      plan.any_packed = true;
     }
-    parts.push_back({w.data_ptr<uint8_t>(), qt, rows[i], n_total, tiles, w.size(1)});
-    n_total += rows[i];
-    units += tiles;
+    plan.parts.push_back({w.data_ptr<uint8_t>(), qt, rows[i], plan.n_total, tiles, w.size(1)});
+    plan.n_total += rows[i];
+    plan.units += tiles;
   }
+  return plan;
+}
+
+void run_tasks(const LinearPlan& plan, const QuantizedActs& qa, const float* xf, float* y, bool accumulate,
+               int64_t begin, int64_t end) {
+  size_t pi = 0;
+  int64_t first_unit = 0;  // of part pi
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t u = task / plan.chunks;
+    while (u >= first_unit + plan.parts[pi].units) first_unit += plan.parts[pi++].units;
+    const int64_t m0 = (task % plan.chunks) * kRowChunk, m1 = std::min(plan.m_rows, m0 + kRowChunk);
+    run_unit(plan.level, plan.parts[pi], u - first_unit, qa, xf, plan.k, m0, m1, y, plan.n_total, accumulate);
+  }
+}
+
+}  // namespace hq
+
+namespace {
+
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows,
+                        const c10::optional<at::Tensor>& norm, double eps, const c10::optional<at::Tensor>& residual,
+                        const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin,
+                        int64_t rope_cols, bool swiglu, int64_t act_bits, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_linear: act_bits must be 8 or 15, got ", act_bits);
+  const int64_t m_rows = x.size(0), k = x.size(1);
+  const LinearPlan plan = plan_linear(weights, qtypes, rows, m_rows, k, isa);
+  const int64_t n_total = plan.n_total;
+  const int bits = static_cast<int>(act_bits);
+  // Row helpers in parallel over rows, 16 at least to a thread (below that a region costs more than the rows).
+  const auto by_rows = [&](const auto& fn) { at::parallel_for(0, m_rows, 16, fn); };
 
   const float* xf = x.data_ptr<float>();
   static thread_local std::vector<float> normed;
@@ -525,14 +544,19 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->numel() == k && norm->is_contiguous(),
                 "quant_linear: norm must be a contiguous float32 vector of ", k);
     normed.resize(m_rows * k);
-    rms_norm_rows(xf, norm->data_ptr<float>(), eps, m_rows, k, normed.data());
-    xf = normed.data();
+    const float* w = norm->data_ptr<float>();
+    float* out = normed.data();  // this thread's buffer: inside the region `normed` would be each worker's own
+    by_rows([&](int64_t m0, int64_t m1) { rms_norm_range(xf, w, eps, m0, m1, k, out); });
+    xf = out;
   }
   // Scratch reused across calls. A thread_local named inside the parallel region below would be each worker
   // thread's own (empty) copy, so the region sees it through this reference.
   static thread_local QuantizedActs scratch;
   QuantizedActs& qa = scratch;
-  if (any_packed) quantize_rows(xf, m_rows, k, static_cast<int>(act_bits), level, qa);
+  if (plan.any_packed) {
+    size_acts(m_rows, k, bits, qa);
+    by_rows([&](int64_t m0, int64_t m1) { quantize_acts(xf, m0, m1, k, bits, plan.level, qa); });
+  }
 
   at::Tensor y;
   bool accumulate = false;
@@ -546,17 +570,8 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     y = at::empty({m_rows, n_total}, x.options());
   }
   float* yp = y.data_ptr<float>();
-  const int64_t chunks = (m_rows + kRowChunk - 1) / kRowChunk;
-  std::vector<std::pair<int, int64_t>> unit_of(units);
-  for (size_t i = 0, u = 0; i < parts.size(); ++i)
-    for (int64_t t = 0; t < parts[i].units; ++t) unit_of[u++] = {static_cast<int>(i), t};
-  at::parallel_for(0, units * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const auto [pi, unit] = unit_of[task / chunks];
-      const int64_t m0 = (task % chunks) * kRowChunk, m1 = std::min(m_rows, m0 + kRowChunk);
-      run_unit(level, parts[pi], unit, qa, xf, k, m0, m1, yp, n_total, accumulate);
-    }
-  });
+  at::parallel_for(0, plan.tasks(), 1,
+                   [&](int64_t begin, int64_t end) { run_tasks(plan, qa, xf, yp, accumulate, begin, end); });
 
   if (rope_cols > 0) {
     TORCH_CHECK(rope_cos.has_value() && rope_sin.has_value(), "quant_linear: rope needs cos and sin tables");
@@ -564,17 +579,17 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     const at::Tensor& s = *rope_sin;
     TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && c.is_contiguous() &&
                     s.is_contiguous() && c.dim() == 2 && c.size(0) == m_rows && c.sizes() == s.sizes() &&
-                    rope_cols % c.size(1) == 0 && rope_cols <= n_total,
-                "quant_linear: rope tables must be contiguous float32 [rows, head_dim] dividing rope_cols");
-    rope_rows(yp, n_total, m_rows, rope_cols, c.data_ptr<float>(), s.data_ptr<float>(), c.size(1));
+                    c.size(1) <= kMaxRopeDim && rope_cols % c.size(1) == 0 && rope_cols <= n_total,
+                "quant_linear: rope tables must be contiguous float32 [rows, head_dim <= 512] dividing rope_cols");
+    by_rows([&](int64_t m0, int64_t m1) {
+      rope_range(yp, n_total, m0, m1, rope_cols, c.data_ptr<float>(), s.data_ptr<float>(), c.size(1));
+    });
   }
   if (swiglu) {
     TORCH_CHECK(n_total % 2 == 0, "quant_linear: swiglu needs an even number of outputs");
     const int64_t half = n_total / 2;
     at::Tensor out = at::empty({m_rows, half}, x.options());
-    at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
-      swiglu_rows(yp + begin * n_total, end - begin, half, out.data_ptr<float>() + begin * half);
-    });
+    by_rows([&](int64_t m0, int64_t m1) { swiglu_range(yp, m0, m1, half, out.data_ptr<float>()); });
     return out;
   }
   return y;

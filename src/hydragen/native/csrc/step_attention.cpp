@@ -21,6 +21,7 @@
 // aten_vec.h maps ATen's Vectorized<float> to the AVX2 or AVX-512 registers -march=native gives.
 
 #include "aten_vec.h"  // before any ATen header
+#include "step_attention.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -542,113 +543,165 @@ void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out,
   }
 }
 
-// Runs first(i, scratch) for i in [0, n1), then second(i, scratch) for i in [0, n2), on all threads in one
-// parallel region: items are handed out one at a time in order (the build sorts them most expensive first,
-// so uneven items still balance), and a thread that finds the first phase handed out waits until it is
-// done (a phase-2 block reads phase-1 partials) rather than ending the region and forking a second one.
+// Runs first(i) for i in [0, n1), then second(i) for i in [0, n2), on all threads in one parallel region:
+// items are handed out one at a time in order (the build sorts them most expensive first, so uneven items
+// still balance), and a thread that finds the first phase handed out waits until it is done (a phase-2 block
+// reads phase-1 partials) rather than ending the region and forking a second one.
 template <typename F1, typename F2>
-void for_each_item(int64_t n1, const F1& first, int64_t n2, const F2& second, int64_t rows, int64_t d) {
+void for_each_item(int64_t n1, const F1& first, int64_t n2, const F2& second) {
   const int64_t jobs = std::max(n1, n2);
   if (jobs == 0) return;
   std::atomic<int64_t> next1{0}, done1{0}, next2{0};
   std::atomic<bool> failed{false};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), jobs), 1, [&](int64_t, int64_t) {
-    Scratch& w = thread_scratch(rows, d);
     for (int64_t i = next1++; i < n1; i = next1++) {
       struct Done {  // counted even if the item throws, so no thread waits forever
         std::atomic<int64_t>& n;
         ~Done() { n.fetch_add(1, std::memory_order_release); }
       } done{done1};
       try {
-        first(i, w);
+        first(i);
       } catch (...) {
         failed = true;  // phase 2 would read partials never written; parallel_for rethrows this
         throw;
       }
     }
     while (done1.load(std::memory_order_acquire) < n1) std::this_thread::yield();
-    for (int64_t i = next2++; i < n2 && !failed; i = next2++) second(i, w);
+    for (int64_t i = next2++; i < n2 && !failed; i = next2++) second(i);
   });
+}
+
+inline Strides strides_of(const hsa::StepAttention& a) {
+  return {a.q_.stride(0), a.q_.stride(1), a.k_.stride(0), a.k_.stride(1), a.v_.stride(0), a.v_.stride(1)};
+}
+
+template <typename q_t, typename scalar_t>
+void piece_item(const hsa::StepAttention& a, int64_t i) {
+  const int64_t* row = a.pp_ + 7 * (i / a.hkv_);
+  const Item it = item_at(row);
+  const int64_t nt = it.tok_hi - it.tok_lo;
+  const bool whole = it.first >= it.total, square = it.first == 1 && it.total == nt;
+  const int64_t keys = std::min(it.first + nt - 1, it.total);
+  const Partials part{a.part_o_.data_ptr<float>(), a.part_lse_.data_ptr<float>()};
+  if (a.flash_min_rows_ >= 0 && nt * a.g_ >= a.flash_min_rows_ && keys >= a.flash_min_keys_ && (whole || square)) {
+    const bool pooled = a.k_pool_.defined();  // the layer's views, made only here: flash pieces are large
+    flash_piece(a.q_, pooled ? a.k_pool_.select(0, a.layer_) : a.k_, pooled ? a.v_pool_.select(0, a.layer_) : a.v_,
+                a.rp_, it, row[6], i % a.hkv_, a.scale_, part);
+  } else if (i % a.hkv_ == 0) {
+    own_piece<q_t, scalar_t>(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_),
+                             reinterpret_cast<const scalar_t*>(a.vp_), strides_of(a), a.rp_, it, row[6], 0, a.hkv_,
+                             a.hq_, a.g_, a.d_, static_cast<float>(a.scale_), part, thread_scratch(a.rows_, a.d_));
+  }
+}
+
+// Phase 2 item i: a block of segment tokens, every KV head.
+template <typename q_t, typename scalar_t>
+void block_item(const hsa::StepAttention& a, int64_t i) {
+  const Partials part{a.part_o_.data_ptr<float>(), a.part_lse_.data_ptr<float>()};
+  segment_block<q_t, scalar_t>(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_),
+                               reinterpret_cast<const scalar_t*>(a.vp_), a.out_.data_ptr<q_t>(), strides_of(a), a.rp_,
+                               item_at(a.bp_ + 6 * i), a.tp_, a.tq_, 0, a.hkv_, a.hq_, a.g_, a.d_,
+                               static_cast<float>(a.scale_), part, thread_scratch(a.rows_, a.d_));
 }
 
 at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
                           const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                           const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
                           int64_t flash_min_rows, int64_t flash_min_keys, double scale) {
+  const hsa::StepAttention job(q, k, v, runs, pieces, blocks, tok_ptr, tok_parts, num_parts, max_item_tokens,
+                               flash_min_rows, flash_min_keys, scale);
+  for_each_item(
+      job.num_pieces(), [&](int64_t i) { job.piece(i); }, job.num_blocks(), [&](int64_t i) { job.block(i); });
+  return job.out();
+}
+
+}  // namespace
+
+namespace hsa {
+
+StepAttention::StepAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
+                             const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
+                             const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
+                             int64_t flash_min_rows, int64_t flash_min_keys, double scale)
+    : q_(q), scale_(scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "step_attention: CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "step_attention: q [T, Hq, D], k/v [S, Hkv, D]");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "step_attention: head dim must be dense");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2), "step_attention: k/v shapes differ from q's");
+  TORCH_CHECK(k.dim() == v.dim() && (k.dim() == 3 || k.dim() == 4) && k.sizes() == v.sizes(),
+              "step_attention: k/v must be [S, Hkv, D] (or every layer's, [L, S, Hkv, D]) of one shape");
+  if (k.dim() == 4) {
+    TORCH_CHECK(k.size(0) > 0, "step_attention: a pool of no layers");
+    k_pool_ = k;
+    v_pool_ = v;
+    k_ = k.select(0, 0);
+    v_ = v.select(0, 0);
+  } else {
+    k_ = k;
+    v_ = v;
+  }
+  TORCH_CHECK(q.dim() == 3, "step_attention: q [T, Hq, D], k/v [S, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && k_.stride(2) == 1 && v_.stride(2) == 1, "step_attention: head dim must be dense");
+  TORCH_CHECK(k_.size(2) == q.size(2), "step_attention: k/v shapes differ from q's");
   // The KV pool may be narrower than the activations (a 16-bit cache under float32 compute): its rows are
   // widened to float32 as they are read, as 16-bit rows always were.
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "step_attention: k and v must share one dtype");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() || q.scalar_type() == at::kFloat,
               "step_attention: k/v must have q's dtype, or q must be float32 (a 16-bit KV cache), got q ",
               q.scalar_type(), " and k/v ", k.scalar_type());
-  const int64_t t = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1);
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "step_attention: Hq must be a multiple of Hkv");
+  const int64_t t = q.size(0);
+  hq_ = q.size(1);
+  d_ = q.size(2);
+  hkv_ = k_.size(1);
+  TORCH_CHECK(hkv_ > 0 && hq_ % hkv_ == 0, "step_attention: Hq must be a multiple of Hkv");
   for (const at::Tensor* x : {&runs, &pieces, &blocks, &tok_ptr, &tok_parts}) {
     TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous() && x->device().is_cpu(),
                 "step_attention: metadata must be contiguous int64 CPU tensors");
   }
   TORCH_CHECK(pieces.size(1) == 7 && blocks.size(1) == 6 && tok_ptr.numel() == t + 1,
               "step_attention: metadata shapes do not match");
-  const int64_t g = hq / hkv;
-  at::Tensor out = at::empty({t, hq, d}, q.options());
-  at::Tensor part_o = at::empty({num_parts, hq, d}, q.options().dtype(at::kFloat));
-  at::Tensor part_lse = at::empty({num_parts, hq}, q.options().dtype(at::kFloat));
-  const Partials part{part_o.data_ptr<float>(), part_lse.data_ptr<float>()};
-  const Strides st{q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
-  const int64_t* rp = runs.data_ptr<int64_t>();
-  const int64_t* pp = pieces.data_ptr<int64_t>();
-  const int64_t* bp = blocks.data_ptr<int64_t>();
-  const int64_t* tp = tok_ptr.data_ptr<int64_t>();
-  const int64_t* tq = tok_parts.data_ptr<int64_t>();
+  g_ = hq_ / hkv_;
+  out_ = at::empty({t, hq_, d_}, q.options());
+  part_o_ = at::empty({num_parts, hq_, d_}, q.options().dtype(at::kFloat));
+  part_lse_ = at::empty({num_parts, hq_}, q.options().dtype(at::kFloat));
+  rp_ = runs.const_data_ptr<int64_t>();
+  pp_ = pieces.const_data_ptr<int64_t>();
+  bp_ = blocks.const_data_ptr<int64_t>();
+  tp_ = tok_ptr.const_data_ptr<int64_t>();
+  tq_ = tok_parts.const_data_ptr<int64_t>();
+  n_pieces_ = pieces.size(0) * hkv_;
+  n_blocks_ = blocks.size(0);
   // attend() takes every KV head of an item at once: a slot's K (and V) rows of all heads are one
   // contiguous read, where one head per item read a third of each slot's bytes at a stride.
-  const int64_t rows = std::max<int64_t>(1, max_item_tokens) * hq;
-  const float fscale = static_cast<float>(scale);
-  const auto kernel = [&](auto q_zero, auto kv_zero) {
+  rows_ = std::max<int64_t>(1, max_item_tokens) * hq_;
+  flash_min_rows_ = flash_min_rows;
+  flash_min_keys_ = flash_min_keys;
+  kp_ = static_cast<const char*>(k_.const_data_ptr());
+  vp_ = static_cast<const char*>(v_.const_data_ptr());
+  const auto pick = [&](auto q_zero, auto kv_zero) {
     using q_t = decltype(q_zero);
     using scalar_t = decltype(kv_zero);
-    const q_t* qp = q.const_data_ptr<q_t>();
-    const scalar_t* kp = k.const_data_ptr<scalar_t>();
-    const scalar_t* vp = v.const_data_ptr<scalar_t>();
-    q_t* op = out.data_ptr<q_t>();
-    // Phase 1: a piece for the flash kernel is one item per KV head; any other piece, one item (its first
-    // head's slot) for all heads.
-    const auto piece = [&](int64_t i, Scratch& w) {
-      const int64_t* row = pp + 7 * (i / hkv);
-      const Item it = item_at(row);
-      const int64_t nt = it.tok_hi - it.tok_lo;
-      const bool whole = it.first >= it.total, square = it.first == 1 && it.total == nt;
-      const int64_t keys = std::min(it.first + nt - 1, it.total);
-      if (flash_min_rows >= 0 && nt * g >= flash_min_rows && keys >= flash_min_keys && (whole || square)) {
-        flash_piece(q, k, v, rp, it, row[6], i % hkv, scale, part);
-      } else if (i % hkv == 0) {
-        own_piece<q_t, scalar_t>(qp, kp, vp, st, rp, it, row[6], 0, hkv, hq, g, d, fscale, part, w);
-      }
-    };
-    const auto block = [&](int64_t i, Scratch& w) {
-      segment_block<q_t, scalar_t>(qp, kp, vp, op, st, rp, item_at(bp + 6 * i), tp, tq, 0, hkv, hq, g, d, fscale,
-                                   part, w);
-    };
-    for_each_item(pieces.size(0) * hkv, piece, blocks.size(0), block, rows, d);
+    piece_fn_ = &piece_item<q_t, scalar_t>;
+    block_fn_ = &block_item<q_t, scalar_t>;
   };
   // k's dtype picks the kernel; q has it too, or is float32 over a 16-bit cache (checked above)
   const bool wide_q = q.scalar_type() != k.scalar_type();
   switch (k.scalar_type()) {
-    case at::kFloat: kernel(float{}, float{}); break;
-    case at::kBFloat16: wide_q ? kernel(float{}, at::BFloat16{}) : kernel(at::BFloat16{}, at::BFloat16{}); break;
-    case at::kHalf: wide_q ? kernel(float{}, at::Half{}) : kernel(at::Half{}, at::Half{}); break;
+    case at::kFloat: pick(float{}, float{}); break;
+    case at::kBFloat16: wide_q ? pick(float{}, at::BFloat16{}) : pick(at::BFloat16{}, at::BFloat16{}); break;
+    case at::kHalf: wide_q ? pick(float{}, at::Half{}) : pick(at::Half{}, at::Half{}); break;
     default:
       TORCH_CHECK(false, "step_attention: q and k/v must be float32, bfloat16 or float16, got q ", q.scalar_type(),
                   " and k/v ", k.scalar_type());
   }
-  return out;
 }
 
-}  // namespace
+void StepAttention::set_layer(int64_t layer) {
+  TORCH_CHECK(k_pool_.defined() && layer >= 0 && layer < k_pool_.size(0), "step_attention: no layer ", layer);
+  const int64_t elem = k_pool_.element_size();
+  layer_ = layer;
+  kp_ = static_cast<const char*>(k_pool_.const_data_ptr()) + layer * k_pool_.stride(0) * elem;
+  vp_ = static_cast<const char*>(v_pool_.const_data_ptr()) + layer * v_pool_.stride(0) * elem;
+}
+
+}  // namespace hsa
 
 TORCH_LIBRARY(hydragen, m) {
   m.def(

@@ -1,0 +1,65 @@
+// The quantized projection's steps (quant_matmul.cpp), for callers that run them inside a parallel region of
+// their own: the layer stack (quant_layers.cpp) runs every layer of a step in one region, each thread taking
+// its share of each step between barriers, where the quant_linear op forks a region per call.
+//
+// Every function here computes rows (or output tiles) independently of the others, so splitting them across
+// threads in any way gives the same bits as the op.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace hq {
+
+constexpr int64_t kMaxRopeDim = 512;  // the largest head dim the rotary embedding takes
+
+// An activation matrix quantized for the packed kernels (quant_kernels.h): per group of 32, integers q with
+// |q| <= kQMax[bits] (int8, or 15 bits stored as q = 128 * hi + lo), the scale dx = max|x| / kQMax, the float
+// sum xs = dx * sum q and the integer sums per 16. Rows are k values apart, for the k of the last sizing.
+struct QuantizedActs {
+  std::vector<int8_t> q, lo;
+  std::vector<float> dx, xs;
+  std::vector<int32_t> qs16;
+};
+
+// One part of a projection's weight: packed tiles, or a float matrix in the file's row-major layout.
+struct Part {
+  const uint8_t* data;
+  int qtype;
+  int64_t rows, col0, units, stride;  // stride: bytes per tile (packed) or per row (float)
+};
+
+// A projection of m_rows activation rows of k columns through its parts, cut into tasks: one 16-row output
+// tile of one part against a chunk of up to 64 activation rows.
+struct LinearPlan {
+  std::vector<Part> parts;
+  int64_t n_total = 0, units = 0, chunks = 0, m_rows = 0, k = 0;
+  bool any_packed = false;
+  int level = 0;  // the instruction set that runs it
+  int64_t tasks() const { return units * chunks; }
+};
+
+// Checks the weights against k (every error names the problem) and lays out the tasks.
+LinearPlan plan_linear(at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, int64_t m_rows,
+                       int64_t k, int64_t isa);
+
+// Sizes qa for m_rows x k activations at `bits` (8 or 15); then quantize_acts fills rows [m0, m1).
+void size_acts(int64_t m_rows, int64_t k, int bits, QuantizedActs& qa);
+void quantize_acts(const float* x, int64_t m0, int64_t m1, int64_t k, int bits, int level, QuantizedActs& qa);
+
+// Tasks [begin, end) of the plan: y[m, col] (= or +=) for their tiles and rows. xf: the float activations
+// (float parts read them; packed parts read qa).
+void run_tasks(const LinearPlan& plan, const QuantizedActs& qa, const float* xf, float* y, bool accumulate,
+               int64_t begin, int64_t end);
+
+// Rows [m0, m1) of the model's neighbours of a projection: RMSNorm (sum of squares in double), rotary embedding
+// of the first `cols` columns (rotate-half, tables [rows, d]), SwiGLU (silu(first half) * second half).
+void rms_norm_range(const float* x, const float* w, double eps, int64_t m0, int64_t m1, int64_t k, float* out);
+void rope_range(float* y, int64_t ld, int64_t m0, int64_t m1, int64_t cols, const float* cos, const float* sin,
+                int64_t d);
+void swiglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* out);
+
+}  // namespace hq
