@@ -139,6 +139,32 @@ inline void dots(const float* q, const kv_t* const* rows, int64_t nk, int64_t d,
   for (; i < nk; ++i) s[i] = dot(q, rows[i], d);
 }
 
+// dots() for the G query rows of one KV head at once: each loaded K vector feeds G rows, where one row at a
+// time loaded it G times (the loads, not the multiply-adds, bounded the loop). Per row the multiply-adds and
+// the reduction are dots()'s, in its order, so the scores are its bits. Needs d a multiple of kVL.
+template <int G, typename kv_t>
+inline void dots_rows(const float* const* q, const kv_t* const* rows, int64_t nk, int64_t d, float* const* s) {
+  int64_t i = 0;
+  for (; i + 4 <= nk; i += 4) {
+    const kv_t *k0 = rows[i], *k1 = rows[i + 1], *k2 = rows[i + 2], *k3 = rows[i + 3];
+    Vec a[G][4];
+    for (int r = 0; r < G; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = Vec(0.f);
+    for (int64_t j = 0; j < d; j += kVL) {
+      const Vec x0 = load_f(k0 + j), x1 = load_f(k1 + j), x2 = load_f(k2 + j), x3 = load_f(k3 + j);
+      for (int r = 0; r < G; ++r) {
+        const Vec x = Vec::loadu(q[r] + j);
+        a[r][0] = at::vec::fmadd(x, x0, a[r][0]);
+        a[r][1] = at::vec::fmadd(x, x1, a[r][1]);
+        a[r][2] = at::vec::fmadd(x, x2, a[r][2]);
+        a[r][3] = at::vec::fmadd(x, x3, a[r][3]);
+      }
+    }
+    for (int r = 0; r < G; ++r) hsum4(a[r][0], a[r][1], a[r][2], a[r][3], s[r] + i);
+  }
+  for (; i < nk; ++i)
+    for (int r = 0; r < G; ++r) s[r][i] = dot(q[r], rows[i], d);
+}
+
 // acc_r[0 : NV * kVL] = acc_r * alpha_r + sum_i p_r[i] * rows[i][d0 : d0 + NV * kVL] for R rows sharing the
 // V rows: the R x NV accumulators stay in registers and each loaded V vector feeds R of them. Per row the
 // operations and their order do not depend on R, so R rows together give each row's bits alone.
@@ -294,6 +320,9 @@ inline uint64_t sweep(const void* p, int64_t bytes) {
     uint64_t x;
     std::memcpy(&x, c + i, sizeof x);
     a ^= x;
+#if defined(__GNUC__)
+    asm volatile("" : "+r"(a));  // one scalar load per line: vectorized, the loop read whole lines and permuted
+#endif
   }
   return a;
 }
@@ -359,12 +388,14 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   // (g accumulators of d / kVL vectors each: at most 24 of AVX-512's 32 registers, 12 of AVX2's 16.)
   const bool shared_pv =
       g <= 4 && (d == 2 * kVL || d == 4 * kVL || d == 8 * kVL) && g * (d / kVL) <= (kVL >= 16 ? 24 : 12);
+  const bool shared_qk = g <= 4 && d % kVL == 0;
   const auto gather = [&](int64_t count) {  // the next block's rows, prefetched
     for (int64_t i = 0; i < count; ++i) {
       const int64_t slot = cursor.next();
       for (int64_t j = 0; j < nh; ++j) {
         next_k[j * kBlockKeys + i] = k + slot * st.k_s + (h + j) * st.k_h;
         next_v[j * kBlockKeys + i] = v + slot * st.v_s + (h + j) * st.v_h;
+        if (slot_major) continue;  // the sweep brings these rows in
         prefetch_row(next_k[j * kBlockKeys + i], row_bytes);
         prefetch_row(next_v[j * kBlockKeys + i], row_bytes);
       }
@@ -381,9 +412,24 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
       const int64_t seen = std::min(it.first + r / gh, it.total);
       w.lim[r] = std::max<int64_t>(0, std::min(nk, seen - pos));
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t j = (r % gh) / g;  // the row's head among the item's
-      dots(qf + r * d, krow.data() + j * kBlockKeys, w.lim[r], d, w.s.data() + r * kBlockKeys);
+    for (int64_t r0 = 0; r0 < rows; r0 += g) {  // the g rows of a token and KV head share their K rows and lim
+      const scalar_t* const* kr = krow.data() + (r0 % gh) / g * kBlockKeys;
+      if (!shared_qk) {
+        for (int64_t r = r0; r < r0 + g; ++r) dots(qf + r * d, kr, w.lim[r], d, w.s.data() + r * kBlockKeys);
+        continue;
+      }
+      const float* qs[4];
+      float* ss[4];
+      for (int64_t u = 0; u < g; ++u) {
+        qs[u] = qf + (r0 + u) * d;
+        ss[u] = w.s.data() + (r0 + u) * kBlockKeys;
+      }
+      switch (g) {
+        case 1: dots_rows<1>(qs, kr, w.lim[r0], d, ss); break;
+        case 2: dots_rows<2>(qs, kr, w.lim[r0], d, ss); break;
+        case 3: dots_rows<3>(qs, kr, w.lim[r0], d, ss); break;
+        default: dots_rows<4>(qs, kr, w.lim[r0], d, ss); break;
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {  // online softmax: p = exp(s - m) in place
       const int64_t n = w.lim[r];
