@@ -2,10 +2,11 @@
 
 ``LlamaModel.forward`` runs a layer as three C++ calls plus attention, from a Python loop. At batch 1 on a
 small model the Python between those calls (module dispatch, the attention callback, splitting q/k/v, the
-KV write) is about a tenth of a decode step. ``native/csrc/quant_layers.cpp`` makes the same calls in the
-same order from C++ (qkv with norm and rotary, the KV write into the pool, ``step_attention``, the fused
-layer tail), so its output is the loop's bit for bit; the loop stays for everything else (float or CUDA
-weights, biases, tensor-parallel shards, the torch and Triton attention paths).
+KV write) is about a tenth of a decode step. ``native/csrc/quant_layers.cpp`` computes the same stages with
+the same functions (qkv with norm and rotary, the KV write into the pool, step attention, o, gate/up with
+SwiGLU, down) in one parallel region for all the layers, each thread taking a share of every stage, so its
+output is the loop's bit for bit; the loop stays for everything else (float or CUDA weights, biases,
+tensor-parallel shards, the torch and Triton attention paths).
 
 ``HYDRAGEN_FUSED_LAYERS=0`` turns it off (the per-op path; how the tests and the benchmark compare them).
 """
