@@ -30,7 +30,7 @@ _SOURCE_NAMES = (
     "sampling.cpp",
     "quant_pack.cpp",
     "quant_matmul.cpp",
-    "quant_layers.cpp",  # calls the other ops through the dispatcher
+    "quant_layers.cpp",  # every layer in one region, through quant_linear.h and step_attention.h
 )
 SOURCES = tuple(_CSRC / name for name in _SOURCE_NAMES)
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # included by the sources: copied beside them and part of the key

@@ -4,8 +4,8 @@
 //   qkv = quant_linear(h, norm = attn_norm, rope);  pool_k/v[layer][slots] = k, v;
 //   o = step_attention(q, pool_k[layer], pool_v[layer], the step's work items);
 //   h += o_proj(o);  h += down(swiglu(gate_up(norm(h))))
-// so its result is bit for bit the per-op path's (tests/test_quant_model.py): every output row or tile is
-// computed by one thread, whichever it is.
+// so its result is bit for bit the per-op path's (tests/test_quant_model.py, at 1, 2 and 3 threads): every
+// output row or tile is computed by one thread, whichever it is.
 //
 // Why one region: at batch 1 a small model's projections are a few hundred KB each, and a region per op (fork,
 // join, the dispatcher, allocations), repeated ~6 times per layer, left the memory bus idle between streams; the
@@ -81,8 +81,8 @@ struct Share {
   Share(int64_t n, int tid, int threads) : begin(n * tid / threads), end(n * (tid + 1) / threads) {}
 };
 
-// One row of k or v (float32) into the pool's row, in the pool's dtype: rounded to nearest even, as
-// Tensor.to rounds.
+// One row of k or v (float32) into the pool's row, in the pool's dtype: finite values rounded to nearest
+// even, as Tensor.to rounds them (a NaN's payload may differ; such a request fails at sampling anyway).
 template <typename kv_t>
 inline void store_row(const float* src, void* dst, int64_t n) {
   kv_t* out = static_cast<kv_t*>(dst);
@@ -124,7 +124,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   }
   TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_sin.scalar_type() == at::kFloat &&
                   rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.dim() == 2 &&
-                  rope_cos.size(0) == t && rope_cos.sizes() == rope_sin.sizes() &&
+                  rope_cos.size(0) == t && rope_cos.sizes() == rope_sin.sizes() && rope_cos.size(1) > 0 &&
                   rope_cos.size(1) <= hq::kMaxRopeDim && rope_cols >= 0 && rope_cols % rope_cos.size(1) == 0 &&
                   rope_cols <= qkv_cols,
               "quant_layers: rope tables must be contiguous float32 [tokens, head_dim <= 512] dividing rope_cols");
@@ -211,20 +211,20 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
       const Share tasks(p.tasks(), tid, team);
       hq::run_tasks(p, qa, x, y, accumulate, tasks.begin, tasks.end);
     };
-    const auto quantize = [&](const float* x, int64_t k) {
-      hq::quantize_acts(x, my_rows.begin, my_rows.end, k, bits, plan[0].qkv.level, qa);
+    const auto quantize = [&](const float* x, int64_t k, const hq::LinearPlan& next) {  // for next's packed parts
+      if (next.any_packed) hq::quantize_acts(x, my_rows.begin, my_rows.end, k, bits, next.level, qa);
     };
     try {
       for (int64_t layer = 0; layer < layers; ++layer) {
         const LayerPlan& p = plan[layer];
         // qkv = norm(h) @ W_qkv, with rotary on q and k; k and v written into the pool.
         hq::rms_norm_range(hp, p.attn_norm, eps, my_rows.begin, my_rows.end, hidden, np);
-        quantize(np, hidden);
+        quantize(np, hidden, p.qkv);
         if (!barrier.wait()) break;
         matmul(p.qkv, np, qkvp, false);
         if (!barrier.wait()) break;
         hq::rope_range(qkvp, qkv_cols, my_rows.begin, my_rows.end, rope_cols, cos, sin, rope_cos.size(1));
-        for (int64_t r = my_rows.begin; r < my_rows.end; ++r) {
+        for (int64_t r = my_rows.begin; r < my_rows.end; ++r) {  // the engine gives each token its own slot
           const float* row = qkvp + r * qkv_cols + qdim;
           store(row, kbase + layer * k_layer + slot[r] * k_slot, kvdim);
           store(row + kvdim, vbase + layer * v_layer + slot[r] * v_slot, kvdim);
@@ -239,19 +239,19 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         for (int64_t i = next_block++; i < attention.num_blocks(); i = next_block++) attention.block(i);
         if (!barrier.wait()) break;
         // h += o(attention)
-        quantize(attn_out, qdim);
+        quantize(attn_out, qdim, p.o);
         if (!barrier.wait()) break;
         matmul(p.o, attn_out, hp, true);
         if (!barrier.wait()) break;
         // h += down(swiglu(gate_up(norm(h))))
         hq::rms_norm_range(hp, p.mlp_norm, eps, my_rows.begin, my_rows.end, hidden, np);
-        quantize(np, hidden);
+        quantize(np, hidden, p.gate_up);
         if (!barrier.wait()) break;
         matmul(p.gate_up, np, gup, false);
         if (!barrier.wait()) break;
         const int64_t half = p.gate_up.n_total / 2;
         hq::swiglu_range(gup, my_rows.begin, my_rows.end, half, actp);
-        hq::quantize_acts(actp, my_rows.begin, my_rows.end, half, bits, p.down.level, qa);
+        quantize(actp, half, p.down);
         if (!barrier.wait()) break;
         matmul(p.down, actp, hp, true);
         if (!barrier.wait()) break;

@@ -18,7 +18,8 @@ constexpr int64_t kMaxRopeDim = 512;  // the largest head dim the rotary embeddi
 
 // An activation matrix quantized for the packed kernels (quant_kernels.h): per group of 32, integers q with
 // |q| <= kQMax[bits] (int8, or 15 bits stored as q = 128 * hi + lo), the scale dx = max|x| / kQMax, the float
-// sum xs = dx * sum q and the integer sums per 16. Rows are k values apart, for the k of the last sizing.
+// sum xs = dx * sum q and the integer sums per 16. Rows are k values apart, for the k quantize_acts was given
+// (size_acts reserves room for the largest).
 struct QuantizedActs {
   std::vector<int8_t> q, lo;
   std::vector<float> dx, xs;
