@@ -122,12 +122,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
     TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_k.size(1), "quant_layers: slot ", slot[i], " is outside the ",
                 pool_k.size(1), " slots of the KV pool");
   }
-  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_sin.scalar_type() == at::kFloat &&
-                  rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.dim() == 2 &&
-                  rope_cos.size(0) == t && rope_cos.sizes() == rope_sin.sizes() && rope_cos.size(1) > 0 &&
-                  rope_cos.size(1) <= hq::kMaxRopeDim && rope_cols >= 0 && rope_cols % rope_cos.size(1) == 0 &&
-                  rope_cols <= qkv_cols,
-              "quant_layers: rope tables must be contiguous float32 [tokens, head_dim <= 512] dividing rope_cols");
+  hq::check_rope_tables(rope_cos, rope_sin, t, rope_cols, qkv_cols, "quant_layers");
 
   // Every projection planned (and checked) before any thread starts.
   struct LayerPlan {

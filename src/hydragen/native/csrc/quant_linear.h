@@ -56,6 +56,11 @@ void quantize_acts(const float* x, int64_t m0, int64_t m1, int64_t k, int bits, 
 void run_tasks(const LinearPlan& plan, const QuantizedActs& qa, const float* xf, float* y, bool accumulate,
                int64_t begin, int64_t end);
 
+// Checks the rotary tables (cos, sin [rows, head dim], float32, contiguous) for the first rope_cols of cols
+// output columns; errors name `op`.
+void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t rows, int64_t rope_cols, int64_t cols,
+                       const char* op);
+
 // Rows [m0, m1) of the model's neighbours of a projection: RMSNorm (sum of squares in double), rotary embedding
 // of the first `cols` columns (rotate-half, tables [rows, d]), SwiGLU (silu(first half) * second half).
 void rms_norm_range(const float* x, const float* w, double eps, int64_t m0, int64_t m1, int64_t k, float* out);

@@ -474,6 +474,15 @@ int64_t isa_level(int64_t requested) {
 
 namespace hq {
 
+void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t rows, int64_t rope_cols, int64_t cols,
+                       const char* op) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == rows && cos.sizes() == sin.sizes() &&
+                  cos.size(1) > 0 && cos.size(1) <= kMaxRopeDim && rope_cols >= 0 && rope_cols % cos.size(1) == 0 &&
+                  rope_cols <= cols,
+              op, ": rope tables must be contiguous float32 [rows, head_dim <= 512] dividing rope_cols");
+}
+
 LinearPlan plan_linear(at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, int64_t m_rows,
                        int64_t k, int64_t isa) {
   TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size() && !weights.empty(),
@@ -577,10 +586,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     TORCH_CHECK(rope_cos.has_value() && rope_sin.has_value(), "quant_linear: rope needs cos and sin tables");
     const at::Tensor& c = *rope_cos;
     const at::Tensor& s = *rope_sin;
-    TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && c.is_contiguous() &&
-                    s.is_contiguous() && c.dim() == 2 && c.size(0) == m_rows && c.sizes() == s.sizes() &&
-                    c.size(1) <= kMaxRopeDim && rope_cols % c.size(1) == 0 && rope_cols <= n_total,
-                "quant_linear: rope tables must be contiguous float32 [rows, head_dim <= 512] dividing rope_cols");
+    check_rope_tables(c, s, m_rows, rope_cols, n_total, "quant_linear");
     by_rows([&](int64_t m0, int64_t m1) {
       rope_range(yp, n_total, m0, m1, rope_cols, c.data_ptr<float>(), s.data_ptr<float>(), c.size(1));
     });
