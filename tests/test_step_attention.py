@@ -143,12 +143,13 @@ def make_qkv(num_tokens, slots, hq, hkv, d, dtype, seed=1):
 
 # How the build cuts the step into work items. "fine" cuts units into 4-token tiles, causal units into
 # diagonal squares + rectangles, segments and units into 8-key chunks, so every kind of item occurs in a
-# small step; "flash" / "own" force every eligible piece through ATen's flash kernel / the op's own loop.
+# small step; "tile" / "own" force every piece through the tile kernel (matrix products per KV head) / the
+# op's own loop.
 FINE = dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3, SPLIT_BLOCKS_PER_THREAD=10**6)
 CUTS = {
     "default": {},
-    "fine-flash": dict(FINE, FLASH_MIN_ROWS=0, FLASH_MIN_KEYS=0),
-    "fine-own": dict(FINE, FLASH_MIN_ROWS=-1),
+    "fine-tile": dict(FINE, TILE_MIN_ROWS=0, TILE_MIN_KEYS=0),
+    "fine-own": dict(FINE, TILE_MIN_ROWS=-1),
     "fine-tensor-index": dict(FINE, SMALL_STEP_PARTS=-1),  # the token -> partial rows index by tensor ops
 }
 
@@ -193,7 +194,7 @@ def test_mixed_step_half_precision(impl, dtype, hq, hkv, d, cuts):
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 128), (6, 2, 20)])
 def test_a_16bit_cache_under_fp32_queries_is_exact_on_its_values(impl, cache, hq, hkv, d, cuts):
     """A 16-bit KV pool read by float32 queries: float32 attention over the cache's exact (rounded) values,
-    with float32 out, whatever path each piece takes (own loop, flash kernel, split decode)."""
+    with float32 out, whatever path each piece takes (own loop, tile kernel, split decode)."""
     units, segments, t, slots = mixed_step(seed=5)
     q, k, v = make_qkv(t, slots, hq, hkv, d, torch.float32)
     k16, v16 = k.to(cache), v.to(cache)
@@ -319,11 +320,12 @@ def test_strided_query_and_empty_step(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_inference_mode_and_grad_inputs(impl, monkeypatch):
-    """The runner calls under inference_mode; a query that requires grad must not trip the flash kernel's
-    autograd in the op's worker threads (they do not inherit the caller's grad mode)."""
-    monkeypatch.setattr(step_work, "FLASH_MIN_ROWS", 0)
-    monkeypatch.setattr(step_work, "FLASH_MIN_KEYS", 0)
-    monkeypatch.setattr(step_work, "PIECE_TOKENS", 2)  # many flash pieces, so every thread runs some
+    """The runner calls under inference_mode; a query that requires grad, or a pool allocated under
+    inference_mode, must not trip autograd in the op's worker threads (they do not inherit the caller's grad
+    mode), on any path a piece can take."""
+    monkeypatch.setattr(step_work, "TILE_MIN_ROWS", 0)
+    monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
+    monkeypatch.setattr(step_work, "PIECE_TOKENS", 2)  # many tile pieces, so every thread runs some
     units = [(0, 300, 0, 64, 0), (300, 364, 0, 64, 1)]
     segments = [(i, i + 1, [(400 + 4 * i, 404 + 4 * i)], 4) for i in range(64)]
     q, k, v = make_qkv(64, 700, 9, 3, 64, torch.float32)

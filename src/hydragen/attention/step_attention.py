@@ -18,9 +18,10 @@ A token's output is exact softmax attention over the union of its segment's visi
 every unit that covers it (an LSE merge of the parts); a token that sees nothing gets zeros.
 
 Two implementations share this metadata. ``cpp`` (``native/csrc/step_attention.cpp``, compiled on first
-use by ``native/build.py``) is one call per layer: big unit pieces through ATen's CPU flash kernel as
-matrix products, the rest by a threaded online-softmax kernel reading K/V rows in place, partials merged
-per token in fp32.
+use by ``native/build.py``) is one call per layer: unit pieces with enough query rows through a
+register-blocked tile kernel (``native/csrc/tile_attention.h``: matrix products per KV head, the GQA group
+folded into the rows, keys read in place through their runs), the rest by a threaded online-softmax kernel
+reading K/V rows in place, partials merged per token in fp32.
 ``torch`` (``step_attention_torch``) gathers segment keys and runs the existing partial kernels: any
 device, and a second oracle. ``auto`` takes cpp on CPU when it builds, else torch.
 
@@ -255,8 +256,8 @@ def step_attention(
         meta.tok_parts,
         meta.num_parts,
         meta.max_item_tokens,
-        step_work.FLASH_MIN_ROWS,
-        step_work.FLASH_MIN_KEYS,
+        step_work.TILE_MIN_ROWS,
+        step_work.TILE_MIN_KEYS,
         float(scale),
     )
 

@@ -32,11 +32,13 @@ SPLIT_BLOCKS_PER_THREAD = 4  # segments are cut into key chunks only in steps wi
 # block per KV head left two of three heads to one thread), and its block only merges them.
 SPLIT_CHUNKS_PER_THREAD = 2
 MIN_SPLIT_KEYS = 128
-# Pieces go through ATen's flash kernel only from this many query rows (tokens x g) and keys on: below, its
-# fixed cost per call (~25 us here) outweighs its faster matrix products, and the op's own loop wins.
-FLASH_MIN_ROWS = 24
+# Pieces go through the tile kernel (matrix products over one KV head, native/csrc/tile_attention.h) from
+# this many query rows (tokens x g) and keys on: below, its row tiles are mostly padding, and the op's own
+# loop, which reads every KV head of a slot at once, is as fast (scripts/bench_tile_threshold.py; with two
+# threads the tile kernel wins from 24 rows and 32 keys, one piece per KV head spreading over the threads).
+TILE_MIN_ROWS = 24
+TILE_MIN_KEYS = 32
 SMALL_STEP_PARTS = 256  # up to this many partial rows, the token -> rows index is built with plain lists
-FLASH_MIN_KEYS = 512
 
 
 @dataclass
@@ -161,14 +163,11 @@ class _WorkItems:
 
     def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]]) -> None:
         """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
-        several runs, a chain of nodes) are read as one piece, so they cost one partial per token, not one
-        per run; runs long enough for the flash kernel get pieces of their own."""
-        long = [r for r in runs if r[1] - r[0] >= max(FLASH_MIN_KEYS, 1)]
-        short = [r for r in runs if r[1] - r[0] < max(FLASH_MIN_KEYS, 1)]
-        for group in [[r] for r in long] + ([short] if short else []):
-            bounds = _key_chunks(sum(b - a for a, b in group))
-            for c0, c1 in zip(bounds, bounds[1:], strict=False):
-                self._pieces(tok_lo, tok_hi, cut_runs(group, c0, c1), c1 - c0, c1 - c0)
+        several runs, a chain of nodes) are read as one concatenation (both kernels read keys through their
+        runs), so they cost one partial per token and key chunk, not one per run."""
+        bounds = _key_chunks(sum(b - a for a, b in runs))
+        for c0, c1 in zip(bounds, bounds[1:], strict=False):
+            self._pieces(tok_lo, tok_hi, cut_runs(runs, c0, c1), c1 - c0, c1 - c0)
 
     def add_causal(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int) -> None:
         """Token i sees keys 0..i. Per tile [a, b): a causal square on the diagonal, and keys [0, a) to its

@@ -97,7 +97,7 @@ def stack_layers(model, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch
             h, cos, sin, cols, stack.weights, stack.qtypes, stack.rows, stack.counts, stack.norms,
             c.rms_norm_eps, pool_k, pool_v, slots, c.num_heads, c.num_kv_heads, meta.work_runs, meta.pieces,
             meta.blocks, meta.tok_ptr, meta.tok_parts, meta.num_parts, meta.max_item_tokens,
-            step_work.FLASH_MIN_ROWS, step_work.FLASH_MIN_KEYS, float(scale), stack.act_bits, stack.isa,
+            step_work.TILE_MIN_ROWS, step_work.TILE_MIN_KEYS, float(scale), stack.act_bits, stack.isa,
         )  # fmt: skip
 
     return layers

@@ -5,14 +5,13 @@
 // Two phases in one parallel region whose threads take items from shared counters (items come sorted most
 // expensive first, so uneven items balance and a busy core delays nobody); a thread that finds phase 1
 // handed out waits for it to finish before taking phase-2 items. An item covers every KV
-// head (a slot's rows of all heads are one contiguous read), except a flash piece, one item per KV head:
+// head (a slot's rows of all heads are one contiguous read), except a tile piece, one item per KV head:
 //  1. Pieces of units (shared tree nodes, prefill ancestors, causal diagonals) and of very long segments:
-//     a piece with enough query rows and keys goes through ATen's CPU flash kernel as a matrix product
-//     (non-causal pieces fold the g query heads of a KV head into the rows, so the keys are read once per
-//     KV head; causal squares use the kernel's is_causal). A piece over several runs (a node on scattered
-//     pages) first copies its keys together: the copy costs a small fraction of the product it enables.
-//     Small pieces go through attend(). Each writes a normalised fp32 partial and its log-sum-exp, one
-//     row per (piece, token).
+//     a piece with enough query rows and keys goes through the tile kernel (tile_attention.h) as matrix
+//     products, the g query heads of a KV head folded into its rows so the keys are read once per KV head,
+//     each row masked at its own last key (causal squares, partly visible chunks), the keys read in place
+//     through their runs. Small pieces go through attend(). Each writes a normalised fp32 partial and its
+//     log-sum-exp, one row per (piece, token).
 //  2. Segment blocks (private tails, pages read in place): attend() runs an online softmax in fp32 over the
 //     block's visible keys, reading each K/V row straight from the pool by slot once for all its query
 //     rows (a 16-bit cache widened in registers), then folds in the partials covering each token (a CSR
@@ -22,13 +21,11 @@
 
 #include "aten_vec.h"  // before any ATen header
 #include "step_attention.h"
+#include "tile_attention.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/grad_mode.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -240,21 +237,6 @@ inline float exp_shifted(const float* s, float* p, float m, int64_t n) {
   return sum;
 }
 
-template <typename scalar_t>
-inline void row_to_float(const scalar_t* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    int64_t d = 0;
-    for (; d + kVL <= n; d += kVL) {
-      Vec x;
-      at::vec::load_to_float<scalar_t>(src + d, x);
-      x.store(dst + d);
-    }
-    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-  }
-}
-
 struct Strides {
   int64_t q_t, q_h, k_s, k_h, v_s, v_h;
 };
@@ -342,7 +324,7 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
   float* qf = w.q.data();
   float* acc = w.acc.data();
   for (int64_t r = 0; r < rows; ++r) {
-    row_to_float(q + (it.tok_lo + r / gh) * st.q_t + (h * g + r % gh) * st.q_h, qf + r * d, d);
+    hta::widen_row(q + (it.tok_lo + r / gh) * st.q_t + (h * g + r % gh) * st.q_h, qf + r * d, d);
     for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= scale;
     w.m[r] = kNegInf;
     w.l[r] = 0.f;
@@ -482,62 +464,22 @@ struct Partials {
   float* lse;  // [R, Hq]
 };
 
-// One KV head's rows of the item's runs, copied into one [keys, D] tensor (row by row: a paged node's runs
-// are short, and a tensor op per run would cost more than the copy).
-at::Tensor gather_head(const at::Tensor& x, const int64_t* runs, const Item& it, int64_t h) {
-  int64_t keys = 0;
-  for (int64_t r = it.run_lo; r < it.run_hi; ++r) keys += runs[2 * r + 1] - runs[2 * r];
-  at::Tensor out = at::empty({keys, x.size(2)}, x.options());
-  const int64_t elem = x.element_size(), row = x.size(2) * elem;
-  const char* src = static_cast<const char*>(x.const_data_ptr()) + h * x.stride(1) * elem;
-  char* dst = static_cast<char*>(out.data_ptr());
-  for (int64_t r = it.run_lo; r < it.run_hi; ++r) {
-    for (int64_t slot = runs[2 * r]; slot < runs[2 * r + 1]; ++slot, dst += row) {
-      std::memcpy(dst, src + slot * x.stride(0) * elem, row);
-    }
-  }
-  return out;
-}
-
-// Phase 1 item through ATen's flash kernel (single-threaded here: we are inside our own parallel region).
-// Only for keys every row sees whole (first >= total) or a causal square (first == 1, total == tokens).
-// Non-causal items fold the g heads into the query rows, so the keys are read by one GEMM.
-void flash_piece(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* runs,
-                 const Item& it, int64_t part_row, int64_t h, double scale, const Partials& part) {
-  const at::NoGradGuard no_grad;  // worker threads do not inherit the caller's grad mode
-  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), g = hq / hkv, nt = it.tok_hi - it.tok_lo;
-  at::Tensor kt, vt;  // [1, 1, L, D]: a view of one run; the runs of a split node copied together
-  if (it.run_hi - it.run_lo == 1) {
-    const int64_t lo = runs[2 * it.run_lo], hi = runs[2 * it.run_lo + 1];
-    kt = k.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
-    vt = v.slice(0, lo, hi).select(1, h).unsqueeze(0).unsqueeze(0);
-  } else {
-    kt = gather_head(k, runs, it, h).unsqueeze(0).unsqueeze(0);
-    vt = gather_head(v, runs, it, h).unsqueeze(0).unsqueeze(0);
-  }
-  at::Tensor qs = q.slice(0, it.tok_lo, it.tok_hi).slice(1, h * g, (h + 1) * g);  // [nt, g, D]
-  if (kt.scalar_type() != q.scalar_type()) {  // a 16-bit cache under float32 q: the kernel wants one dtype
-    kt = kt.to(q.scalar_type());
-    vt = vt.to(q.scalar_type());
-  }
-  const bool causal = it.first < it.total;
-  at::Tensor o, lse;
-  if (causal) {
-    std::tie(o, lse) = at::_scaled_dot_product_flash_attention_for_cpu(
-        qs.transpose(0, 1).unsqueeze(0), kt, vt, 0.0, true, std::nullopt, scale);
-    o = o[0].transpose(0, 1);      // [nt, g, D]
-    lse = lse[0].transpose(0, 1);  // [nt, g]
-  } else {
-    std::tie(o, lse) = at::_scaled_dot_product_flash_attention_for_cpu(
-        qs.reshape({1, 1, nt * g, d}), kt, vt, 0.0, false, std::nullopt, scale);
-    o = o.view({nt, g, d});
-    lse = lse.view({nt, g});
-  }
-  at::Tensor o_dst = at::from_blob(part.o + (part_row * hq + h * g) * d, {nt, g, d}, {hq * d, d, 1},
-                                   q.options().dtype(at::kFloat));
-  at::Tensor l_dst = at::from_blob(part.lse + part_row * hq + h * g, {nt, g}, {hq, 1}, q.options().dtype(at::kFloat));
-  o_dst.copy_(o);
-  l_dst.copy_(lse);
+// Phase 1 item through the tile kernel (tile_attention.h), KV head h: the g query heads of each token folded
+// into the rows, so the head's keys are read once by matrix products for all of them.
+template <typename q_t, typename scalar_t>
+void tile_piece(const hsa::StepAttention& a, const Item& it, int64_t part_row, int64_t h, const Partials& part) {
+  const int64_t g = a.g_, d = a.d_, hq = a.hq_;
+  const hta::TileJob job{it.tok_lo,       it.tok_hi - it.tok_lo,
+                         g,               h * g,
+                         it.run_lo,       it.first,
+                         it.total,        a.q_.stride(0),
+                         a.q_.stride(1),  a.k_.stride(0),
+                         a.v_.stride(0),  part.o + (part_row * hq + h * g) * d,
+                         part.lse + part_row * hq + h * g, hq * d,
+                         hq};
+  hta::tile_attention(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_) + h * a.k_.stride(1),
+                      reinterpret_cast<const scalar_t*>(a.vp_) + h * a.v_.stride(1), a.rp_, job, d,
+                      static_cast<float>(a.scale_));
 }
 
 // Phase 1 item through attend() (KV heads h .. h + nh - 1): writes the normalised partial and its
@@ -626,13 +568,10 @@ void piece_item(const hsa::StepAttention& a, int64_t i) {
   const int64_t* row = a.pp_ + 7 * (i / a.hkv_);
   const Item it = item_at(row);
   const int64_t nt = it.tok_hi - it.tok_lo;
-  const bool whole = it.first >= it.total, square = it.first == 1 && it.total == nt;
   const int64_t keys = std::min(it.first + nt - 1, it.total);
   const Partials part{a.part_o_.data_ptr<float>(), a.part_lse_.data_ptr<float>()};
-  if (a.flash_min_rows_ >= 0 && nt * a.g_ >= a.flash_min_rows_ && keys >= a.flash_min_keys_ && (whole || square)) {
-    const bool pooled = a.k_pool_.defined();  // the layer's views, made only here: flash pieces are large
-    flash_piece(a.q_, pooled ? a.k_pool_.select(0, a.layer_) : a.k_, pooled ? a.v_pool_.select(0, a.layer_) : a.v_,
-                a.rp_, it, row[6], i % a.hkv_, a.scale_, part);
+  if (a.tile_min_rows_ >= 0 && nt * a.g_ >= a.tile_min_rows_ && keys >= a.tile_min_keys_) {
+    tile_piece<q_t, scalar_t>(a, it, row[6], i % a.hkv_, part);
   } else if (i % a.hkv_ == 0) {
     own_piece<q_t, scalar_t>(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_),
                              reinterpret_cast<const scalar_t*>(a.vp_), strides_of(a), a.rp_, it, row[6], 0, a.hkv_,
@@ -653,9 +592,9 @@ void block_item(const hsa::StepAttention& a, int64_t i) {
 at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
                           const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                           const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
-                          int64_t flash_min_rows, int64_t flash_min_keys, double scale) {
+                          int64_t tile_min_rows, int64_t tile_min_keys, double scale) {
   const hsa::StepAttention job(q, k, v, runs, pieces, blocks, tok_ptr, tok_parts, num_parts, max_item_tokens,
-                               flash_min_rows, flash_min_keys, scale);
+                               tile_min_rows, tile_min_keys, scale);
   for_each_item(
       job.num_pieces(), [&](int64_t i) { job.piece(i); }, job.num_blocks(), [&](int64_t i) { job.block(i); });
   return job.out();
@@ -668,7 +607,7 @@ namespace hsa {
 StepAttention::StepAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
                              const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                              const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
-                             int64_t flash_min_rows, int64_t flash_min_keys, double scale)
+                             int64_t tile_min_rows, int64_t tile_min_keys, double scale)
     : q_(q), scale_(scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "step_attention: CPU tensors");
   TORCH_CHECK(k.dim() == v.dim() && (k.dim() == 3 || k.dim() == 4) && k.sizes() == v.sizes(),
@@ -717,8 +656,8 @@ StepAttention::StepAttention(const at::Tensor& q, const at::Tensor& k, const at:
   // attend() takes every KV head of an item at once: a slot's K (and V) rows of all heads are one
   // contiguous read, where one head per item read a third of each slot's bytes at a stride.
   rows_ = std::max<int64_t>(1, max_item_tokens) * hq_;
-  flash_min_rows_ = flash_min_rows;
-  flash_min_keys_ = flash_min_keys;
+  tile_min_rows_ = tile_min_rows;
+  tile_min_keys_ = tile_min_keys;
   kp_ = static_cast<const char*>(k_.const_data_ptr());
   vp_ = static_cast<const char*>(v_.const_data_ptr());
   const auto pick = [&](auto q_zero, auto kv_zero) {
@@ -752,7 +691,7 @@ void StepAttention::set_layer(int64_t layer) {
 TORCH_LIBRARY(hydragen, m) {
   m.def(
       "step_attention(Tensor q, Tensor k, Tensor v, Tensor runs, Tensor pieces, Tensor blocks, Tensor tok_ptr, "
-      "Tensor tok_parts, int num_parts, int max_item_tokens, int flash_min_rows, int flash_min_keys, "
+      "Tensor tok_parts, int num_parts, int max_item_tokens, int tile_min_rows, int tile_min_keys, "
       "float scale) -> Tensor");
   m.impl("step_attention", c10::DispatchKey::CPU, &step_attention);
 }
