@@ -124,18 +124,18 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_llm():
-    """The embedded model as users get it: its Q4_1/Q8_0 blocks kept quantized."""
+    """The embedded model as users get it: its Q4_1/Q8_0 blocks kept quantized, a float16 KV cache."""
     from hydragen import LLM
 
     return LLM(kv_cache_tokens=32768)
 
 
 @pytest.fixture(scope="session")
-def embedded_llm_kv16():
-    """The embedded model as users get it, with a float16 KV cache (``kv_cache_dtype="float16"``)."""
+def embedded_llm_kv32():
+    """The embedded model kept quantized, with a float32 KV cache (``kv_cache_dtype="float32"``)."""
     from hydragen import LLM
 
-    return LLM(kv_cache_tokens=32768, kv_cache_dtype="float16")
+    return LLM(kv_cache_tokens=32768, kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="session")

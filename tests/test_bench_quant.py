@@ -44,7 +44,11 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     assert int8 == {"Q4_1", "Q8_0", "Q4_K", "Q6_K"}
     assert all(r["GB/s"] > 0 and r["GFLOP/s"] > 0 for r in data["kernels"])
     models = [r["model"] for r in data["accuracy"] if r["reference"] == "float32 dequantized"]
-    assert models[:2] == ["hydragen, 15-bit activations (default)", "hydragen, 8-bit activations"]
+    assert models[:3] == [
+        "hydragen, 15-bit activations, float16 KV cache (default)",
+        "hydragen, 15-bit activations, float32 KV cache",
+        "hydragen, int8 activations, float16 KV cache",
+    ]
     for r in data["accuracy"]:
         assert 0 <= r["top-1 agreement (all positions)"] <= 1 and r["KL mean (all positions)"] >= -1e-9
     engines = {r["mode"] for r in data["decode"]}
@@ -120,7 +124,7 @@ def test_bench_quant_points_and_engines_are_checked(capsys):
 
 @pytest.mark.parametrize(
     ("mode", "act_bits", "kv_dtype"),
-    [("hydragen", 15, "float32"), ("hydragen-int8", 8, "float32"), ("hydragen-int8-kv16", 8, "float16")],
+    [("hydragen", 15, "float16"), ("hydragen-kv32", 15, "float32"), ("hydragen-int8", 8, "float16")],
 )
 def test_each_engine_of_the_decode_table_runs_what_its_label_says(mode, act_bits, kv_dtype):
     import torch

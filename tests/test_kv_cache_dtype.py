@@ -1,6 +1,6 @@
-"""A 16-bit KV cache under float32 compute (``kv_cache_dtype``): half the bytes per cached token, the same
-tokens as the float32 cache on the embedded model, the one-call layers still bit-identical to the per-op
-path, and the option refused where it cannot hold."""
+"""A 16-bit KV cache under float32 compute (``kv_cache_dtype``; a GGUF model kept quantized gets float16 by
+default): half the bytes per cached token, the same tokens as the float32 cache on the embedded model, the
+one-call layers still bit-identical to the per-op path, and the option refused where it cannot hold."""
 
 from __future__ import annotations
 
@@ -24,21 +24,33 @@ def run(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[list[int], list
     ]
 
 
-def test_a_float16_cache_gives_the_float32_caches_tokens(embedded_llm, embedded_llm_kv16):
-    """Measured: all 72 greedy tokens identical, log-probabilities within 0.003 (bfloat16: the first
-    divergence after 6 tokens, which is why float16 is the one this test holds to)."""
-    assert embedded_llm_kv16.engine.pool.k.dtype == torch.float16
-    assert embedded_llm_kv16.engine.pool.bytes_per_token * 2 == embedded_llm.engine.pool.bytes_per_token
-    for (want, want_lp), (got, got_lp) in zip(run(embedded_llm), run(embedded_llm_kv16), strict=True):
+def test_a_quantized_gguf_gets_a_float16_cache_with_a_float32_caches_tokens(embedded_llm, embedded_llm_kv32):
+    """"auto" caches a model kept in GGUF blocks in float16, as llama.cpp does: half the bytes per token, and
+    the float32 cache's tokens. Measured: all 72 greedy tokens identical, log-probabilities within 0.003
+    (bfloat16: the first divergence after 6 tokens, which is why float16 is the one this test holds to)."""
+    assert embedded_llm.engine.pool.k.dtype == torch.float16
+    assert embedded_llm_kv32.engine.pool.k.dtype == torch.float32
+    assert embedded_llm.engine.pool.bytes_per_token * 2 == embedded_llm_kv32.engine.pool.bytes_per_token
+    for (want, want_lp), (got, got_lp) in zip(run(embedded_llm_kv32), run(embedded_llm), strict=True):
         assert got == want
         assert max(abs(a - b) for a, b in zip(want_lp, got_lp, strict=True)) < 0.02
 
 
-def test_one_call_layers_equal_the_per_op_path_with_a_float16_cache(embedded_llm_kv16, monkeypatch):
-    fused = run(embedded_llm_kv16)
+def test_auto_keeps_the_models_dtype_for_float_weights(embedded_llm_fp32, tiny_models):
+    """The dequantized reference and a float checkpoint keep float32 K/V: "auto" only narrows the cache of a
+    model computing from quantized blocks."""
+    assert embedded_llm_fp32.engine.pool.k.dtype == torch.float32
+    assert LLM(tiny_models["llama"], kv_cache_tokens=256).engine.pool.k.dtype == torch.float32
+    assert resolve_kv_dtype("auto", torch.float32, quantized_weights=True) == torch.float16
+    assert resolve_kv_dtype("auto", torch.bfloat16, quantized_weights=True) == torch.bfloat16
+    assert resolve_kv_dtype("float32", torch.float32, quantized_weights=True) == torch.float32
+
+
+def test_one_call_layers_equal_the_per_op_path_with_a_float16_cache(embedded_llm, monkeypatch):
+    fused = run(embedded_llm)
     monkeypatch.setenv("HYDRAGEN_FUSED_LAYERS", "0")
-    embedded_llm_kv16.reset_prefix_cache()
-    assert run(embedded_llm_kv16) == fused  # bit for bit: the same writes, rounding and reads
+    embedded_llm.reset_prefix_cache()
+    assert run(embedded_llm) == fused  # bit for bit: the same writes, rounding and reads
 
 
 def test_the_kv_cache_dtype_is_checked_before_anything_loads():

@@ -41,9 +41,12 @@ STYLES = {
     "transformers": dict(color="C2"),
     "llama.cpp": dict(color="C3"),
     "hydragen, dequantized to float32 (before)": dict(color="C7"),  # not the default cycle's red: llama.cpp's
-    "hydragen, float16 KV cache (--kv-cache-dtype float16)": dict(color="C1"),
+    "hydragen, float32 KV cache (--kv-cache-dtype float32)": dict(color="C1"),
     "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)": dict(color="C2"),
-    "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)": dict(color="C4"),
+    "hydragen, int8 activations, llama.cpp's numerics (HYDRAGEN_QUANT_ACT_BITS=8)": dict(color="C4"),
+    # the engines of runs before float16 became a quantized model's default cache (docs/results/quant)
+    "hydragen, float16 KV cache (--kv-cache-dtype float16)": dict(color="C1", linestyle=":"),
+    "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)": dict(color="C4", linestyle=":"),
     "hydragen, llama.cpp's numerics (int8 activations, float16 KV cache)": dict(color="C5", linestyle="--"),
     "attention skipped (ceiling)": dict(linestyle="--", color="0.45", marker="s"),
 }

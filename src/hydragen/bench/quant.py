@@ -37,19 +37,18 @@ PARTS = ("kernels", "accuracy", "decode", "memory", "real")
 DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
 MODES = (
     "hydragen",
-    "hydragen-kv16",
+    "hydragen-kv32",
     "hydragen-per-op",
     "hydragen-int8",
-    "hydragen-int8-kv16",
     "hydragen-fp32",
     "llamacpp",
 )
+# Every hydragen engine but kv32 and fp32 has a float16 KV cache, the default for a GGUF kept quantized.
 MODE_LABELS = {
     "hydragen": "hydragen (GGUF kept quantized)",
-    "hydragen-kv16": "hydragen, float16 KV cache (--kv-cache-dtype float16)",
+    "hydragen-kv32": "hydragen, float32 KV cache (--kv-cache-dtype float32)",
     "hydragen-per-op": "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)",
-    "hydragen-int8": "hydragen, int8 activations (HYDRAGEN_QUANT_ACT_BITS=8)",
-    "hydragen-int8-kv16": "hydragen, llama.cpp's numerics (int8 activations, float16 KV cache)",
+    "hydragen-int8": "hydragen, int8 activations, llama.cpp's numerics (HYDRAGEN_QUANT_ACT_BITS=8)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
     "llamacpp": "llama.cpp",
 }
@@ -79,8 +78,8 @@ def _per_op_timer(llm, prompt: list[int], n: int, tokens: int) -> float:
 def _engine(model, mode: str, kv_tokens: int):
     from hydragen import LLM
 
-    kv_dtype = "float16" if mode.endswith("-kv16") else "auto"
-    if mode.startswith("hydragen-int8"):
+    kv_dtype = "float32" if mode == "hydragen-kv32" else "auto"
+    if mode == "hydragen-int8":
         return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens, kv_cache_dtype=kv_dtype)
     return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_dtype)
 
@@ -237,7 +236,7 @@ def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
     return rows, {"points": points, "new_tokens": new_tokens}, notes
 
 
-REAL_MODES = ("hydragen", "hydragen-kv16", "hydragen-int8", "llamacpp")
+REAL_MODES = ("hydragen", "hydragen-kv32", "hydragen-int8", "llamacpp")
 # part -> (measure, table title, columns or None for every column of the first row)
 MEASURES = {
     "kernels": (_kernels, "Kernels: every format at M activation rows", quant_kernels.KERNEL_COLUMNS),

@@ -1,10 +1,12 @@
 """The accuracy part of ``hydragen bench quant``: how far computing in a GGUF's own format moves the model
 from the same file dequantized to float32, over 128 chat prompts.
 
-Compared: hydragen as it runs by default (15-bit activations) and with int8 activations (llama.cpp's
-choice), each against the float32-dequantized model (``LLM(dequantize=True)``) and, where
-``llama-cpp-python`` is installed, against llama.cpp's logits on the same file; and llama.cpp against the
-float32-dequantized model.
+Compared: hydragen as it runs by default (15-bit activations, a float16 KV cache), with a float32 KV cache,
+and with int8 activations (llama.cpp's choice), each against the float32-dequantized model
+(``LLM(dequantize=True)``, float32 K/V) and, where ``llama-cpp-python`` is installed, against llama.cpp's
+logits on the same file; and llama.cpp against the float32-dequantized model. The logits of every prompt
+position come from one forward without the engine's cache, with K/V rounded to the engine's cache dtype,
+as the cache would hold them.
 
 Per prompt, every model fed the same prompt tokens: KL(reference || model) of the
 next-token distribution at every prompt position and at the last one (the first generated token), and
@@ -94,12 +96,17 @@ def plain_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def model_logits(llm) -> Callable[[list[int]], torch.Tensor]:
-    """Logits [T, V] (float32) of hydragen's model at every position of a prompt."""
+    """Logits [T, V] (float32) of hydragen's model at every position of a prompt, K/V rounded to the dtype
+    of the engine's cache."""
+    kv = llm.engine.pool.k.dtype
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return plain_attention(layer, q, k.to(kv).to(k.dtype), v.to(kv).to(v.dtype))
 
     def run(ids: list[int]) -> torch.Tensor:
         t = torch.tensor(ids)
         net = llm.model
-        return net.logits(net(t, torch.arange(len(ids)), plain_attention)).float()
+        return net.logits(net(t, torch.arange(len(ids)), attention)).float()
 
     return run
 
@@ -159,8 +166,8 @@ def continuation_agreement(reference: list[list[int]], other: list[list[int]]) -
 
 
 def run(model, count: int, tokens: int, progress: Callable[[str], None]) -> list[dict]:
-    """Rows: each hydragen activation width against the float32 reference and against llama.cpp, and
-    llama.cpp against the float32 reference (see the module docstring)."""
+    """Rows: each hydragen engine (activation width, KV cache) against the float32 reference and llama.cpp,
+    and llama.cpp against the float32 reference (see the module docstring)."""
     from hydragen import LLM
 
     reference = LLM(model, dequantize=True, kv_cache_tokens=16384)
@@ -175,9 +182,13 @@ def run(model, count: int, tokens: int, progress: Callable[[str], None]) -> list
         progress("accuracy: llama.cpp")
         llamacpp = ([peer(p) for p in prompts], greedy_llamacpp(path, prompts, tokens))
     rows = []
-    for bits in (15, 8):
-        llm = llm_with_act_bits(model, bits, 16384)
-        name = f"hydragen, {bits}-bit activations" + (" (default)" if bits == 15 else "")
+    engines = (
+        (15, "auto", "hydragen, 15-bit activations, float16 KV cache (default)"),
+        (15, "float32", "hydragen, 15-bit activations, float32 KV cache"),
+        (8, "auto", "hydragen, int8 activations, float16 KV cache"),
+    )
+    for bits, kv_dtype, name in engines:
+        llm = llm_with_act_bits(model, bits, 16384, kv_cache_dtype=kv_dtype)
         progress(f"accuracy: {name}")
         run_logits = model_logits(llm)
         got = ([run_logits(p) for p in prompts], greedy_llm(llm, prompts, tokens))

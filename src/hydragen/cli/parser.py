@@ -78,8 +78,10 @@ def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
-        help="the KV cache's dtype (default auto: --dtype). float16 or bfloat16 under float32 compute halves "
-        "the cache's bytes per token: twice the cached prefixes in the same memory, half the K/V read a step",
+        help="the KV cache's dtype (default auto: float16 for a GGUF model kept quantized, as llama.cpp "
+        "caches it, else --dtype). float16 or bfloat16 under float32 compute halves the cache's bytes per "
+        "token: twice the cached prefixes in the same memory, half the K/V read a step; float32 keeps a "
+        "quantized model's cache in float32",
     )
 
 

@@ -14,6 +14,7 @@ from hydragen.engine.engine import Engine
 from hydragen.engine.loop import EngineLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
+from hydragen.model.linear import keeps_quantized_weights
 from hydragen.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 
 PromptType = str | list[int]
@@ -99,7 +100,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
     ):
         dev, dt = resolve_device(device), resolve_dtype(dtype)
-        kv_dt = resolve_kv_dtype(kv_cache_dtype, dt)
+        resolve_kv_dtype(kv_cache_dtype, dt)  # a bad value fails before the model loads
         if tool_format is not None:
             from hydragen.tools.formats import FORMATS
 
@@ -123,6 +124,7 @@ class LLM:
             self.model_path = self.parallel.model_path
         else:
             self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights, dequantize)
+        kv_dt = resolve_kv_dtype(kv_cache_dtype, dt, keeps_quantized_weights(self.model))
         try:
             self._start_engine(
                 dev,
@@ -314,12 +316,17 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: "auto" is the model's. A 16-bit cache (half the bytes per token, so twice the
-    cached prefixes in the same memory, and half the K/V each decode step reads) may sit under float32
-    compute only: attention then runs in float32 on the cache's rounded values."""
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, quantized_weights: bool = False) -> torch.dtype:
+    """The KV cache's dtype. "auto" is float16 for a model computing from GGUF quantized blocks in float32
+    (``quantized_weights``: the cache llama.cpp and Ollama give every GGUF model), else the model's dtype.
+
+    A 16-bit cache under float32 compute holds half the bytes per token (twice the cached prefixes in the
+    same memory, half the K/V a decode step reads); attention then runs in float32 on the cache's rounded
+    values. On the embedded model, against the float32-dequantized model, float16 K/V move the next-token
+    distribution by a KL of ~1.7e-6 (float32 K/V: ~0.7e-6; int8 activations, as llama.cpp computes: ~5e-3):
+    docs/quantization.md. "float32" keeps a quantized model's cache in float32."""
     if kv_cache_dtype == "auto":
-        return dtype
+        return torch.float16 if quantized_weights and dtype == torch.float32 else dtype
     if kv_cache_dtype not in DTYPES:
         names = ", ".join(DTYPES)
         raise ValueError(f"kv_cache_dtype must be 'auto' or one of {names}, got {kv_cache_dtype!r}")
