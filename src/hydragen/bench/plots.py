@@ -52,6 +52,7 @@ STYLES = {
 }
 QUICK_TITLE = "QUICK RUN (smoke test, not a measurement)"
 FIGSIZE = (8.4, 4.6)
+LEGEND_WRAP = 40  # characters per line of a legend label beside a single panel
 
 
 def label(name: str) -> str:
@@ -218,10 +219,14 @@ def draw(
         if missing:
             cross = Line2D([], [], marker="x", mew=2, color="0.3", linestyle="none", label="not measured")
             handles.append(cross)
-        # Beside the axes, never over a line: a single panel gets the room on its right.
+        # Beside the axes, never over a line: a single panel gets the room on its right, with long labels
+        # wrapped so the legend does not squeeze the axes.
         outside = len(panels) == 1
+        labels = [h.get_label() for h in handles]
+        if outside:
+            labels = ["\n".join(textwrap.wrap(t, LEGEND_WRAP, break_on_hyphens=False)) or t for t in labels]
         ax.legend(
-            handles=handles, fontsize=8, framealpha=0.9,
+            handles=handles, labels=labels, fontsize=8, framealpha=0.9,
             **(dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if outside else {}),
         )  # fmt: skip
     axes[0][0].set_ylabel(ylabel)
