@@ -297,6 +297,27 @@ def test_one_decode_token_is_read_by_every_thread(impl, keys):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("holders", [2, 4, 40])
+def test_a_shared_node_of_a_small_step_is_read_by_every_thread(impl, holders, monkeypatch):
+    """n samples of a long prompt: its node, read by a few decode tokens, is cut into key chunks as a lone
+    token's context is, so every thread reads a share (one piece left the other threads idle, and sharing a
+    2,048-token node among 4 tokens ran at 0.7x the in-place reads); a step of many blocks keeps it whole."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = torch.Generator().manual_seed(5)
+    pages = Pages(400, 16, gen)
+    node = pages.contiguous(2048)
+    units = [(*node, 0, holders, 0)]
+    segments = [(i, i + 1, pages.runs(8), 8) for i in range(holders)]
+    meta = StepAttentionMeta.build(units, segments, holders, "cpu")
+    small = holders < step_work.SPLIT_BLOCKS_PER_THREAD * 2
+    keys = sorted({p[5] for p in meta.pieces.tolist()})  # every piece is the node's (the tails are short)
+    assert keys == ([512] if small else [2048])  # 4 chunks of 512 keys on 2 threads, else the node whole
+    q, k, v = make_qkv(holders, 400 * 16, 9, 3, 64, torch.float32, seed=6)
+    out = step_attention(q, k, v, meta, 0.125, impl=impl)
+    torch.testing.assert_close(out.double(), oracle(q, k, v, units, segments, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nothing_visible_anywhere_gives_zeros(impl):
     segments = [(0, 2, [], 0), (2, 3, [(4, 4)], 5)]  # no runs; an empty run
     meta = StepAttentionMeta.build([(3, 3, 0, 3, 0)], segments, 3, "cpu")  # an empty unit is dropped

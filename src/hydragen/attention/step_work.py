@@ -55,6 +55,8 @@ class StepWork:
 def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_tokens: int) -> StepWork:
     """Work items for validated, normalised units and segments (CPU tensors)."""
     work = _WorkItems([run for seg in segments for run in seg[2]])
+    blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segments)
+    split = blocks < SPLIT_BLOCKS_PER_THREAD * torch.get_num_threads()
     shared: dict[tuple[int, int], list[tuple[int, int]]] = {}  # token range -> runs it sees whole
     for kv_lo, kv_hi, tok_lo, tok_hi, causal in units:
         if causal:
@@ -62,9 +64,7 @@ def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_to
         else:
             shared.setdefault((tok_lo, tok_hi), []).append((kv_lo, kv_hi))
     for (tok_lo, tok_hi), runs in shared.items():
-        work.add_shared(tok_lo, tok_hi, runs)
-    blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segments)
-    split = blocks < SPLIT_BLOCKS_PER_THREAD * torch.get_num_threads()
+        work.add_shared(tok_lo, tok_hi, runs, split)
     first_run = 0
     for segment in segments:
         work.add_segment(*segment, first_run=first_run, split=split)
@@ -161,11 +161,14 @@ class _WorkItems:
             self.pieces.append((t0, t1, r0, r1, first + t0 - tok_lo, total, self.rows))
             self.rows += t1 - t0
 
-    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]]) -> None:
+    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]], split: bool = False) -> None:
         """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
         several runs, a chain of nodes) are read as one concatenation (both kernels read keys through their
-        runs), so they cost one partial per token and key chunk, not one per run."""
-        bounds = _key_chunks(sum(b - a for a, b in runs))
+        runs), so they cost one partial per token and key chunk, not one per run. With ``split`` (a step too
+        small to keep every thread busy) long runs are cut into key chunks as a lone segment is: a node read
+        by four decode tokens is otherwise one item, read by one thread while the others wait."""
+        at_least = SPLIT_CHUNKS_PER_THREAD * torch.get_num_threads() if split else 1
+        bounds = _key_chunks(sum(b - a for a, b in runs), at_least)
         for c0, c1 in zip(bounds, bounds[1:], strict=False):
             self._pieces(tok_lo, tok_hi, cut_runs(runs, c0, c1), c1 - c0, c1 - c0)
 
