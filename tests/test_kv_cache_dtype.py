@@ -64,3 +64,28 @@ def test_the_kv_cache_dtype_is_checked_before_anything_loads():
         args = build_parser().parse_args([*command, "--kv-cache-dtype", "bfloat16"])
         assert args.kv_cache_dtype == "bfloat16"
         assert build_parser().parse_args(command).kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("flags", "bytes_per_elem"),
+    [
+        ([], 2),
+        (["--dequantize"], 4),
+        (["--kv-cache-dtype", "float32"], 4),
+        (["--kv-cache-dtype", "bfloat16"], 2),
+    ],
+)
+def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(flags, bytes_per_elem, monkeypatch):
+    """serve --data-parallel-size sizes the replicas' KV budget before any replica loads the model: from the
+    GGUF header it must reach the same "auto" dtype the replica will (float16 for blocks kept quantized), or
+    a float32 cache would take twice the memory planned."""
+    from hydragen.distributed.checkpoint import read_config
+    from hydragen.dp import launch
+    from hydragen.engine import llm as llm_module
+
+    seen = []
+    monkeypatch.setattr(llm_module, "default_kv_cache_tokens", lambda b, *a, **k: seen.append(b) or 1024)
+    args = build_parser().parse_args(["serve", "--data-parallel-size", "2", *flags])
+    config, _, _ = read_config(args.model)
+    assert launch.replica_kv_tokens(args, config) == 1024
+    assert seen == [config.kv_bytes_per_token_per_elem * bytes_per_elem]

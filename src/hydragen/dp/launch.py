@@ -68,15 +68,19 @@ def replica_kv_tokens(args: argparse.Namespace, config) -> int:
         return args.kv_cache_tokens
     import torch
 
-    from hydragen.distributed.checkpoint import read_config
     from hydragen.engine.llm import default_kv_cache_tokens, resolve_kv_dtype
-    from hydragen.model.loader import keeps_compact, resolve_device, resolve_dtype
+    from hydragen.model.gguf import open_gguf_tensors
+    from hydragen.model.loader import keeps_compact, resolve_device, resolve_dtype, resolve_model_path
 
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    # What each replica's "auto" cache will be: float16 where its layers keep GGUF quantized blocks (the
-    # header's block sizes tell, without reading a weight).
-    _, _, blocks = read_config(args.model, keeps_compact(device, dtype, args.dequantize))
-    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype, max(blocks.down, blocks.o) > 1)
+    # What each replica's "auto" cache will be: float16 where it keeps GGUF quantized blocks (the header's
+    # tensor types tell, without reading a weight).
+    path = resolve_model_path(args.model)
+    quantized = (
+        path.suffix == ".gguf"
+        and open_gguf_tensors(path, keeps_compact(device, dtype, args.dequantize))[1].keeps_quantized()
+    )
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype, quantized)
     bytes_per_token = config.kv_bytes_per_token_per_elem * torch.finfo(kv_dtype).bits // 8
     useful = args.max_num_seqs * config.max_position_embeddings
     return default_kv_cache_tokens(bytes_per_token, device, useful, share=args.data_parallel_size)

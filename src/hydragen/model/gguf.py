@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hydragen.model.errors import ModelFileError, first_line
-from hydragen.model.qtensor import KEPT_TYPES, QuantTensor, block_size, row_bytes
+from hydragen.model.qtensor import KEPT_TYPES, PACKED_TYPES, QuantTensor, block_size, row_bytes
 
 # general.architecture -> (HF architecture, model_type, whether llama.cpp permuted attn_q/attn_k)
 _ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -351,6 +351,11 @@ class GGUFTensors:
         self._heads = {"attn_q": n_head, "attn_k": n_kv}
         self.head_dim = d
         self.names = list(self._by_hf)
+
+    def keeps_quantized(self) -> bool:
+        """Whether any tensor is read in a quantized block format (kept, not dequantized): the model it builds
+        then computes from quantized blocks (``model.linear.keeps_quantized_weights``)."""
+        return self.keep and any(t.tensor_type in PACKED_TYPES for t in self._by_hf.values())
 
     def block(self, name: str) -> int:
         """Weights per block along the rows of ``name`` as it is read (1 when it is read as floats)."""

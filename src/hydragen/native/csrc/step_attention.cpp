@@ -36,7 +36,6 @@
 #include <cstring>
 #include <limits>
 #include <thread>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -469,14 +468,11 @@ struct Partials {
 template <typename q_t, typename scalar_t>
 void tile_piece(const hsa::StepAttention& a, const Item& it, int64_t part_row, int64_t h, const Partials& part) {
   const int64_t g = a.g_, d = a.d_, hq = a.hq_;
-  const hta::TileJob job{it.tok_lo,       it.tok_hi - it.tok_lo,
-                         g,               h * g,
-                         it.run_lo,       it.first,
-                         it.total,        a.q_.stride(0),
-                         a.q_.stride(1),  a.k_.stride(0),
-                         a.v_.stride(0),  part.o + (part_row * hq + h * g) * d,
-                         part.lse + part_row * hq + h * g, hq * d,
-                         hq};
+  const hta::TileJob job{.tok_lo = it.tok_lo, .nt = it.tok_hi - it.tok_lo, .g = g, .hq0 = h * g,
+                         .run_lo = it.run_lo, .first = it.first, .total = it.total, .q_t = a.q_.stride(0),
+                         .q_h = a.q_.stride(1), .k_s = a.k_.stride(0), .v_s = a.v_.stride(0),
+                         .o = part.o + (part_row * hq + h * g) * d, .lse = part.lse + part_row * hq + h * g,
+                         .o_t = hq * d, .lse_t = hq};
   hta::tile_attention(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_) + h * a.k_.stride(1),
                       reinterpret_cast<const scalar_t*>(a.vp_) + h * a.v_.stride(1), a.rp_, job, d,
                       static_cast<float>(a.scale_));

@@ -186,8 +186,8 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
         w.krow[j] = kb;
         w.vrow[j] = vb;
       } else {
-        w.krow[j] = reinterpret_cast<const float*>(kr);
-        w.vrow[j] = reinterpret_cast<const float*>(vr);
+        w.krow[j] = kr;
+        w.vrow[j] = vr;
       }
     }
     const float* const* krow = w.krow.data();
