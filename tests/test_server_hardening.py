@@ -387,7 +387,9 @@ def test_metrics_have_latency_histograms(live):
 def test_one_log_line_per_request_without_prompt_text(live, caplog):
     caplog.set_level(logging.INFO, logger="hydragen.server")
     secret = "my secret prompt"
-    assert post(live, C, {**OK, "prompt": secret}).status_code == 200
+    # ignore_eos: an unseeded draw of the tiny model can end early (EOS at token 3 was seen in CI), and this
+    # line is checked for completion_tokens=4 and finish=length
+    assert post(live, C, {**OK, "prompt": secret, "ignore_eos": True}).status_code == 200
     assert post(live, C, {**OK, "top_k": -1}).status_code == 400
     time.sleep(0.2)
     lines = [r.getMessage() for r in caplog.records if r.name == "hydragen.server"]

@@ -149,7 +149,8 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones_after_the_grace(mo
             t.start()
         assert first_chunk.wait(60)
         short = threading.Thread(
-            target=plain, args=("short", {"model": "tiny", "prompt": "hi", "max_tokens": 5})
+            target=plain,
+            args=("short", {"model": "tiny", "prompt": "hi", "max_tokens": 5, "ignore_eos": True}),
         )
         short.start()
         # SIGTERM only once the short request is in the batch (16 long sequences + it), or done: a loaded
