@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -474,7 +475,7 @@ def hydragen_logger():
     logger.setLevel(saved[2])
 
 
-def test_bad_data_parallel_options_are_one_line_errors(model_dir, capsys, hydragen_logger):
+def test_bad_data_parallel_options_are_one_line_errors(model_dir, capsys, hydragen_logger, tmp_path):
     from hydragen.cli import main
 
     cores = len(os.sched_getaffinity(0))
@@ -485,17 +486,20 @@ def test_bad_data_parallel_options_are_one_line_errors(model_dir, capsys, hydrag
         ([*dp2, "--tensor-parallel-size", "2"], 2, "cannot be combined"),
         ([*dp2, "--router-balance-bound", "-1"], 2, "--router-balance-bound must be >= 0"),
         ([*dp2, "--kv-events-endpoint", "tcp://127.0.0.1:0"], 2, "sets each replica's KV-event addresses"),
-        # Only the replicas find this one out (the front reads no weights): it ends the command, once.
-        (
-            [*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"],
-            1,
-            "could not start: dtype must be one of",
-        ),
+        # The front resolves the replicas' KV cache dtype, so a bad dtype stops it before any replica starts.
+        ([*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"], 2, "dtype must be one of"),
     ]
-    for args, status, message in cases:
-        assert main(["serve", "--model", model_dir, "--port", "0", *args]) == status, args
+    # Only the replicas find this one out (the front reads no weights): it ends the command, once.
+    broken = Path(shutil.copytree(model_dir, tmp_path / "broken"))
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    cases.append(([*dp2, "--kv-cache-tokens", "4096"], 1, "could not start: ", broken))
+    for args, status, message, *model in cases:
+        argv = ["serve", "--model", str(model[0] if model else model_dir), "--port", "0", *args]
+        assert main(argv) == status, args
         errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], (args, errors)
+    assert "model.safetensors: unreadable weights file" in errors[0]  # the replica's own one-line error
 
 
 def test_the_command_serves_through_n_replicas_and_stops_them_on_sigterm(model_dir):

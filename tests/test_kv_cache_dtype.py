@@ -67,18 +67,21 @@ def test_the_kv_cache_dtype_is_checked_before_anything_loads():
 
 
 @pytest.mark.parametrize(
-    ("flags", "bytes_per_elem"),
+    ("flags", "kv_dtype", "bytes_per_elem"),
     [
-        ([], 2),
-        (["--dequantize"], 4),
-        (["--kv-cache-dtype", "float32"], 4),
-        (["--kv-cache-dtype", "bfloat16"], 2),
+        ([], "float16", 2),
+        (["--dequantize"], "float32", 4),
+        (["--kv-cache-dtype", "float32"], "float32", 4),
+        (["--kv-cache-dtype", "bfloat16"], "bfloat16", 2),
     ],
 )
-def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(flags, bytes_per_elem, monkeypatch):
+def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(
+    flags, kv_dtype, bytes_per_elem, monkeypatch
+):
     """serve --data-parallel-size sizes the replicas' KV budget before any replica loads the model: from the
-    GGUF header it must reach the same "auto" dtype the replica will (float16 for blocks kept quantized), or
-    a float32 cache would take twice the memory planned."""
+    GGUF header it resolves "auto" as a replica would (float16 for blocks kept quantized) and hands the
+    replicas that dtype by name, so a replica's cache is the one its budget was sized for (a float32 cache
+    would take twice the memory planned)."""
     from hydragen.distributed.checkpoint import read_config
     from hydragen.dp import launch
     from hydragen.engine import llm as llm_module
@@ -87,5 +90,10 @@ def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(flags, byt
     monkeypatch.setattr(llm_module, "default_kv_cache_tokens", lambda b, *a, **k: seen.append(b) or 1024)
     args = build_parser().parse_args(["serve", "--data-parallel-size", "2", *flags])
     config, _, _ = read_config(args.model)
-    assert launch.replica_kv_tokens(args, config) == 1024
+    kv_cache = launch.replica_kv_cache(args, config)
+    assert kv_cache == (1024, kv_dtype)
+    replica = launch.replica_args(args, 1, kv_cache, "info")
+    assert replica.count("--kv-cache-dtype") == 1
+    assert replica[replica.index("--kv-cache-dtype") + 1] == kv_dtype
+    assert replica[replica.index("--kv-cache-tokens") + 1] == "1024"
     assert seen == [config.kv_bytes_per_token_per_elem * bytes_per_elem]

@@ -2,9 +2,10 @@
 
 The replicas get the user's model and engine options unchanged, plus: loopback on a port of their own
 choosing, ``--threads`` (their share of the cores, or the user's ``--threads``), KV events on loopback for
-the router, and, when ``--kv-cache-tokens`` is not given, their part of the default KV budget (a quarter
-of free memory split N ways, instead of a quarter each). The API key reaches them in their environment,
-never on a command line.
+the router, the KV cache's dtype as the front resolved it (so the cache a replica builds is the one its
+budget was sized for), and, when ``--kv-cache-tokens`` is not given, their part of the default KV budget (a
+quarter of free memory split N ways, instead of a quarter each). The API key reaches them in their
+environment, never on a command line.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ PASSED_FLAGS = (
     ("literal_json_schema", "--literal-json-schema", False),
     ("device", "--device", True),
     ("dtype", "--dtype", True),
-    ("kv_cache_dtype", "--kv-cache-dtype", True),
     ("dequantize", "--dequantize", False),
     ("max_request_bytes", "--max-request-bytes", True),
     ("read_timeout", "--read-timeout", True),
@@ -62,10 +62,10 @@ def replica_threads(args: argparse.Namespace, cores: list[list[int] | None]) -> 
     return min(len(c) for c in cores if c is not None)
 
 
-def replica_kv_tokens(args: argparse.Namespace, config) -> int:
-    """--kv-cache-tokens, else each replica's part of the default budget (``default_kv_cache_tokens``)."""
-    if args.kv_cache_tokens is not None:
-        return args.kv_cache_tokens
+def replica_kv_cache(args: argparse.Namespace, config) -> tuple[int, str]:
+    """(tokens, dtype) of each replica's KV cache: --kv-cache-tokens, else its part of the default budget
+    (``default_kv_cache_tokens``), sized for the dtype that --kv-cache-dtype resolves to. The replicas are
+    given that dtype by name, not "auto", so the cache each builds is the one its budget was sized for."""
     import torch
 
     from hydragen.engine.llm import default_kv_cache_tokens, resolve_kv_dtype
@@ -73,23 +73,28 @@ def replica_kv_tokens(args: argparse.Namespace, config) -> int:
     from hydragen.model.loader import keeps_compact, resolve_device, resolve_dtype, resolve_model_path
 
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    # What each replica's "auto" cache will be: float16 where it keeps GGUF quantized blocks (the header's
-    # tensor types tell, without reading a weight).
+    # "auto" is float16 where the model keeps GGUF quantized blocks: the header's tensor types tell, without
+    # reading a weight.
     path = resolve_model_path(args.model)
     quantized = (
         path.suffix == ".gguf"
         and open_gguf_tensors(path, keeps_compact(device, dtype, args.dequantize))[1].keeps_quantized()
     )
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype, quantized)
+    name = str(kv_dtype).removeprefix("torch.")
+    if args.kv_cache_tokens is not None:
+        return args.kv_cache_tokens, name
     bytes_per_token = config.kv_bytes_per_token_per_elem * torch.finfo(kv_dtype).bits // 8
     useful = args.max_num_seqs * config.max_position_embeddings
-    return default_kv_cache_tokens(bytes_per_token, device, useful, share=args.data_parallel_size)
+    return default_kv_cache_tokens(bytes_per_token, device, useful, share=args.data_parallel_size), name
 
 
-def replica_args(args: argparse.Namespace, threads: int, kv_tokens: int, log_level: str) -> list[str]:
-    """The ``hydragen serve`` arguments of every replica."""
+def replica_args(
+    args: argparse.Namespace, threads: int, kv_cache: tuple[int, str], log_level: str
+) -> list[str]:
+    """The ``hydragen serve`` arguments of every replica; ``kv_cache`` from ``replica_kv_cache``."""
     out = ["--host", "127.0.0.1", "--port", "0", "--threads", str(threads)]
-    out += ["--kv-cache-tokens", str(kv_tokens)]
+    out += ["--kv-cache-tokens", str(kv_cache[0]), "--kv-cache-dtype", kv_cache[1]]
     out += ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     # Replicas log at info at least: their ready line says where they listen (their request lines are
     # forwarded at debug; the front logs every request itself).
@@ -119,7 +124,7 @@ def build_front(
     prompts = RequestPrompts.from_files(config, path, args.tool_format, args.router_policy == "approx")
     cores = split_cores(usable_cores(), n)
     threads = replica_threads(args, cores)
-    serve_args = replica_args(args, threads, replica_kv_tokens(args, config), log_level)
+    serve_args = replica_args(args, threads, replica_kv_cache(args, config), log_level)
     router = Router(n, args.router_policy, args.router_balance_bound, page_size=args.page_size)
     env = {"HYDRAGEN_API_KEY": api_key or ""}
     return Front(router, prompts, serve_args, cores, command=command, env=env), path

@@ -49,16 +49,17 @@ def check(args: argparse.Namespace, tensor_parallel: int) -> list[str]:
 def build_from_args(args: argparse.Namespace, options, api_key: str | None):
     """The Ray Serve application for these serve flags (``dp.ray_serve.build_app``)."""
     from hydragen.distributed.checkpoint import read_config
-    from hydragen.dp.launch import replica_kv_tokens
+    from hydragen.dp.launch import replica_kv_cache
     from hydragen.dp.ray_serve import build_app
 
     config, _, _ = read_config(args.model)
     threads = args.threads or 1
+    kv_tokens, kv_dtype = replica_kv_cache(args, config)
     llm_options = dict(
         device=args.device,
         dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_tokens=replica_kv_tokens(args, config),
+        kv_cache_dtype=kv_dtype,
+        kv_cache_tokens=kv_tokens,
         max_num_seqs=args.max_num_seqs,
         page_size=args.page_size,
         prefix_sharing=not args.no_sharing,
