@@ -252,9 +252,9 @@ def test_token_rows_index_is_the_same_from_lists_and_tensors(monkeypatch):
             work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi)
         else:
             work.add_shared(tok_lo, tok_hi, [(kv_lo, kv_hi)])
-    first_run = 0
+    first_run, chunks = 0, step_work.SPLIT_CHUNKS_PER_THREAD * torch.get_num_threads()
     for seg in segments:
-        work.add_segment(*seg, first_run=first_run, split=True)
+        work.add_segment(*seg, first_run=first_run, chunks=chunks)
         first_run += len(seg[2])
     assert work.rows > 32  # many rows, several per token
     small = step_work._token_rows_small(work.pieces, 32)

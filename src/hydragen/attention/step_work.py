@@ -8,7 +8,8 @@ keys (``first`` may be <= 0: such tokens see none of the item's keys). Two kinds
   non-causal units, grouped by token range (a node on scattered pages, or a chain of nodes read by the same
   sequences, is one piece per token tile, hence one partial per token); causal units as diagonal squares
   plus the rectangle left of each; and, when a step is too small to keep every thread busy, long segments
-  cut into equal key chunks (a lone decode token's context: two chunks per thread), every chunk a piece.
+  and shared nodes cut into equal key chunks (a lone decode token's context: two chunks per thread), every
+  chunk a piece.
   Wide pieces are tiled by tokens, long ones cut by keys, so one big node still spreads over every thread.
 * **blocks** cover every token exactly once, read what is left of its segment in place, fold in the partials
   of every piece covering the token (the CSR ``tok_ptr``/``tok_parts``) and write the output.
@@ -26,7 +27,8 @@ from torch import Tensor
 TOKENS_PER_BLOCK = 8  # segment tokens per block: they share each K/V row the block reads
 PIECE_TOKENS = 32  # query tokens per piece: rows of one matrix product, and several pieces per wide node
 MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
-SPLIT_BLOCKS_PER_THREAD = 4  # segments are cut into key chunks only in steps with fewer blocks per thread
+SPLIT_BLOCKS_PER_THREAD = 4  # segments and shared nodes are cut into key chunks only in steps with fewer
+# blocks per thread
 # A split segment's keys are cut into this many chunks per thread, each of at least MIN_SPLIT_KEYS keys, all
 # of them pieces: one decode token's context is read by every thread in equal shares (n = 1, 512 keys: one
 # block per KV head left two of three heads to one thread), and its block only merges them.
@@ -56,7 +58,9 @@ def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_to
     """Work items for validated, normalised units and segments (CPU tensors)."""
     work = _WorkItems([run for seg in segments for run in seg[2]])
     blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segments)
-    split = blocks < SPLIT_BLOCKS_PER_THREAD * torch.get_num_threads()
+    threads = torch.get_num_threads()
+    small = blocks < SPLIT_BLOCKS_PER_THREAD * threads
+    chunks = SPLIT_CHUNKS_PER_THREAD * threads if small else 0  # key chunks of a long segment or node
     shared: dict[tuple[int, int], list[tuple[int, int]]] = {}  # token range -> runs it sees whole
     for kv_lo, kv_hi, tok_lo, tok_hi, causal in units:
         if causal:
@@ -64,10 +68,10 @@ def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_to
         else:
             shared.setdefault((tok_lo, tok_hi), []).append((kv_lo, kv_hi))
     for (tok_lo, tok_hi), runs in shared.items():
-        work.add_shared(tok_lo, tok_hi, runs, split)
+        work.add_shared(tok_lo, tok_hi, runs, chunks)
     first_run = 0
     for segment in segments:
-        work.add_segment(*segment, first_run=first_run, split=split)
+        work.add_segment(*segment, first_run=first_run, chunks=chunks)
         first_run += len(segment[2])
 
     num_parts = work.rows
@@ -161,14 +165,13 @@ class _WorkItems:
             self.pieces.append((t0, t1, r0, r1, first + t0 - tok_lo, total, self.rows))
             self.rows += t1 - t0
 
-    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]], split: bool = False) -> None:
+    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]], chunks: int = 0) -> None:
         """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
         several runs, a chain of nodes) are read as one concatenation (both kernels read keys through their
-        runs), so they cost one partial per token and key chunk, not one per run. With ``split`` (a step too
-        small to keep every thread busy) long runs are cut into key chunks as a lone segment is: a node read
-        by four decode tokens is otherwise one item, read by one thread while the others wait."""
-        at_least = SPLIT_CHUNKS_PER_THREAD * torch.get_num_threads() if split else 1
-        bounds = _key_chunks(sum(b - a for a, b in runs), at_least)
+        runs), so they cost one partial per token and key chunk, not one per run. With ``chunks`` (a step too
+        small to keep every thread busy) long runs are cut into that many key chunks as a lone segment is: a
+        node read by four decode tokens is otherwise one item, read by one thread while the others wait."""
+        bounds = _key_chunks(sum(b - a for a, b in runs), max(chunks, 1))
         for c0, c1 in zip(bounds, bounds[1:], strict=False):
             self._pieces(tok_lo, tok_hi, cut_runs(runs, c0, c1), c1 - c0, c1 - c0)
 
@@ -181,13 +184,12 @@ class _WorkItems:
             if a:
                 self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)])
 
-    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, split: bool) -> None:
-        """Blocks covering every token of the segment; with ``split``, all but the last key chunk of a long
-        segment become pieces, so one long context is read by several threads."""
+    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, chunks: int) -> None:
+        """Blocks covering every token of the segment; with ``chunks`` (> 0: a small step), its keys are cut
+        into that many chunks, every one a piece, so one long context is read by several threads."""
         total = sum(b - a for a, b in runs)
         seen_last = min(visible + tok_hi - tok_lo - 1, total)
-        at_least = SPLIT_CHUNKS_PER_THREAD * torch.get_num_threads()
-        bounds = _key_chunks(max(seen_last, 0), at_least) if split else [0, total]
+        bounds = _key_chunks(max(seen_last, 0), chunks) if chunks else [0, total]
         if len(bounds) > 2:  # split: every chunk a piece, the block reads no keys of its own
             bounds.append(total)
         for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces

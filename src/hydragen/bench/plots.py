@@ -224,7 +224,7 @@ def draw(
         outside = len(panels) == 1
         labels = [h.get_label() for h in handles]
         if outside:
-            labels = ["\n".join(textwrap.wrap(t, LEGEND_WRAP, break_on_hyphens=False)) or t for t in labels]
+            labels = [textwrap.fill(t, LEGEND_WRAP, break_on_hyphens=False) for t in labels]
         ax.legend(
             handles=handles, labels=labels, fontsize=8, framealpha=0.9,
             **(dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if outside else {}),

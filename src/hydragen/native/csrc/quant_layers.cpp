@@ -96,8 +96,8 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
                         at::TensorList norms, double eps, const at::Tensor& pool_k, const at::Tensor& pool_v,
                         const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& runs,
                         const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
-                        const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens, int64_t flash_min_rows,
-                        int64_t flash_min_keys, double scale, int64_t act_bits, int64_t isa) {
+                        const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens, int64_t tile_min_rows,
+                        int64_t tile_min_keys, double scale, int64_t act_bits, int64_t isa) {
   TORCH_CHECK(counts.size() % 4 == 0 && norms.size() == counts.size() / 2,
               "quant_layers: counts holds 4 part counts per layer (qkv, o, gate_up, down), norms 2 per layer");
   TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size(),
@@ -171,7 +171,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   const int bits = static_cast<int>(act_bits);
   hq::size_acts(t, std::max({hidden, qdim, ffn}), bits, qa);
   hsa::StepAttention attention(qkv.narrow(1, 0, qdim).view({t, num_heads, d}), pool_k, pool_v, runs, pieces, blocks,
-                               tok_ptr, tok_parts, num_parts, max_item_tokens, flash_min_rows, flash_min_keys, scale);
+                               tok_ptr, tok_parts, num_parts, max_item_tokens, tile_min_rows, tile_min_keys, scale);
   const float* attn_out = attention.out().const_data_ptr<float>();
   float* hp = h.data_ptr<float>();
   float* qkvp = qkv.data_ptr<float>();
@@ -268,7 +268,7 @@ TORCH_LIBRARY_FRAGMENT(hydragen, m) {
       "quant_layers(Tensor h, Tensor rope_cos, Tensor rope_sin, int rope_cols, Tensor[] weights, int[] qtypes, "
       "int[] rows, int[] counts, Tensor[] norms, float eps, Tensor pool_k, Tensor pool_v, Tensor slots, "
       "int num_heads, int num_kv_heads, Tensor runs, Tensor pieces, Tensor blocks, Tensor tok_ptr, Tensor tok_parts, "
-      "int num_parts, int max_item_tokens, int flash_min_rows, int flash_min_keys, float scale, int act_bits, "
+      "int num_parts, int max_item_tokens, int tile_min_rows, int tile_min_keys, float scale, int act_bits, "
       "int isa) -> Tensor");
   m.impl("quant_layers", c10::DispatchKey::CPU, &quant_layers);
 }

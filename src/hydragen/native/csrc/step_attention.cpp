@@ -41,10 +41,10 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kVL = Vec::size();
+using hta::kNegInf;
+using hta::kVL;
+using hta::Vec;
 constexpr int64_t kBlockKeys = 32;  // keys per online-softmax step: scores stay in L1
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // kVL values of a row as float32 (the first `count` of them, the rest 0): a 16-bit cache is widened in
 // registers as it is read, to the values a float32 copy of the row would hold.
@@ -677,7 +677,6 @@ StepAttention::StepAttention(const at::Tensor& q, const at::Tensor& k, const at:
 void StepAttention::set_layer(int64_t layer) {
   TORCH_CHECK(k_pool_.defined() && layer >= 0 && layer < k_pool_.size(0), "step_attention: no layer ", layer);
   const int64_t elem = k_pool_.element_size();
-  layer_ = layer;
   kp_ = static_cast<const char*>(k_pool_.const_data_ptr()) + layer * k_pool_.stride(0) * elem;
   vp_ = static_cast<const char*>(v_pool_.const_data_ptr()) + layer * v_pool_.stride(0) * elem;
 }

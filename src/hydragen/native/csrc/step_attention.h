@@ -30,11 +30,11 @@ class StepAttention {
   const at::Tensor& out() const { return out_; }
 
   // Read by the item functions (step_attention.cpp).
-  at::Tensor q_, k_, v_, out_, part_o_, part_lse_;  // k_, v_: the current layer's [S, Hkv, D]
+  at::Tensor q_, k_, v_, out_, part_o_, part_lse_;  // k_, v_: layer 0's [S, Hkv, D], read for strides only
   at::Tensor k_pool_, v_pool_;                      // [L, S, Hkv, D], or undefined
   const char *kp_ = nullptr, *vp_ = nullptr;       // the current layer's first K / V row
   const int64_t *rp_, *pp_, *bp_, *tp_, *tq_;
-  int64_t n_pieces_, n_blocks_, hq_, hkv_, g_, d_, rows_, tile_min_rows_, tile_min_keys_, layer_ = 0;
+  int64_t n_pieces_, n_blocks_, hq_, hkv_, g_, d_, rows_, tile_min_rows_, tile_min_keys_;
   double scale_;
 
  private:
