@@ -27,8 +27,8 @@ from torch import Tensor
 TOKENS_PER_BLOCK = 8  # segment tokens per block: they share each K/V row the block reads
 PIECE_TOKENS = 32  # query tokens per piece: rows of one matrix product, and several pieces per wide node
 MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
-SPLIT_BLOCKS_PER_THREAD = 4  # segments and shared nodes are cut into key chunks only in steps with fewer
-# blocks per thread
+# Segments and shared nodes are cut into key chunks only in steps with fewer blocks per thread than this.
+SPLIT_BLOCKS_PER_THREAD = 4
 # A split segment's keys are cut into this many chunks per thread, each of at least MIN_SPLIT_KEYS keys, all
 # of them pieces: one decode token's context is read by every thread in equal shares (n = 1, 512 keys: one
 # block per KV head left two of three heads to one thread), and its block only merges them.
