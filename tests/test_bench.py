@@ -229,6 +229,22 @@ def test_llamacpp_peer_shares_the_prompt_cells(tmp_path):
     assert [(r["mode"], r["n"]) for r in rows] == [("llamacpp", 1), ("llamacpp", 2)]
 
 
+def test_llamacpp_peer_keeps_distinct_prompts_apart():
+    """Distinct prompts are sequences of their own: each continues as it would alone (where llama-cpp-python
+    is installed)."""
+    pytest.importorskip("llama_cpp")
+    from hydragen.bench import llamacpp_peer
+    from hydragen.bench.e2e import synthetic_prompt
+
+    peer = llamacpp_peer.Peer(None, 32, 4, 3, cells=3 * (32 + 4) + 64)
+    prompts = [synthetic_prompt(peer.vocab, 32, seed=s) for s in (1, 2, 3)]
+    together = peer.generate_prompts(prompts, 4)
+    assert len(together) == 3 and all(len(t) == 4 for t in together)
+    alone = [peer.generate(p, 1, 4)[0] for p in prompts]
+    assert [t[:2] for t in together] == [a[:2] for a in alone]
+    assert len({tuple(t) for t in together}) > 1  # not one sequence read three times
+
+
 def test_cost_rule_quick(tmp_path):
     from hydragen import cli
     from hydragen.engine.sharing import sharing_pays

@@ -54,6 +54,9 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     engines = {r["mode"] for r in data["decode"]}
     assert set(MODES) - {"llamacpp"} <= engines
     assert all("vs llama.cpp, paired" in r for r in data["decode"])
+    # n completions of one prompt, and n distinct prompts of one completion each, for every engine
+    points = {(r["mode"], r["n"], r["prompts"]) for r in data["decode"]}
+    assert all({(n, k) for m, n, k in points if m == mode} == {(1, 1), (4, 1), (4, 4)} for mode in engines)
     assert [r["model"] for r in data["memory"]] == ["embedded SmolLM2-135M Q4_1", f"{config}:Q4_K_M"]
     assert all(r["file MB"] > 0 and r["runtime MB"] > 0 for r in data["memory"])
     assert {r["n"] for r in data["real"]} == {1, 16}
@@ -110,13 +113,18 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
 
 def test_bench_quant_points_and_engines_are_checked(capsys):
     from hydragen import cli
-    from hydragen.bench.quant import _engines, _points
+    from hydragen.bench.quant import _engines, _point, _points
 
     assert _points("1:512, 8:64") == ((1, 512), (8, 64))
+    assert _points("8:512:distinct,1:64") == ((8, 512, True), (1, 64))
+    assert _point((8, 512, True)) == (8, 512, True) and _point((1, 512, True)) == (1, 512, False)
     assert _engines("hydragen,llamacpp") == ("hydragen", "llamacpp")
     with pytest.raises(SystemExit):
         cli.main(["bench", "quant", "--parts", "decode", "--points", "1:512,8"])
     assert "'8' is not COMPLETIONS:PROMPT_TOKENS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "quant", "--parts", "decode", "--points", "8:512:shared"])
+    assert "'8:512:shared' is not COMPLETIONS:PROMPT_TOKENS[:distinct]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "quant", "--parts", "decode", "--engines", "hydragen,vllm"])
     assert "unknown engine 'vllm'" in capsys.readouterr().err

@@ -72,6 +72,21 @@ def time_engine(llm, prompt: list[int], n: int, tokens: int) -> float:
     return elapsed
 
 
+def time_engine_prompts(llm, prompts: list[list[int]], tokens: int) -> float:
+    """``time_engine`` for one completion of each of several prompts (a server's distinct requests)."""
+    from hydragen import SamplingParams
+
+    llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=0, **ENGINE_SAMPLING)
+    _sync(llm.engine.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(llm.engine.device)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    return elapsed
+
+
 def time_hf(hf, prompt: list[int], n: int, tokens: int) -> float:
     ids = torch.tensor([prompt], device=hf.device)
     _sync(hf.device)

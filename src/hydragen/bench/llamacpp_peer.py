@@ -34,7 +34,9 @@ def unavailable(model, random_weights: bool) -> str | None:
 class Peer:
     """One llama.cpp context sized for the longest prompt and the largest n of the sweep."""
 
-    def __init__(self, model, max_prompt: int, max_new: int, max_n: int):
+    def __init__(self, model, max_prompt: int, max_new: int, max_n: int, cells: int | None = None):
+        """``cells``: KV cells to hold (default: one prompt shared by ``max_n`` sequences of ``max_new``
+        tokens each; distinct prompts need each prompt's cells)."""
         import llama_cpp as L
 
         from hydragen.model.loader import resolve_model_path
@@ -48,7 +50,7 @@ class Peer:
         if not self.model:
             raise RuntimeError("llama.cpp could not load the model")
         cp = L.llama_context_default_params()
-        cp.n_ctx = max_prompt + max_n * max_new + 64
+        cp.n_ctx = cells or max_prompt + max_n * max_new + 64
         cp.n_batch = cp.n_ubatch = min(max(max_prompt, max_n), 2048)
         cp.n_seq_max = max_n
         cp.kv_unified = True  # one cell pool shared by all sequences: the prompt's cells are shared
@@ -73,23 +75,40 @@ class Peer:
         ptr = self.L.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(rows, self.vocab))
 
-    def generate(self, prompt: list[int], n: int, tokens: int) -> list[list[int]]:
-        L = self.L
-        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
-        for start in range(0, len(prompt), self.n_batch):  # the prompt, once, as sequence 0
+    def _prefill(self, prompt: list[int], seq: int) -> int:
+        """The prompt as sequence ``seq``; its first token (greedy)."""
+        for start in range(0, len(prompt), self.n_batch):
             chunk = prompt[start : start + self.n_batch]
             pos = list(range(start, start + len(chunk)))
-            self._decode(chunk, pos, [0] * len(chunk), [p == len(prompt) - 1 for p in pos])
-        mem = L.llama_get_memory(self.ctx)
-        for s in range(1, n):
-            L.llama_memory_seq_cp(mem, 0, s, -1, -1)
-        first = int(self._logits(1)[0].argmax())
-        out = [[first] for _ in range(n)]
+            self._decode(chunk, pos, [seq] * len(chunk), [p == len(prompt) - 1 for p in pos])
+        return int(self._logits(1)[0].argmax())
+
+    def _continue(self, out: list[list[int]], lengths: list[int], tokens: int) -> list[list[int]]:
+        """Sequence s (its prompt ``lengths[s]`` long, its first token in ``out[s]``) to ``tokens`` tokens,
+        one llama_decode for all of them a step."""
+        n = len(out)
         for step in range(1, tokens):
-            self._decode([o[-1] for o in out], [len(prompt) + step - 1] * n, list(range(n)), [True] * n)
+            positions = [length + step - 1 for length in lengths]
+            self._decode([o[-1] for o in out], positions, list(range(n)), [True] * n)
             for o, t in zip(out, self._logits(n).argmax(axis=1).tolist(), strict=True):
                 o.append(int(t))
         return out
+
+    def generate(self, prompt: list[int], n: int, tokens: int) -> list[list[int]]:
+        """n completions of one prompt: evaluated once, its cells shared by every sequence."""
+        L = self.L
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        first = self._prefill(prompt, 0)
+        mem = L.llama_get_memory(self.ctx)
+        for s in range(1, n):
+            L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+        return self._continue([[first] for _ in range(n)], [len(prompt)] * n, tokens)
+
+    def generate_prompts(self, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        """One completion of each prompt, each its own sequence: a server's distinct requests."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        firsts = [self._prefill(prompt, s) for s, prompt in enumerate(prompts)]
+        return self._continue([[t] for t in firsts], [len(p) for p in prompts], tokens)
 
     def __del__(self):
         try:
@@ -105,6 +124,15 @@ def timer(peer: Peer, prompt: list[int], n: int, tokens: int) -> float:
     out = peer.generate(prompt, n, tokens)
     elapsed = time.perf_counter() - t0
     assert len(out) == n and all(len(o) == tokens for o in out)
+    return elapsed
+
+
+def timer_prompts(peer: Peer, prompts: list[list[int]], tokens: int) -> float:
+    """``timer`` for one completion of each of several prompts."""
+    t0 = time.perf_counter()
+    out = peer.generate_prompts(prompts, tokens)
+    elapsed = time.perf_counter() - t0
+    assert len(out) == len(prompts) and all(len(o) == tokens for o in out)
     return elapsed
 
 

@@ -33,8 +33,9 @@ from hydragen.bench.plots import Panel, plot, plot_lines
 
 RESULT_NAME = "quant"
 PARTS = ("kernels", "accuracy", "decode", "memory", "real")
-# (n, prompt tokens, one shared prompt): the issue's three points
-DECODE_POINTS = ((1, 512), (8, 512), (64, 2048))
+# (n, prompt tokens): n completions of one prompt, the issue's three points; (n, prompt tokens, True): n
+# distinct prompts, one completion each (what a server's separate users send: nothing shared)
+DECODE_POINTS = ((1, 512), (8, 512), (64, 2048), (8, 512, True))
 MODES = (
     "hydragen",
     "hydragen-kv32",
@@ -59,20 +60,22 @@ def _say(message: str) -> None:
 
 
 # ---- decode, side by side ---------------------------------------------------------------------------
-def _per_op_timer(llm, prompt: list[int], n: int, tokens: int) -> float:
-    """e2e.time_engine with the layers run one op at a time from Python (model/layer_stack.py off): the
-    path every model took before the one-call loop, timed in the same run."""
-    from hydragen.bench import e2e
+def _per_op(timer):
+    """``timer`` with the layers run one op at a time from Python (model/layer_stack.py off): the path every
+    model took before the one-call loop, timed in the same run."""
 
-    before = os.environ.get("HYDRAGEN_FUSED_LAYERS")
-    os.environ["HYDRAGEN_FUSED_LAYERS"] = "0"
-    try:
-        return e2e.time_engine(llm, prompt, n, tokens)
-    finally:
-        if before is None:
-            del os.environ["HYDRAGEN_FUSED_LAYERS"]
-        else:
-            os.environ["HYDRAGEN_FUSED_LAYERS"] = before
+    def timed(*args) -> float:
+        before = os.environ.get("HYDRAGEN_FUSED_LAYERS")
+        os.environ["HYDRAGEN_FUSED_LAYERS"] = "0"
+        try:
+            return timer(*args)
+        finally:
+            if before is None:
+                del os.environ["HYDRAGEN_FUSED_LAYERS"]
+            else:
+                os.environ["HYDRAGEN_FUSED_LAYERS"] = before
+
+    return timed
 
 
 def _engine(model, mode: str, kv_tokens: int):
@@ -84,52 +87,70 @@ def _engine(model, mode: str, kv_tokens: int):
     return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_dtype)
 
 
+def _point(point) -> tuple[int, int, bool]:
+    """(n, prompt tokens, distinct): (n, p) is n completions of one p-token prompt; (n, p, True) n distinct
+    p-token prompts, one completion each (a server's separate requests: nothing to share)."""
+    n, p, *distinct = point
+    return n, p, bool(distinct and distinct[0]) and n > 1
+
+
 def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> list[dict]:
-    """Decode tok/s per (mode, n, prompt), the best of ``rounds`` alternating rounds."""
+    """Decode tok/s per (mode, point), the best of ``rounds`` alternating rounds."""
     from hydragen.bench import e2e, llamacpp_peer
     from hydragen.model.loader import resolve_model_path
 
     e2e.ENGINE_SAMPLING.update(temperature=0.8, top_p=0.95)
     path = resolve_model_path(model) if not isinstance(model, Path) else model
+    points = [_point(pt) for pt in points]
+    # KV tokens a point holds at its end: the shared prompt once, or each distinct prompt
+    cells = max((n if distinct else 1) * p + n * new_tokens for n, p, distinct in points)
     vocab = None
-    runners = {}
+    runners = {}  # mode -> (runner, timer for one prompt's n completions, timer for distinct prompts)
     for mode in modes:
         if mode == "llamacpp":
             why = llamacpp_peer.unavailable(path, False)
             if why:
                 _say(f"llama.cpp skipped: {why}")
                 continue
-            runners[mode] = (
-                llamacpp_peer.Peer(path, max(p for _, p in points), new_tokens, max(n for n, _ in points)),
-                llamacpp_peer.timer,
-            )
+            longest, most = max(p for _, p, _ in points), max(n for n, _, _ in points)
+            peer = llamacpp_peer.Peer(path, longest, new_tokens, most, cells=cells + 64)
+            vocab = vocab or peer.vocab
+            runners[mode] = (peer, llamacpp_peer.timer, llamacpp_peer.timer_prompts)
         else:
-            kv = max(p + n * new_tokens for n, p in points) + 64 * new_tokens
-            llm = _engine(path, mode, kv)
+            llm = _engine(path, mode, cells + 64 * new_tokens)
             vocab = llm.config.vocab_size
-            runners[mode] = (llm, _per_op_timer if mode == "hydragen-per-op" else e2e.time_engine)
-    best: dict[tuple[str, int, int], tuple[float, float]] = {}
-    per_round: dict[tuple[str, int, int], list[float]] = {}  # each round's rate, in round order
-    for runner, timer in runners.values():  # untimed: first touches of the KV pool's pages, lazy set-up
-        for n, p in points:
-            timer(runner, e2e.synthetic_prompt(vocab, p), n, 2)
+            timers = (e2e.time_engine, e2e.time_engine_prompts)
+            runners[mode] = (llm, *(map(_per_op, timers) if mode == "hydragen-per-op" else timers))
+
+    def run(runner, shared, distinct_timer, n: int, p: int, distinct: bool, tokens: int) -> float:
+        if distinct:  # seeds 1..n: prompts that share no prefix (seed 0 is the shared points' prompt)
+            prompts = [e2e.synthetic_prompt(vocab, p, seed=1 + i) for i in range(n)]
+            return distinct_timer(runner, prompts, tokens)
+        return shared(runner, e2e.synthetic_prompt(vocab, p), n, tokens)
+
+    best: dict[tuple, tuple[float, float]] = {}
+    per_round: dict[tuple, list[float]] = {}  # each round's rate, in round order
+    for runner, *timers in runners.values():  # untimed: first touches of the KV pool's pages, lazy set-up
+        for point in points:
+            run(runner, *timers, *point, 2)
     for r in range(rounds):
-        for mode, (runner, timer) in runners.items():
-            for n, p in points:
-                prompt = e2e.synthetic_prompt(vocab, p)
-                t1, tt = timer(runner, prompt, n, 1), timer(runner, prompt, n, new_tokens)
-                key = (mode, n, p)
+        for mode, (runner, *timers) in runners.items():
+            for n, p, distinct in points:
+                t1, tt = (run(runner, *timers, n, p, distinct, t) for t in (1, new_tokens))
+                key = (mode, n, p, distinct)
                 old = best.get(key, (float("inf"), float("inf")))
                 best[key] = (min(old[0], t1), min(old[1], tt))
                 per_round.setdefault(key, []).append(e2e.decode_rate(n, new_tokens, t1, tt))
-                _say(f"round {r + 1}: {mode:13s} n={n:3d} P={p}: decode {per_round[key][-1]:7.1f} tok/s")
+                what = f"n={n:3d} P={p}" + (" distinct" if distinct else "")
+                _say(f"round {r + 1}: {mode:13s} {what}: decode {per_round[key][-1]:7.1f} tok/s")
     rows = []
-    for (mode, n, p), (t1, tt) in best.items():
+    for (mode, n, p, distinct), (t1, tt) in best.items():
         rows.append(
             {
                 "engine": MODE_LABELS[mode],
                 "mode": mode,
                 "n": n,
+                "prompts": n if distinct else 1,
                 "prompt": p,
                 "new_tokens": new_tokens,
                 "decode tok/s": e2e.decode_rate(n, new_tokens, t1, tt),
@@ -138,18 +159,15 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
             }
         )
     for row in rows:
-        peer = next(
-            (
-                x
-                for x in rows
-                if x["mode"] == "llamacpp" and (x["n"], x["prompt"]) == (row["n"], row["prompt"])
-            ),
-            None,
-        )
+        peer = next((x for x in rows if x["mode"] == "llamacpp" and _key(x) == _key(row)), None)
         row["vs llama.cpp"] = row["decode tok/s"] / peer["decode tok/s"] if peer else float("nan")
-        key, peer_key = (row["mode"], row["n"], row["prompt"]), ("llamacpp", row["n"], row["prompt"])
+        key, peer_key = (row["mode"], *_key(row)), ("llamacpp", *_key(row))
         row["vs llama.cpp, paired"] = paired_ratio(per_round.get(key, []), per_round.get(peer_key, []))
     return rows
+
+
+def _key(row: dict) -> tuple[int, int, bool]:
+    return row["n"], row["prompt"], row["prompts"] > 1
 
 
 def paired_ratio(ours: list[float], peer: list[float]) -> float:
@@ -165,7 +183,7 @@ def paired_ratio(ours: list[float], peer: list[float]) -> float:
 
 # ---- the run ----------------------------------------------------------------------------------------
 DECODE_COLUMNS = [
-    "engine", "n", "prompt", "new_tokens", "decode tok/s", "vs llama.cpp", "vs llama.cpp, paired",
+    "engine", "n", "prompts", "prompt", "new_tokens", "decode tok/s", "vs llama.cpp", "vs llama.cpp, paired",
     "t(1) s", "t(T) s",
 ]  # fmt: skip
 
@@ -199,12 +217,13 @@ def _accuracy(a, quick: bool) -> tuple[list[dict], dict, str]:
 
 
 def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
-    points = ((1, 64), (4, 64)) if quick else a.points or DECODE_POINTS
+    points = ((1, 64), (4, 64), (4, 64, True)) if quick else a.points or DECODE_POINTS
     new_tokens = 4 if quick else a.new_tokens
     rounds = 1 if quick else a.rounds
     rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES)
     notes = (
-        "n completions of one prompt (its KV shared by every engine); hydragen samples at temperature 0.8, "
+        "n completions of one prompt (its KV shared by every engine), or, where 'prompts' is n, n distinct "
+        "prompts of that length, one completion each; hydragen samples at temperature 0.8, "
         "top_p 0.95, llama.cpp picks greedily from its logits. Decode-only rate n (T - 1) / (t(T) - t(1)); "
         f"best of {rounds} alternating rounds. 'vs llama.cpp' divides the two best rates; 'paired' is the "
         "median over rounds of the ratio within a round (the engines run back to back in each round)."
@@ -359,12 +378,14 @@ def plots(data: dict, out: Path) -> list[Path]:
     if data.get("decode"):
         series = {}
         for r in data["decode"]:
+            if r.get("prompts", 1) > 1:  # distinct prompts: a point of their own, in the table only
+                continue
             xs, ys = series.setdefault(r["engine"], ([], []))
             xs.append(r["n"])
             ys.append(r["decode tok/s"])
         paths.append(
             plot_lines(series, out / "quant_decode.png", "Decode throughput, same GGUF, side by side",
-                       "completions n (1, 8: a 512-token prompt; 64: a shared 2,048-token one)",
+                       "completions n of one prompt (1, 8: 512 tokens; 64: 2,048)",
                        "decode tokens/s", logx=True, logy=True, quick=quick)
         )  # fmt: skip
     if data.get("real"):
@@ -382,14 +403,19 @@ def plots(data: dict, out: Path) -> list[Path]:
     return paths
 
 
-def _points(text: str) -> tuple[tuple[int, int], ...]:
-    """'1:512,8:512' -> ((1, 512), (8, 512)); anything else is an argparse error naming the bad item."""
+def _points(text: str) -> tuple[tuple, ...]:
+    """'1:512,8:512:distinct' -> ((1, 512), (8, 512, True)); anything else is an argparse error naming the
+    bad item."""
     out = []
     for item in text.split(","):
-        n, _, prompt = item.strip().partition(":")
-        if not (n.isdigit() and prompt.isdigit() and int(n) > 0 and int(prompt) > 0):
-            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not COMPLETIONS:PROMPT_TOKENS, e.g. 1:512")
-        out.append((int(n), int(prompt)))
+        n, _, rest = item.strip().partition(":")
+        prompt, _, kind = rest.partition(":")
+        counts = n.isdigit() and prompt.isdigit() and int(n) > 0 and int(prompt) > 0
+        if not counts or kind not in ("", "distinct"):
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} is not COMPLETIONS:PROMPT_TOKENS[:distinct], e.g. 1:512 or 8:512:distinct"
+            )
+        out.append((int(n), int(prompt), True) if kind else (int(n), int(prompt)))
     return tuple(out)
 
 
@@ -422,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         type=_points,
         default=None,
         metavar="N:PROMPT,...",
-        help="decode points, completions:prompt tokens (default 1:512,8:512,64:2048)",
+        help="decode points, completions:prompt tokens, ':distinct' for that many distinct prompts of one "
+        "completion each (default 1:512,8:512,64:2048,8:512:distinct)",
     )
     p.add_argument(
         "--engines",
