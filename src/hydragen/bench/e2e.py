@@ -59,31 +59,26 @@ ENGINE_SAMPLING: dict = dict(temperature=1.0)
 
 
 def time_engine(llm, prompt: list[int], n: int, tokens: int) -> float:
+    return _time_generate(llm, [prompt], n, tokens)
+
+
+def time_engine_prompts(llm, prompts: list[list[int]], tokens: int) -> float:
+    """``time_engine`` for one completion of each of several prompts (a server's distinct requests)."""
+    return _time_generate(llm, prompts, 1, tokens)
+
+
+def _time_generate(llm, prompts: list[list[int]], n: int, tokens: int) -> float:
+    """Seconds for n completions of ``tokens`` tokens of each prompt, from an empty prefix cache."""
     from hydragen import SamplingParams
 
     llm.reset_prefix_cache()
     params = SamplingParams(n=n, max_tokens=tokens, ignore_eos=True, seed=0, **ENGINE_SAMPLING)
     _sync(llm.engine.device)
     t0 = time.perf_counter()
-    outs = llm.generate([prompt], params, use_tqdm=False)
-    _sync(llm.engine.device)
-    elapsed = time.perf_counter() - t0
-    assert all(len(c.token_ids) == tokens for c in outs[0].outputs)
-    return elapsed
-
-
-def time_engine_prompts(llm, prompts: list[list[int]], tokens: int) -> float:
-    """``time_engine`` for one completion of each of several prompts (a server's distinct requests)."""
-    from hydragen import SamplingParams
-
-    llm.reset_prefix_cache()
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=0, **ENGINE_SAMPLING)
-    _sync(llm.engine.device)
-    t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync(llm.engine.device)
     elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    assert all(len(o.outputs) == n and all(len(c.token_ids) == tokens for c in o.outputs) for o in outs)
     return elapsed
 
 

@@ -120,19 +120,20 @@ class Peer:
 
 
 def timer(peer: Peer, prompt: list[int], n: int, tokens: int) -> float:
-    t0 = time.perf_counter()
-    out = peer.generate(prompt, n, tokens)
-    elapsed = time.perf_counter() - t0
-    assert len(out) == n and all(len(o) == tokens for o in out)
-    return elapsed
+    return _timed(lambda: peer.generate(prompt, n, tokens), n, tokens)
 
 
 def timer_prompts(peer: Peer, prompts: list[list[int]], tokens: int) -> float:
     """``timer`` for one completion of each of several prompts."""
+    return _timed(lambda: peer.generate_prompts(prompts, tokens), len(prompts), tokens)
+
+
+def _timed(generate, sequences: int, tokens: int) -> float:
+    """Seconds ``generate`` takes, checking it gave ``sequences`` sequences of ``tokens`` tokens."""
     t0 = time.perf_counter()
-    out = peer.generate_prompts(prompts, tokens)
+    out = generate()
     elapsed = time.perf_counter() - t0
-    assert len(out) == len(prompts) and all(len(o) == tokens for o in out)
+    assert len(out) == sequences and all(len(o) == tokens for o in out)
     return elapsed
 
 
