@@ -318,6 +318,50 @@ def test_a_shared_node_of_a_small_step_is_read_by_every_thread(impl, holders, mo
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal", [0, 1])
+def test_peaked_scores_over_many_key_chunks_match_the_reference(impl, causal, monkeypatch):
+    """Scores spanning tens of units (most weights many orders below the largest, the row maximum moving
+    between the tile kernel's 64-key chunks, causal rows stopping inside one): float64 attention's output."""
+    monkeypatch.setattr(step_work, "TILE_MIN_ROWS", 0)
+    monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
+    gen = torch.Generator().manual_seed(11)
+    pages = Pages(64, 16, gen)
+    node = pages.contiguous(300)
+    units = [(node[0], node[0] + 40, 0, 40, 1)] if causal else [(*node, 0, 40, 0)]
+    segments = [(i, i + 1, pages.runs(3), 3) for i in range(40)]
+    q, k, v = make_qkv(40, 64 * 16, 9, 3, 64, torch.float32, seed=12)
+    q *= 3.0  # scores of order +-25 after the 1/8 scale: most weights far below the maximum
+    k[node[0] + 150] *= 4.0  # one key far above the rest, in a later chunk than the first maxima
+    meta = StepAttentionMeta.build(units, segments, 40, "cpu")
+    out = step_attention(q, k, v, meta, 0.125, impl=impl)
+    want = oracle(q, k, v, units, segments, 0.125)
+    # float32 scores of size s are each off by about s * 2**-24, so the bound grows with them: both impls
+    # are 2.7e-6 from float64 at the same element here.
+    torch.testing.assert_close(out.double(), want, atol=5e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("tile", [True, False])
+def test_a_nan_key_gives_nan_to_the_rows_that_see_it_only(impl, tile, monkeypatch):
+    """A NaN in the cache (a broken model) must reach the rows that read it, where sampling reports it,
+    and no other row: never taken for a row that saw no key (which the merge would then drop)."""
+    monkeypatch.setattr(step_work, "TILE_MIN_ROWS", 0 if tile else -1)
+    monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
+    gen = torch.Generator().manual_seed(13)
+    pages = Pages(64, 16, gen)
+    node = pages.contiguous(200)
+    units = [(*node, 0, 32, 0)]
+    segments = [(i, i + 1, pages.runs(2), 2) for i in range(40)]  # tokens 32.. see their tails only
+    q, k, v = make_qkv(40, 64 * 16, 9, 3, 64, torch.float32, seed=14)
+    k[node[0] + 100, 1] = float("nan")  # KV head 1: query heads 3, 4, 5
+    meta = StepAttentionMeta.build(units, segments, 40, "cpu")
+    out = step_attention(q, k, v, meta, 0.125, impl=impl)
+    assert torch.isnan(out[:32, 3:6]).all()
+    assert torch.isfinite(out[:32, :3]).all() and torch.isfinite(out[:32, 6:]).all()
+    assert torch.isfinite(out[32:]).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nothing_visible_anywhere_gives_zeros(impl):
     segments = [(0, 2, [], 0), (2, 3, [(4, 4)], 5)]  # no runs; an empty run
     meta = StepAttentionMeta.build([(3, 3, 0, 3, 0)], segments, 3, "cpu")  # an empty unit is dropped

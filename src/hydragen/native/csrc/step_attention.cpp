@@ -489,10 +489,10 @@ void own_piece(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t idx = (part_row + r / gh) * hq + h * g + r % gh;
     const float l = w.l[r];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l != 0.f ? 1.f / l : 0.f;  // l is 0 where no key is seen, NaN where a NaN was read
     float* dst = part.o + idx * d;
     for (int64_t i = 0; i < d; ++i) dst[i] = w.acc[r * d + i] * inv;
-    part.lse[idx] = l > 0.f ? w.m[r] + std::log(l) : kNegInf;
+    part.lse[idx] = l != 0.f ? w.m[r] + std::log(l) : kNegInf;
   }
 }
 
@@ -522,7 +522,7 @@ void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out,
       m = m_new;
     }
     q_t* dst = out + (t * hq + head) * d;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l != 0.f ? 1.f / l : 0.f;  // l is 0 where no key is seen, NaN where a NaN was read
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<q_t>(a[i] * inv);
   }
 }
