@@ -18,8 +18,12 @@
 // the truncated draw above. At batch 1 the Python version is ~25 small tensor ops around the softmax, each
 // a few microseconds with cold caches: more than the arithmetic.
 
+#include "aten_vec.h"  // before any ATen header
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/_softmax.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
@@ -269,6 +273,33 @@ float kth_largest(const float* probs, const float* block_max, int64_t n, int64_t
   return pool[k - 1];
 }
 
+// The row's 64-token blocks' maxima as torch.amax gives them (NaN where a block holds one), and the row's:
+// full blocks a vector at a time (ATen's maximum propagates NaN as amax does), the last one element-wise.
+float block_maxima(const float* probs, int64_t vocab, float* block_max) {
+  using Vec = at::vec::Vectorized<float>;
+  const auto amax = [](float a, float b) {
+    return std::isnan(a) || std::isnan(b) ? std::numeric_limits<float>::quiet_NaN() : std::max(a, b);
+  };
+  const int64_t blocks = (vocab + kBlock - 1) / kBlock;
+  float pmax = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* p = probs + b * kBlock;
+    float m = -std::numeric_limits<float>::infinity();
+    if ((b + 1) * kBlock <= vocab && kBlock % Vec::size() == 0) {
+      Vec acc = Vec::loadu(p);
+      for (int64_t i = Vec::size(); i < kBlock; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(p + i));
+      float lanes[Vec::size()];
+      acc.store(lanes);
+      for (const float x : lanes) m = amax(m, x);
+    } else {
+      for (int64_t i = 0; i < std::min(kBlock, vocab - b * kBlock); ++i) m = amax(m, p[i]);
+    }
+    block_max[b] = m;
+    pmax = amax(pmax, m);
+  }
+  return pmax;
+}
+
 // Sampler.sample without logprobs. probs_out / scaled_out are [rows, vocab] work buffers the caller keeps
 // between steps (fresh ones would be fresh pages from the OS every step).
 at::Tensor sample_step(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
@@ -328,16 +359,7 @@ at::Tensor sample_step(const at::Tensor& logits, const at::Tensor& temperature, 
         out[r] = draw_plain_row(probs, vocab, row_bits);
         continue;
       }
-      const auto amax = [](float a, float b) {  // torch.amax's: a NaN propagates
-        return std::isnan(a) || std::isnan(b) ? std::numeric_limits<float>::quiet_NaN() : std::max(a, b);
-      };
-      float pmax = -std::numeric_limits<float>::infinity();
-      for (int64_t b = 0; b < blocks; ++b) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = b * kBlock; i < std::min(vocab, (b + 1) * kBlock); ++i) m = amax(m, probs[i]);
-        block_max[b] = m;
-        pmax = amax(pmax, m);
-      }
+      const float pmax = block_maxima(probs, vocab, block_max.data());
       if (std::isnan(pmax)) {
         out[r] = -1;
         continue;
