@@ -321,7 +321,7 @@ def test_a_shared_node_of_a_small_step_is_read_by_every_thread(impl, holders, mo
 @pytest.mark.parametrize("causal", [0, 1])
 def test_peaked_scores_over_many_key_chunks_match_the_reference(impl, causal, monkeypatch):
     """Scores spanning tens of units (most weights many orders below the largest, the row maximum moving
-    between the tile kernel's 64-key chunks, causal rows stopping inside one): float64 attention's output."""
+    between the tile kernel's 60-key chunks, causal rows stopping inside one): float64 attention's output."""
     monkeypatch.setattr(step_work, "TILE_MIN_ROWS", 0)
     monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
     gen = torch.Generator().manual_seed(11)
