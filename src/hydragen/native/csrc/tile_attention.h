@@ -77,8 +77,6 @@ inline void grow(std::vector<T>& x, int64_t n) {
   if (static_cast<int64_t>(x.size()) < n) x.resize(n);
 }
 
-// S^T[j0 + c][r0 + v kVL ...] for C keys and one row tile: acc[c][v] += K[j0 + c][e] * Q^T[e][r0 + v kVL ...].
-// With cmax, each row's running maximum over the chunk is kept there too (the softmax then skips a pass).
 // max(a, b) in one instruction where there is one; a NaN may be dropped (it reaches the row through its
 // exponential anyway, which is NaN whatever the maximum).
 inline Vec max_fast(const Vec& a, const Vec& b) {
@@ -91,6 +89,8 @@ inline Vec max_fast(const Vec& a, const Vec& b) {
 #endif
 }
 
+// S^T[j0 + c][r0 + v kVL ...] for C keys and one row tile: acc[c][v] += K[j0 + c][e] * Q^T[e][r0 + v kVL ...].
+// With cmax, each row's running maximum over the chunk is kept there too (the softmax then skips a pass).
 template <int C, int RV>
 inline void score_tile(const float* const* krow, const float* qt, int64_t mpad, int64_t d, float* st, int64_t j0,
                        int64_t r0, float* cmax) {
@@ -155,7 +155,7 @@ inline Vec exp_nonpositive(const Vec& x) {
   const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-126.f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);  // exact: the constant has 10 bits
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);  // exact: 9 significant bits times n
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.f / 5040);
   for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
