@@ -495,6 +495,22 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
         step_attention(q, k, v, meta, 1.0, impl="cpp")
 
 
+def test_the_package_ships_every_source_the_build_compiles():
+    """The ops are compiled on the user's machine, so an installed package must hold every .cpp and every
+    header the build copies (a wheel with the .cpp files only would fail to build, and run the slow twins)."""
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()  # no tomllib on 3.10
+    section = text.split("[tool.setuptools.package-data]", 1)[1]
+    patterns = re.findall(r'"([^"]+)"', re.search(r"^hydragen = \[(.*?)\]", section, re.M).group(1))
+    package = Path(cpp_build.__file__).resolve().parents[1]
+    for source in cpp_build.SOURCES + cpp_build.HEADERS:
+        relative = source.resolve().relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"{relative} is not package data"
+
+
 def test_build_key_tracks_source_and_flags(monkeypatch):
     key = cpp_build.build_key()
     assert cpp_build.step_attention_op() is not None  # loading must not change the key (torch edits its args)

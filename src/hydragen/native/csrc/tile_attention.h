@@ -32,7 +32,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -248,10 +248,13 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
       while (s >= runs[2 * r + 1]) s = runs[2 * ++r];
       const char* kr = reinterpret_cast<const char*>(k + s * job.k_s);
       const char* vr = reinterpret_cast<const char*>(v + s * job.v_s);
-      for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(kv_t)); b += 64) {
+      const int64_t bytes = d * static_cast<int64_t>(sizeof(kv_t));
+      for (int64_t b = 0; b < bytes; b += 64) {  // and the row's last byte: a row need not start a line
         __builtin_prefetch(kr + b);
         __builtin_prefetch(vr + b);
       }
+      __builtin_prefetch(kr + bytes - 1);
+      __builtin_prefetch(vr + bytes - 1);
     }
     const float* const* krow = w.krow.data();
     const float* const* vrow = w.vrow.data();
