@@ -275,19 +275,8 @@ Scratch& thread_scratch(int64_t rows, int64_t d) {
   return w;
 }
 
-// Walks the slots of a concatenation of runs.
-struct SlotCursor {
-  const int64_t* runs;
-  int64_t run, slot;
-  int64_t next() {
-    while (slot >= runs[2 * run + 1]) slot = runs[2 * ++run];  // callers never read past the last key
-    return slot++;
-  }
-};
-
-inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
-}
+using hta::prefetch_row;
+using hta::SlotCursor;
 
 // Loads one word per 64 bytes of [p, p + bytes), front to back (every cache line of the range but perhaps an
 // unaligned last one). Sweeping each window of keys into cache before the arithmetic reads it is what made

@@ -72,6 +72,23 @@ inline TileScratch& tile_scratch() {
   return w;
 }
 
+// Walks the slots of a concatenation of runs.
+struct SlotCursor {
+  const int64_t* runs;
+  int64_t run, slot;
+  int64_t next() {
+    while (slot >= runs[2 * run + 1]) slot = runs[2 * ++run];  // callers never read past the last key
+    return slot++;
+  }
+};
+
+// Every cache line of [p, p + bytes) on its way into L1 (the last one too when the range does not start one).
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  if (bytes > 0) __builtin_prefetch(c + bytes - 1, 0, 3);
+}
+
 template <typename T>
 inline void grow(std::vector<T>& x, int64_t n) {
   if (static_cast<int64_t>(x.size()) < n) x.resize(n);
@@ -223,11 +240,12 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
     grow(w.kbuf, kChunkKeys * d);
     grow(w.vbuf, kChunkKeys * d);
   }
-  int64_t run = job.run_lo, slot = runs[2 * run];
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(kv_t));
+  SlotCursor cursor{runs, job.run_lo, runs[2 * job.run_lo]};
   for (int64_t c0 = 0; c0 < kmax; c0 += kChunkKeys) {
     const int64_t nc = std::min(kChunkKeys, kmax - c0);
-    for (int64_t j = 0; j < nc; ++j, ++slot) {
-      while (slot >= runs[2 * run + 1]) slot = runs[2 * ++run];  // never past the last key
+    for (int64_t j = 0; j < nc; ++j) {
+      const int64_t slot = cursor.next();
       const kv_t* kr = k + slot * job.k_s;
       const kv_t* vr = v + slot * job.v_s;
       if constexpr (widen) {
@@ -244,17 +262,11 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
     }
     // The next chunk's rows are fetched while this one computes: widening waits on the pool otherwise
     // (its rows are scattered over pages and strided by the other KV heads).
-    for (int64_t j = 0, s = slot, r = run, next = std::min(kChunkKeys, kmax - c0 - nc); j < next; ++j, ++s) {
-      while (s >= runs[2 * r + 1]) s = runs[2 * ++r];
-      const char* kr = reinterpret_cast<const char*>(k + s * job.k_s);
-      const char* vr = reinterpret_cast<const char*>(v + s * job.v_s);
-      const int64_t bytes = d * static_cast<int64_t>(sizeof(kv_t));
-      for (int64_t b = 0; b < bytes; b += 64) {  // and the row's last byte: a row need not start a line
-        __builtin_prefetch(kr + b);
-        __builtin_prefetch(vr + b);
-      }
-      __builtin_prefetch(kr + bytes - 1);
-      __builtin_prefetch(vr + bytes - 1);
+    SlotCursor ahead = cursor;
+    for (int64_t j = 0, next = std::min(kChunkKeys, kmax - c0 - nc); j < next; ++j) {
+      const int64_t slot = ahead.next();
+      prefetch_row(k + slot * job.k_s, row_bytes);
+      prefetch_row(v + slot * job.v_s, row_bytes);
     }
     const float* const* krow = w.krow.data();
     const float* const* vrow = w.vrow.data();
