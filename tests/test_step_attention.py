@@ -362,6 +362,34 @@ def test_a_nan_key_gives_nan_to_the_rows_that_see_it_only(impl, tile, monkeypatc
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("tile", [True, False])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("own_keys_as", ["causal unit", "segment"])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_its_key(impl, tile, bad, own_keys_as, monkeypatch):
+    """An inf (a float16 cache overflows to it) or NaN in a V row, inside a prefill's causal diagonal: the
+    rows before its key give it probability 0, and 0 x inf is NaN, so they must not multiply it at all (a
+    prefill row's NaN would become K/V that the prefix cache shares with other requests)."""
+    monkeypatch.setattr(step_work, "TILE_MIN_ROWS", 0 if tile else -1)
+    monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
+    n = 70
+    q, k, v = make_qkv(n, 128, 9, 3, 64, torch.float32, seed=3)
+    if own_keys_as == "causal unit":
+        units, segments = [(0, n, 0, n, 1)], [(0, n, [], 0)]
+    else:
+        units, segments = [], [(0, n, [(0, n)], 1)]
+    meta = StepAttentionMeta.build(units, segments, n, "cpu")
+    v[50, 1, 7] = 1.5
+    clean = step_attention(q, k, v, meta, 0.125, impl=impl)
+    v[50, 1, 7] = bad  # KV head 1: query heads 3, 4, 5; tokens 50.. see it
+    out = step_attention(q, k, v, meta, 0.125, impl=impl)
+    torch.testing.assert_close(out[:50], clean[:50], atol=1e-6, rtol=1e-5)
+    assert not torch.isfinite(out[50:, 3:6, 7]).any()
+    assert torch.isfinite(out[:, :3]).all() and torch.isfinite(out[:, 6:]).all()
+    if impl == "cpp":
+        assert torch.equal(out[:50], clean[:50])  # the key's other entries give the same rounding either way
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nothing_visible_anywhere_gives_zeros(impl):
     segments = [(0, 2, [], 0), (2, 3, [(4, 4)], 5)]  # no runs; an empty run
     meta = StepAttentionMeta.build([(3, 3, 0, 3, 0)], segments, 3, "cpu")  # an empty unit is dropped

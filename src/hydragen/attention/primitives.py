@@ -33,7 +33,18 @@ def _torch_partial(q, k, v, scale, visible):
         scores = scores.masked_fill(~vis.reshape(n, 1, g * lq, k.shape[2]), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.matmul(probs, v.to(acc))
+    vf = v.to(acc)
+    if visible is None:
+        return torch.matmul(probs, vf).reshape(n, hq, lq, d), lse.reshape(n, hq, lq)
+    # A masked key's probability is exactly 0, but 0 x inf is NaN: a V row holding an inf or NaN would reach
+    # rows that must not see its key (and through a prefill row, K/V the prefix cache shares). Its entries
+    # count as 0 in the product; the rows that do see such a key come out NaN.
+    bad = ~torch.isfinite(vf)
+    out = torch.matmul(probs, vf.masked_fill(bad, 0.0))
+    bad_key = bad.any(-1, keepdim=True).to(acc)  # [n, hkv, S, 1]
+    seen = torch.matmul(visible.expand(n, 1, lq, k.shape[2]).to(acc), bad_key) > 0  # [n, hkv, lq, 1]
+    seen = seen.unsqueeze(2).expand(n, hkv, g, lq, 1).reshape(n, hkv, g * lq, 1)
+    out = out.masked_fill(seen, float("nan"))
     return out.reshape(n, hq, lq, d), lse.reshape(n, hq, lq)
 
 
@@ -62,6 +73,8 @@ def partial_attention(
     use_fused = q.dtype != torch.float64 and (
         impl == "fused" or (impl == "auto" and q.device.type == "cpu" and _CPU_FLASH is not None)
     )
+    if use_fused and (causal or visible is not None) and not bool(torch.isfinite(v).all()):
+        use_fused = False  # a masked key's inf or NaN would reach rows that do not see it: _torch_partial
     if not use_fused:
         if causal:
             visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()

@@ -30,6 +30,7 @@
 #include <initializer_list>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -63,8 +64,9 @@ struct TileJob {
 };
 
 struct TileScratch {
-  std::vector<float> qt, st, ot, m, l, alpha, lim, cmax, kbuf, vbuf;
+  std::vector<float> qt, st, ot, m, l, alpha, lim, cmax, kbuf, vbuf, vclean;
   std::vector<const float*> krow, vrow;
+  std::vector<std::pair<int64_t, const float*>> vbad;  // a masked chunk's keys whose V row is not finite
 };
 
 inline TileScratch& tile_scratch() {
@@ -199,6 +201,41 @@ inline void widen_row(const kv_t* src, float* dst, int64_t n) {
   }
 }
 
+// A masked chunk's V rows that hold an inf or NaN, for the keys some row does not see: the value products
+// would give those rows 0 x inf = NaN from a key they must not read (and a prefill row would then write NaN
+// K/V that the prefix cache shares). Each such row is replaced by a copy with those entries at 0; after the
+// products, add_bad_values adds the entries back to the rows that see the key, so they get the inf or NaN.
+inline void set_aside_bad_values(TileScratch& w, int64_t first_masked, int64_t nc, int64_t d) {
+  w.vbad.clear();
+  for (int64_t jj = first_masked; jj < nc; ++jj) {
+    const float* vr = w.vrow[jj];
+    bool finite = true;
+    for (int64_t e = 0; e < d && finite; ++e) finite = std::isfinite(vr[e]);
+    if (!finite) w.vbad.emplace_back(jj, vr);
+  }
+  if (w.vbad.empty()) return;
+  grow(w.vclean, static_cast<int64_t>(w.vbad.size()) * d);
+  for (size_t i = 0; i < w.vbad.size(); ++i) {
+    const float* vr = w.vbad[i].second;
+    float* clean = w.vclean.data() + i * d;
+    for (int64_t e = 0; e < d; ++e) clean[e] = std::isfinite(vr[e]) ? vr[e] : 0.f;
+    w.vrow[w.vbad[i].first] = clean;
+  }
+}
+
+inline void add_bad_values(const TileScratch& w, const float* pt, const float* lim, int64_t rows, int64_t mpad,
+                           int64_t c0, int64_t d, float* ot) {
+  for (const auto& [jj, vr] : w.vbad) {
+    const float key = static_cast<float>(c0 + jj);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (lim[r] <= key) continue;  // row r does not see this key
+      const float p = pt[jj * mpad + r];
+      for (int64_t e = 0; e < d; ++e)
+        if (!std::isfinite(vr[e])) ot[e * mpad + r] += vr[e] * p;
+    }
+  }
+}
+
 // The piece: writes each real row's normalised output and log-sum-exp (-inf and zeros for a row that sees no
 // key). k and v point at the KV head's first element of slot 0.
 template <int RV, typename q_t, typename kv_t>
@@ -279,9 +316,11 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
         score_tile<kScoreKeys<RV>, RV>(krow, qt, mpad, d, st, j, r0, cmax);
     for (; j < nc; ++j)
       for (int64_t r0 = 0; r0 < mpad; r0 += kRowTile) score_tile<1, RV>(krow, qt, mpad, d, st, j, r0, cmax);
+    const int64_t first_masked = std::max<int64_t>(0, static_cast<int64_t>(min_lim) - c0);
     if (masked) {
+      set_aside_bad_values(w, first_masked, nc, d);
       const Vec ninf(kNegInf);
-      for (int64_t jj = std::max<int64_t>(0, static_cast<int64_t>(min_lim) - c0); jj < nc; ++jj) {
+      for (int64_t jj = first_masked; jj < nc; ++jj) {
         const Vec key(static_cast<float>(c0 + jj));
         for (int64_t r0 = 0; r0 < mpad; r0 += kVL) {
           float* s = st + jj * mpad + r0;
@@ -316,6 +355,7 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
       for (int64_t r0 = 0; r0 < mpad; r0 += kRowTile)
         value_cols<RV>(d - e0, vrow, st, alpha, mpad, nc, ot, e0, r0, std::make_integer_sequence<int, kValueCols<RV> - 1>{});
     }
+    if (masked && !w.vbad.empty()) add_bad_values(w, st, lim, rows, mpad, c0, d, ot);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = r / job.g, head = r % job.g;
