@@ -131,6 +131,57 @@ def test_swiglu_is_torchs_silu_bit_for_bit(half) -> None:
         assert torch.equal(got, torch.nn.functional.silu(y[:, :half]) * y[:, half:])
 
 
+def test_packed_weights_on_huge_pages_are_the_same_bytes(monkeypatch) -> None:
+    """The weight arena (native/csrc/weight_arena.h) changes where the tiles live, never what they hold:
+    the padding rows of a partial tile stay zero, every tensor starts a cache line, and tensors cut from one
+    region stay valid after their neighbours die."""
+    ts = [_tensor(q, 37, _cols(q)) for q in (Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q8_0)]
+    monkeypatch.setenv("HYDRAGEN_HUGE_PAGES", "0")
+    plain = [quant.pack(t.data, t.qtype) for t in ts]
+    monkeypatch.setenv("HYDRAGEN_HUGE_PAGES", "1")
+    arena = [quant.pack(t.data, t.qtype) for t in ts]
+    for a, b in zip(arena, plain, strict=True):
+        assert a.data_ptr() % 64 == 0
+        assert torch.equal(a, b)
+    del arena[:2]
+    for t, a in zip(ts[2:], arena, strict=True):
+        assert torch.equal(quant.rows(a, t.qtype, t.cols, torch.arange(37)), t.dequantize())
+    monkeypatch.setenv("HYDRAGEN_HUGE_PAGES", "maybe")
+    with pytest.raises(ValueError, match="HYDRAGEN_HUGE_PAGES='maybe' must be 1 or 0"):
+        quant.huge_pages()
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages here")
+def test_packed_weights_are_eligible_for_huge_pages() -> None:
+    """The region a packed matrix is cut from is advised MADV_HUGEPAGE (the kernel's THPeligible flag for its
+    mapping): a decode step that streams the weights then walks one TLB entry per 2 MiB."""
+    t = _tensor(Q.Q4_K, 64, 256 * 64)  # 4.5 MB of tiles
+    packed = quant.pack(t.data, t.qtype)
+    addr = packed.data_ptr()
+    eligible = None
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "THPeligible:":
+                eligible = line.split()[1]
+    if eligible is None:
+        pytest.skip("this kernel's smaps has no THPeligible")
+    assert eligible == "1"
+
+
 @pytest.mark.parametrize("bits", [15, 8])
 def test_activation_quantization_is_the_kernels(bits) -> None:
     """Groups of 32 with scale max|x| / QMAX, rounded half to even; an all-zero group stays zero; the 15-bit

@@ -42,6 +42,7 @@ MODES = (
     "hydragen-per-op",
     "hydragen-int8",
     "hydragen-fp32",
+    "hydragen-4k",
     "llamacpp",
 )
 # Every hydragen engine but kv32 and fp32 has a float16 KV cache, the default for a GGUF kept quantized.
@@ -51,6 +52,7 @@ MODE_LABELS = {
     "hydragen-per-op": "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)",
     "hydragen-int8": "hydragen, int8 activations, llama.cpp's numerics (HYDRAGEN_QUANT_ACT_BITS=8)",
     "hydragen-fp32": "hydragen, dequantized to float32 (before)",
+    "hydragen-4k": "hydragen, packed weights on 4 KiB pages (HYDRAGEN_HUGE_PAGES=0)",
     "llamacpp": "llama.cpp",
 }
 
@@ -82,6 +84,16 @@ def _engine(model, mode: str, kv_tokens: int):
     from hydragen import LLM
 
     kv_dtype = "float32" if mode == "hydragen-kv32" else "auto"
+    if mode == "hydragen-4k":  # the weights are packed at load: the setting matters only there
+        before = os.environ.get("HYDRAGEN_HUGE_PAGES")
+        os.environ["HYDRAGEN_HUGE_PAGES"] = "0"
+        try:
+            return _engine(model, "hydragen", kv_tokens)
+        finally:
+            if before is None:
+                del os.environ["HYDRAGEN_HUGE_PAGES"]
+            else:
+                os.environ["HYDRAGEN_HUGE_PAGES"] = before
     if mode == "hydragen-int8":
         return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens, kv_cache_dtype=kv_dtype)
     return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import gguf
 import numpy as np
@@ -69,9 +70,11 @@ def format_rows(n: int, k: int, rows: tuple[int, ...], repeats: int, seed: int =
     rng = np.random.default_rng(seed)
     out = []
     for qtype in FORMATS:
-        one = random_blocks(qtype, n, k, 0.02, rng)
-        data = quant.pack(torch.from_numpy(one), qtype) if qtype in PACKED_TYPES else torch.from_numpy(one)
-        copies = [data] + [data.clone() for _ in range(_copies(data.numel()) - 1)]
+        one = torch.from_numpy(random_blocks(qtype, n, k, 0.02, rng))
+        # every copy packed as a model's weights are (on 2 MiB pages where the system gives them)
+        place = partial(quant.pack, one, qtype) if qtype in PACKED_TYPES else one.clone
+        data = place()
+        copies = [data] + [place() for _ in range(_copies(data.numel()) - 1)]
         widths = (15, 8) if qtype in INT8_TOO else (15,)
         for m in rows:
             x = torch.randn(m, k)

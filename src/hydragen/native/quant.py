@@ -63,9 +63,20 @@ def _ops():
     return ops
 
 
+def huge_pages() -> bool:
+    """Whether packed weights go on 2 MiB pages (``native/csrc/weight_arena.h``); ``HYDRAGEN_HUGE_PAGES=0``
+    keeps them on ordinary pages."""
+    value = os.environ.get("HYDRAGEN_HUGE_PAGES", "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"HYDRAGEN_HUGE_PAGES={value!r} must be 1 or 0")
+
+
 def pack(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """The file's rows [rows, row_bytes] (uint8) -> hydragen's 16-row tiles (native/csrc/quant_layout.h)."""
-    return _ops().quant_pack(raw.contiguous(), int(qtype))
+    return _ops().quant_pack(raw.contiguous(), int(qtype), huge_pages())
 
 
 def rows(packed: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "quant_decode.h"
+#include "weight_arena.h"
 
 namespace {
 
@@ -19,8 +20,9 @@ void check_qtype(int64_t qtype) {
               "quant_pack: GGML type ", qtype, " has no packed layout");
 }
 
-// raw: [rows, row_bytes] uint8, the file's rows -> [ceil(rows / 16), row_bytes_packed] uint8.
-at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype) {
+// raw: [rows, row_bytes] uint8, the file's rows -> [ceil(rows / 16), row_bytes_packed] uint8, on 2 MiB pages
+// when huge_pages (weight_arena.h).
+at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, bool huge_pages) {
   check_qtype(qtype);
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(),
               "quant_pack: raw must be a contiguous 2-D uint8 tensor");
@@ -30,7 +32,8 @@ at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype) {
               " bytes is not a whole number of ", f.file_bytes, "-byte blocks");
   const int64_t blocks = row_bytes / f.file_bytes, tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t tb_bytes = tile_block_bytes(static_cast<int>(qtype));
-  at::Tensor out = at::zeros({tiles, blocks * tb_bytes}, raw.options());
+  at::Tensor out = huge_pages ? WeightArena::instance().zeros(tiles, blocks * tb_bytes)
+                              : at::zeros({tiles, blocks * tb_bytes}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -81,7 +84,7 @@ at::Tensor quant_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
-  m.def("quant_pack(Tensor raw, int qtype) -> Tensor");
+  m.def("quant_pack(Tensor raw, int qtype, bool huge_pages) -> Tensor");
   m.impl("quant_pack", c10::DispatchKey::CPU, &quant_pack);
   m.def("quant_rows(Tensor packed, int qtype, int cols, Tensor ids) -> Tensor");
   m.impl("quant_rows", c10::DispatchKey::CPU, &quant_rows);
