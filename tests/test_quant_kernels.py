@@ -5,6 +5,8 @@ prologue and epilogue."""
 
 from __future__ import annotations
 
+import contextlib
+
 import gguf
 import numpy as np
 import pytest
@@ -37,6 +39,16 @@ def _cols(qtype, blocks=3) -> int:
     return gguf.GGML_QUANT_SIZES[qtype][0] * blocks if qtype in PACKED_TYPES else 96 * blocks + 5
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _close(got, want, x, parts, bits=15):
     """Within float32 summation error of the magnitudes involved: |got - want| <= 1e-5 * (|x| @ |W|^T)."""
     xa = (quantize_activations(x, bits) if parts[0].qtype in PACKED_TYPES else x).abs().double()
@@ -65,6 +77,24 @@ def test_kernel_matches_the_twin(qtype, isa, m, bits) -> None:
     x[0, :32] *= 1e4  # one group at the top of the range: 15-bit integers near their bound
     got = quant.linear(x, [data], [t.qtype], [37], act_bits=bits, isa=isa)
     _close(got, quant_linear_reference(x, [t], act_bits=bits), x, [t], bits)
+
+
+@pytest.mark.parametrize("bits", [15, 8])
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
+def test_one_row_gives_the_bits_of_that_row_in_a_batch(qtype, isa, bits) -> None:
+    """A batch-1 projection runs neighbouring tiles in pairs (one broadcast per activation for both); the
+    result must be the same bits as the row computed in a batch, tile by tile, whatever the threads' split
+    (5 tiles: pairs, a single full tile, a partial one)."""
+    t = _tensor(qtype, 75, _cols(qtype), seed=7)
+    data = quant.pack(t.data, t.qtype)
+    x = torch.randn(3, t.cols, generator=torch.Generator().manual_seed(7))
+    batch = quant.linear(x, [data], [t.qtype], [75], act_bits=bits, isa=isa)
+    for threads in (1, 2, 3):
+        with _threads(threads):
+            for m in range(3):
+                one = quant.linear(x[m : m + 1], [data], [t.qtype], [75], act_bits=bits, isa=isa)
+                assert torch.equal(one, batch[m : m + 1]), (threads, m)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])

@@ -465,6 +465,37 @@ void run_unit(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, con
   }
 }
 
+// Units u and u + 1 of a packed part, both full tiles, against activation row 0 (a batch-1 step): one kernel
+// call reads both tiles' weights at once and shares each activation broadcast between them.
+void run_unit_pair(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, int64_t k, float* y,
+                   bool accumulate) {
+  const Format f = format_of(p.qtype);
+  ActRows a{};
+  a.q[0] = qa.q.data();
+  a.lo[0] = qa.lo.empty() ? nullptr : qa.lo.data();
+  a.dx[0] = qa.dx.data();
+  a.xs[0] = qa.xs.data();
+  a.qs16[0] = qa.qs16.data();
+  const uint8_t* tile = p.data + unit * p.stride;
+  float* out[1] = {y + p.col0 + unit * kTileRows};
+  const int64_t nblocks = k / f.block;
+#if HQ_X86
+  if (isa == kAvx512) return v512::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
+  if (isa == kAvxVnni) {
+#if HQ_AVXVNNI
+    if (__builtin_cpu_supports("avxvnni"))
+      return v256vex::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
+#endif
+    return v256evex::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
+  }
+  if (isa >= kAvx2) return v256::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
+#endif
+  for (int t = 0; t < 2; ++t) {
+    float* o[1] = {out[0] + t * kTileRows};
+    scalar_packed(p.qtype, tile + t * p.stride, nblocks, a, 1, o, accumulate);
+  }
+}
+
 int64_t isa_level(int64_t requested) {
   static const int best = best_isa();
   return requested <= 0 ? best : std::min<int64_t>(requested, best);
@@ -524,8 +555,15 @@ void run_tasks(const LinearPlan& plan, const QuantizedActs& qa, const float* xf,
   for (int64_t task = begin; task < end; ++task) {
     const int64_t u = task / plan.chunks;
     while (u >= first_unit + plan.parts[pi].units) first_unit += plan.parts[pi++].units;
+    const Part& p = plan.parts[pi];
+    const int64_t unit = u - first_unit;
+    if (plan.m_rows == 1 && task + 1 < end && !format_of(p.qtype).float_type && (unit + 2) * kTileRows <= p.rows) {
+      run_unit_pair(plan.level, p, unit, qa, plan.k, y, accumulate);  // chunks == 1: the next task is unit + 1
+      ++task;
+      continue;
+    }
     const int64_t m0 = (task % plan.chunks) * kRowChunk, m1 = std::min(plan.m_rows, m0 + kRowChunk);
-    run_unit(plan.level, plan.parts[pi], u - first_unit, qa, xf, plan.k, m0, m1, y, plan.n_total, accumulate);
+    run_unit(plan.level, p, unit, qa, xf, plan.k, m0, m1, y, plan.n_total, accumulate);
   }
 }
 
