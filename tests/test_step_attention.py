@@ -365,7 +365,10 @@ def test_a_nan_key_gives_nan_to_the_rows_that_see_it_only(impl, tile, monkeypatc
 @pytest.mark.parametrize("tile", [True, False])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("own_keys_as", ["causal unit", "segment"])
-def test_a_non_finite_value_reaches_only_the_rows_that_see_its_key(impl, tile, bad, own_keys_as, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_its_key(
+    impl, tile, bad, own_keys_as, kv_dtype, monkeypatch
+):
     """An inf (a float16 cache overflows to it) or NaN in a V row, inside a prefill's causal diagonal: the
     rows before its key give it probability 0, and 0 x inf is NaN, so they must not multiply it at all (a
     prefill row's NaN would become K/V that the prefix cache shares with other requests)."""
@@ -373,6 +376,7 @@ def test_a_non_finite_value_reaches_only_the_rows_that_see_its_key(impl, tile, b
     monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
     n = 70
     q, k, v = make_qkv(n, 128, 9, 3, 64, torch.float32, seed=3)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)  # float16: the widened copy of each chunk holds the inf
     if own_keys_as == "causal unit":
         units, segments = [(0, n, 0, n, 1)], [(0, n, [], 0)]
     else:
@@ -387,6 +391,23 @@ def test_a_non_finite_value_reaches_only_the_rows_that_see_its_key(impl, tile, b
     assert torch.isfinite(out[:, :3]).all() and torch.isfinite(out[:, 6:]).all()
     if impl == "cpp":
         assert torch.equal(out[:50], clean[:50])  # the key's other entries give the same rounding either way
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("tile", [True, False])
+def test_a_nan_key_inside_a_causal_diagonal_stays_with_the_rows_that_see_it(impl, tile, monkeypatch):
+    """The same for K: ATen's flash kernel adds the mask to the scores, and NaN + -inf is NaN."""
+    monkeypatch.setattr(step_work, "TILE_MIN_ROWS", 0 if tile else -1)
+    monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
+    n = 70
+    q, k, v = make_qkv(n, 128, 9, 3, 64, torch.float32, seed=4)
+    meta = StepAttentionMeta.build([], [(0, n, [(0, n)], 1)], n, "cpu")  # the own keys as the segment's run
+    clean = step_attention(q, k, v, meta, 0.125, impl=impl)
+    k[50, 1, 7] = float("nan")
+    out = step_attention(q, k, v, meta, 0.125, impl=impl)
+    torch.testing.assert_close(out[:50], clean[:50], atol=1e-6, rtol=1e-5)
+    assert torch.isnan(out[50:, 3:6]).all()
+    assert torch.isfinite(out[:, :3]).all() and torch.isfinite(out[:, 6:]).all()
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -73,8 +73,13 @@ def partial_attention(
     use_fused = q.dtype != torch.float64 and (
         impl == "fused" or (impl == "auto" and q.device.type == "cpu" and _CPU_FLASH is not None)
     )
-    if use_fused and (causal or visible is not None) and not bool(torch.isfinite(v).all()):
-        use_fused = False  # a masked key's inf or NaN would reach rows that do not see it: _torch_partial
+    finite = lambda t: bool(torch.isfinite(t).all())  # noqa: E731
+    if visible is not None and use_fused and not (finite(k) and finite(v)):
+        # ATen adds the mask to the scores (NaN + -inf is NaN) and multiplies masked V by 0: a masked key's
+        # inf or NaN would reach rows that do not see it; _torch_partial replaces masked scores.
+        use_fused = False
+    if causal and use_fused and not finite(v):
+        use_fused = False  # is_causal overwrites masked scores, but 0 x inf in V is NaN all the same
     if not use_fused:
         if causal:
             visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()

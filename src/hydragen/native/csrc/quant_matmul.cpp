@@ -557,7 +557,9 @@ void run_tasks(const LinearPlan& plan, const QuantizedActs& qa, const float* xf,
     while (u >= first_unit + plan.parts[pi].units) first_unit += plan.parts[pi++].units;
     const Part& p = plan.parts[pi];
     const int64_t unit = u - first_unit;
-    if (plan.m_rows == 1 && task + 1 < end && !format_of(p.qtype).float_type && (unit + 2) * kTileRows <= p.rows) {
+    // Pairs on AVX-512 only, where they were measured: AVX2's 16 registers would spill two tiles' accumulators.
+    if (plan.level == kAvx512 && plan.m_rows == 1 && task + 1 < end && !format_of(p.qtype).float_type &&
+        (unit + 2) * kTileRows <= p.rows) {
       run_unit_pair(plan.level, p, unit, qa, plan.k, y, accumulate);  // chunks == 1: the next task is unit + 1
       ++task;
       continue;
