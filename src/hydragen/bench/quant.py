@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -67,15 +66,8 @@ def _per_op(timer):
     model took before the one-call loop, timed in the same run."""
 
     def timed(*args) -> float:
-        before = os.environ.get("HYDRAGEN_FUSED_LAYERS")
-        os.environ["HYDRAGEN_FUSED_LAYERS"] = "0"
-        try:
+        with quant_accuracy.env_setting("HYDRAGEN_FUSED_LAYERS", "0"):
             return timer(*args)
-        finally:
-            if before is None:
-                del os.environ["HYDRAGEN_FUSED_LAYERS"]
-            else:
-                os.environ["HYDRAGEN_FUSED_LAYERS"] = before
 
     return timed
 
@@ -85,15 +77,8 @@ def _engine(model, mode: str, kv_tokens: int):
 
     kv_dtype = "float32" if mode == "hydragen-kv32" else "auto"
     if mode == "hydragen-4k":  # the weights are packed at load: the setting matters only there
-        before = os.environ.get("HYDRAGEN_HUGE_PAGES")
-        os.environ["HYDRAGEN_HUGE_PAGES"] = "0"
-        try:
+        with quant_accuracy.env_setting("HYDRAGEN_HUGE_PAGES", "0"):
             return _engine(model, "hydragen", kv_tokens)
-        finally:
-            if before is None:
-                del os.environ["HYDRAGEN_HUGE_PAGES"]
-            else:
-                os.environ["HYDRAGEN_HUGE_PAGES"] = before
     if mode == "hydragen-int8":
         return quant_accuracy.llm_with_act_bits(model, 8, kv_tokens, kv_cache_dtype=kv_dtype)
     return LLM(model, dequantize=mode == "hydragen-fp32", kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_dtype)

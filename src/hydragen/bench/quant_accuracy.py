@@ -16,6 +16,7 @@ whole continuation is the reference's, and how many leading tokens agree on aver
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -72,15 +73,26 @@ def chat_prompts(tokenizer, count: int = 128) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts]
 
 
+@contextlib.contextmanager
+def env_setting(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, the previous value (or none) after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def llm_with_act_bits(model, bits: int, kv_tokens: int, kv_cache_dtype: str = "auto"):
     """An LLM whose quantized projections quantize activations to ``bits`` (15 or 8) bits."""
     from hydragen import LLM
 
-    os.environ["HYDRAGEN_QUANT_ACT_BITS"] = str(bits)  # read when the projections are built
-    try:
+    with env_setting("HYDRAGEN_QUANT_ACT_BITS", str(bits)):  # read when the projections are built
         return LLM(model, kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_cache_dtype)
-    finally:
-        del os.environ["HYDRAGEN_QUANT_ACT_BITS"]
 
 
 def plain_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -403,6 +403,20 @@ void swiglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* o
 
 namespace {
 
+// Activation rows [m, m + mt) of qa (k columns) as the packed kernels take them.
+ActRows act_rows(const QuantizedActs& qa, int64_t m, int mt, int64_t k) {
+  const int64_t groups = k / 32;
+  ActRows a{};
+  for (int i = 0; i < mt; ++i) {
+    a.q[i] = qa.q.data() + (m + i) * k;
+    a.lo[i] = qa.lo.empty() ? nullptr : qa.lo.data() + (m + i) * k;
+    a.dx[i] = qa.dx.data() + (m + i) * groups;
+    a.xs[i] = qa.xs.data() + (m + i) * groups;
+    a.qs16[i] = qa.qs16.data() + (m + i) * groups * 2;
+  }
+  return a;
+}
+
 void run_unit(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, const float* xf, int64_t k,
               int64_t m0, int64_t m1, float* y, int64_t ldy, bool accumulate) {
   const Format f = format_of(p.qtype);
@@ -433,15 +447,8 @@ void run_unit(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, con
         }
       }
     } else {
-      const int64_t groups = k / 32, nblocks = k / f.block;
-      ActRows a{};
-      for (int i = 0; i < mt; ++i) {
-        a.q[i] = qa.q.data() + (m + i) * k;
-        a.lo[i] = qa.lo.empty() ? nullptr : qa.lo.data() + (m + i) * k;
-        a.dx[i] = qa.dx.data() + (m + i) * groups;
-        a.xs[i] = qa.xs.data() + (m + i) * groups;
-        a.qs16[i] = qa.qs16.data() + (m + i) * groups * 2;
-      }
+      const int64_t nblocks = k / f.block;
+      const ActRows a = act_rows(qa, m, mt, k);
       const uint8_t* tile = p.data + unit * p.stride;
 #if HQ_X86
       if (isa >= kAvx2) {
@@ -466,34 +473,14 @@ void run_unit(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, con
 }
 
 // Units u and u + 1 of a packed part, both full tiles, against activation row 0 (a batch-1 step): one kernel
-// call reads both tiles' weights at once and shares each activation broadcast between them.
-void run_unit_pair(int isa, const Part& p, int64_t unit, const QuantizedActs& qa, int64_t k, float* y,
-                   bool accumulate) {
-  const Format f = format_of(p.qtype);
-  ActRows a{};
-  a.q[0] = qa.q.data();
-  a.lo[0] = qa.lo.empty() ? nullptr : qa.lo.data();
-  a.dx[0] = qa.dx.data();
-  a.xs[0] = qa.xs.data();
-  a.qs16[0] = qa.qs16.data();
-  const uint8_t* tile = p.data + unit * p.stride;
-  float* out[1] = {y + p.col0 + unit * kTileRows};
-  const int64_t nblocks = k / f.block;
+// call reads both tiles' weights at once and shares each activation broadcast between them. AVX-512 only
+// (run_tasks pairs nowhere else).
+void run_unit_pair(const Part& p, int64_t unit, const QuantizedActs& qa, int64_t k, float* y, bool accumulate) {
 #if HQ_X86
-  if (isa == kAvx512) return v512::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
-  if (isa == kAvxVnni) {
-#if HQ_AVXVNNI
-    if (__builtin_cpu_supports("avxvnni"))
-      return v256vex::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
+  float* out[1] = {y + p.col0 + unit * kTileRows};
+  v512::run_packed_pair(p.qtype, p.data + unit * p.stride, p.stride, k / format_of(p.qtype).block,
+                        act_rows(qa, 0, 1, k), out, accumulate);
 #endif
-    return v256evex::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
-  }
-  if (isa >= kAvx2) return v256::run_packed_pair(p.qtype, tile, p.stride, nblocks, a, out, accumulate);
-#endif
-  for (int t = 0; t < 2; ++t) {
-    float* o[1] = {out[0] + t * kTileRows};
-    scalar_packed(p.qtype, tile + t * p.stride, nblocks, a, 1, o, accumulate);
-  }
 }
 
 int64_t isa_level(int64_t requested) {
@@ -560,7 +547,7 @@ void run_tasks(const LinearPlan& plan, const QuantizedActs& qa, const float* xf,
     // Pairs on AVX-512 only, where they were measured: AVX2's 16 registers would spill two tiles' accumulators.
     if (plan.level == kAvx512 && plan.m_rows == 1 && task + 1 < end && !format_of(p.qtype).float_type &&
         (unit + 2) * kTileRows <= p.rows) {
-      run_unit_pair(plan.level, p, unit, qa, plan.k, y, accumulate);  // chunks == 1: the next task is unit + 1
+      run_unit_pair(p, unit, qa, plan.k, y, accumulate);  // chunks == 1: the next task is unit + 1
       ++task;
       continue;
     }
