@@ -6,6 +6,7 @@ prologue and epilogue."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import gguf
 import numpy as np
@@ -179,6 +180,39 @@ def test_packed_weights_on_huge_pages_are_the_same_bytes(monkeypatch) -> None:
     monkeypatch.setenv("HYDRAGEN_HUGE_PAGES", "maybe")
     with pytest.raises(ValueError, match="HYDRAGEN_HUGE_PAGES='maybe' must be 1 or 0"):
         quant.huge_pages()
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the arena maps regions on Linux only")
+def test_a_large_packed_matrix_has_a_mapping_of_its_own(monkeypatch) -> None:
+    """From 8 MiB a packed matrix is mapped on its own (weight_arena.h): it starts a 2 MiB page, it does not
+    cut the shared region short (the small matrices packed before and after it sit side by side), its bytes
+    are plain packing's, and freeing it unmaps it while its small neighbours live."""
+    gen = torch.Generator().manual_seed(0)
+    big_raw = torch.randint(0, 256, (256, 34 * 1024), dtype=torch.uint8, generator=gen)  # Q8_0, 8.9 MB
+    small = _tensor(Q.Q8_0, 16, 64)
+    monkeypatch.setenv("HYDRAGEN_HUGE_PAGES", "0")
+    plain = quant.pack(big_raw, Q.Q8_0)
+    monkeypatch.setenv("HYDRAGEN_HUGE_PAGES", "1")
+    before = quant.pack(small.data, small.qtype)
+    big = quant.pack(big_raw, Q.Q8_0)
+    after = quant.pack(small.data, small.qtype)
+    assert torch.equal(big, plain)
+    assert big.data_ptr() % (2 << 20) == 0
+    assert after.data_ptr() == before.data_ptr() + before.numel()  # 64 bytes a row: already whole lines
+    addr = big.data_ptr()
+    assert _mapped(addr)
+    del big
+    assert not _mapped(addr)
+    assert torch.equal(after, before)
 
 
 def _thp_mode() -> str:
