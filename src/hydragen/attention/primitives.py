@@ -38,8 +38,11 @@ def _torch_partial(q, k, v, scale, visible):
         return torch.matmul(probs, vf).reshape(n, hq, lq, d), lse.reshape(n, hq, lq)
     # A masked key's probability is exactly 0, but 0 x inf is NaN: a V row holding an inf or NaN would reach
     # rows that must not see its key (and through a prefill row, K/V the prefix cache shares). Its entries
-    # count as 0 in the product; the rows that do see such a key come out NaN.
+    # count as 0 in the product; the rows that do see such a key come out NaN. On CPU, where asking costs no
+    # device sync, an all-finite V (the usual case) skips the copy and the extra product.
     bad = ~torch.isfinite(vf)
+    if vf.device.type == "cpu" and not bool(bad.any()):
+        return torch.matmul(probs, vf).reshape(n, hq, lq, d), lse.reshape(n, hq, lq)
     out = torch.matmul(probs, vf.masked_fill(bad, 0.0))
     bad_key = bad.any(-1, keepdim=True).to(acc)  # [n, hkv, S, 1]
     seen = torch.matmul(visible.expand(n, 1, lq, k.shape[2]).to(acc), bad_key) > 0  # [n, hkv, lq, 1]
