@@ -145,3 +145,26 @@ def test_each_engine_of_the_decode_table_runs_what_its_label_says(mode, act_bits
     assert packed and {m.act_bits for m in packed} == {act_bits}
     assert llm.engine.pool.k.dtype == getattr(torch, kv_dtype)
     assert mode in MODE_LABELS
+
+
+def test_engines_that_would_not_fit_together_are_refused_before_loading(monkeypatch, tmp_path):
+    """The decode and real parts keep every engine loaded for the alternating rounds: four engines of an 8B
+    Q4_K_M file would take ~20 GB of a 24 GB machine. They are refused before any loads, naming --engines,
+    and the real part takes --engines too."""
+    from hydragen.bench import quant as bench
+
+    loaded = []
+    monkeypatch.setattr(bench, "_engine", lambda *args: loaded.append(args))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(bench, "_available_bytes", lambda: 4 * 4096)  # room for three copies, not four
+    with pytest.raises(SystemExit, match=r"4 engines of model.gguf .* pass fewer with --engines"):
+        four = ("hydragen", "hydragen-kv32", "hydragen-int8", "hydragen-4k")
+        bench.decode_rows(model, [(1, 8)], 2, 1, four)
+    assert loaded == []
+    args = bench.argparse.Namespace(real_size="tiny:Q8_0", real_tokens=2, rounds=1, engines=("hydragen",))
+    seen = []
+    monkeypatch.setattr(bench, "_real_file", lambda spec: model)
+    monkeypatch.setattr(bench, "decode_rows", lambda *a: seen.append(a[4]) or [])
+    bench._real(args, quick=False)
+    assert seen == [("hydragen",)]

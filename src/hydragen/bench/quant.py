@@ -91,6 +91,35 @@ def _point(point) -> tuple[int, int, bool]:
     return n, p, bool(distinct and distinct[0]) and n > 1
 
 
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(path: Path, modes) -> None:
+    """Every engine stays loaded for the alternating rounds: refuse up front, naming the way out, when their
+    weights would not fit (four engines of an 8B Q4_K_M file need ~20 GB), rather than swap or be killed."""
+    available = _available_bytes()
+    if available is None:
+        return
+    size = path.stat().st_size
+    # resident weights per engine (1.06x the file at most, measured), float32 ones 4 bytes per 4.5-bit weight
+    need = sum(size * (7.2 if mode == "hydragen-fp32" else 1.1) for mode in modes)
+    if need > 0.9 * available:
+        raise SystemExit(
+            f"hydragen bench quant: {len(modes)} engines of {path.name} ({size / 2**30:.1f} GiB) stay loaded "
+            f"together and need about {need / 2**30:.0f} GiB, but {available / 2**30:.0f} GiB is available; "
+            "pass fewer with --engines (e.g. --engines hydragen,llamacpp)"
+        )
+
+
 def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> list[dict]:
     """Decode tok/s per (mode, point), the best of ``rounds`` alternating rounds."""
     from hydragen.bench import e2e, llamacpp_peer
@@ -99,6 +128,7 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
     e2e.ENGINE_SAMPLING.update(temperature=0.8, top_p=0.95)
     path = resolve_model_path(model) if not isinstance(model, Path) else model
     points = [_point(pt) for pt in points]
+    _check_memory(path, modes)
     # KV tokens a point holds at its end: the shared prompt once, or each distinct prompt
     cells = max((n if distinct else 1) * p + n * new_tokens for n, p, distinct in points)
     vocab = None
@@ -246,13 +276,13 @@ def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
     rows = []
     for spec in _specs(a.real_size):
         rounds = 1 if quick else a.rounds
-        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, REAL_MODES):
+        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, a.engines or REAL_MODES):
             rows.append({"model": spec, **row})
     notes = (
         "Random-weights GGUFs (model/gguf_write.py: llama-quantize's type mix), the same file for both "
         "engines; one 256-token prompt, n completions, as the decode table."
     )
-    return rows, {"points": points, "new_tokens": new_tokens}, notes
+    return rows, {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or REAL_MODES)}, notes
 
 
 REAL_MODES = ("hydragen", "hydragen-kv32", "hydragen-int8", "llamacpp")
@@ -452,7 +482,8 @@ def main(argv: list[str] | None = None) -> None:
         "--engines",
         type=_engines,
         default=None,
-        help=f"decode engines, comma-separated, of {', '.join(MODES)} (default: all)",
+        help=f"engines of the decode and real parts, comma-separated, of {', '.join(MODES)} (default: all; "
+        f"the real part: {', '.join(REAL_MODES)})",
     )
     p.add_argument("--prompts", type=int, default=128, help="accuracy prompts (default 128)")
     p.add_argument("--kernel-shape", type=int, nargs=2, default=(4096, 4096), metavar=("N", "K"))
