@@ -148,23 +148,45 @@ def test_each_engine_of_the_decode_table_runs_what_its_label_says(mode, act_bits
 
 
 def test_engines_that_would_not_fit_together_are_refused_before_loading(monkeypatch, tmp_path):
-    """The decode and real parts keep every engine loaded for the alternating rounds: four engines of an 8B
-    Q4_K_M file would take ~20 GB of a 24 GB machine. They are refused before any loads, naming --engines,
-    and the real part takes --engines too."""
+    """The decode and real parts keep every engine loaded for the alternating rounds: the real part's four
+    engines of the 8B Q4_K_M file would need ~25 GiB with their KV caches. Engines whose weights and caches
+    would not fit in 90 % of the available memory are refused before anything loads, naming --engines; a
+    llama.cpp peer that cannot run is not counted; the real part takes --engines too."""
+    from hydragen.bench import llamacpp_peer
     from hydragen.bench import quant as bench
 
-    loaded = []
-    monkeypatch.setattr(bench, "_engine", lambda *args: loaded.append(args))
+    def load(*args):
+        raise RuntimeError("loading")
+
+    monkeypatch.setattr(bench, "_engine", load)
     model = tmp_path / "model.gguf"
     model.write_bytes(b"\0" * 4096)
     monkeypatch.setattr(bench, "_available_bytes", lambda: 4 * 4096)  # room for three copies, not four
+    monkeypatch.setattr(bench, "_gguf_sizes", lambda path: (1024, 0))  # no KV cache
+    four = ("hydragen", "hydragen-kv32", "hydragen-int8", "hydragen-4k")
     with pytest.raises(SystemExit, match=r"4 engines of model.gguf .* pass fewer with --engines"):
-        four = ("hydragen", "hydragen-kv32", "hydragen-int8", "hydragen-4k")
         bench.decode_rows(model, [(1, 8)], 2, 1, four)
-    assert loaded == []
+    monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: "not installed")
+    with pytest.raises(RuntimeError, match="loading"):  # the peer is skipped: three engines fit
+        bench.decode_rows(model, [(1, 8)], 2, 1, ("llamacpp", "hydragen", "hydragen-kv32", "hydragen-int8"))
+    # two engines' weights fit, not with their caches: 12 + 64 KV tokens x 512 elements x 2 bytes each
+    monkeypatch.setattr(bench, "_gguf_sizes", lambda path: (1024, 512))
+    with pytest.raises(SystemExit, match="with their KV caches"):
+        bench.decode_rows(model, [(1, 8)], 1, 1, ("hydragen", "hydragen-int8"))
     args = bench.argparse.Namespace(real_size="tiny:Q8_0", real_tokens=2, rounds=1, engines=("hydragen",))
     seen = []
     monkeypatch.setattr(bench, "_real_file", lambda spec: model)
     monkeypatch.setattr(bench, "decode_rows", lambda *a: seen.append(a[4]) or [])
     bench._real(args, quick=False)
     assert seen == [("hydragen",)]
+
+
+def test_the_memory_check_reads_the_models_shape_from_its_gguf():
+    """Weight elements and the K/V elements a cached token stores come from the GGUF header: the embedded
+    SmolLM2-135M has 30 layers of 3 KV heads of 64 dims and ~135M weights."""
+    from hydragen.bench.quant import _gguf_sizes
+    from hydragen.model.default_model import default_model_path
+
+    elements, per_token = _gguf_sizes(default_model_path())
+    assert per_token == 2 * 30 * 3 * 64
+    assert 130e6 < elements < 140e6

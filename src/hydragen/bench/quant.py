@@ -103,20 +103,54 @@ def _available_bytes() -> int | None:
     return None
 
 
-def _check_memory(path: Path, modes) -> None:
+def _gguf_sizes(path: Path) -> tuple[int, int] | None:
+    """(weight elements, K and V elements one cached token stores) from a GGUF's header, or None."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        field = lambda key: reader.fields[key].contents()  # noqa: E731
+        arch = field("general.architecture")
+        heads = field(f"{arch}.attention.head_count")
+        if f"{arch}.attention.key_length" in reader.fields:
+            head_dim = field(f"{arch}.attention.key_length")
+        else:
+            head_dim = field(f"{arch}.embedding_length") // heads
+        kv_key = f"{arch}.attention.head_count_kv"
+        kv_heads = field(kv_key) if kv_key in reader.fields else heads
+        per_token = 2 * field(f"{arch}.block_count") * kv_heads * head_dim
+        return sum(int(t.n_elements) for t in reader.tensors), per_token
+    except (KeyError, ValueError, TypeError, OSError):
+        return None
+
+
+def _check_memory(path: Path, modes, kv_tokens: int, peer_cells: int) -> None:
     """Every engine stays loaded for the alternating rounds: refuse up front, naming the way out, when their
-    weights would not fit (four engines of an 8B Q4_K_M file need ~20 GB), rather than swap or be killed."""
+    weights and KV caches would not fit in 90 % of the available memory (the real part's four engines of the
+    8B Q4_K_M file need ~23 GiB), rather than swap or be killed. GGUF files only (the engines' own)."""
     available = _available_bytes()
-    if available is None:
+    sizes = _gguf_sizes(path) if path.suffix == ".gguf" and path.is_file() else None
+    if available is None or sizes is None:
         return
-    size = path.stat().st_size
-    # resident weights per engine (1.06x the file at most, measured), float32 ones 4 bytes per 4.5-bit weight
-    need = sum(size * (7.2 if mode == "hydragen-fp32" else 1.1) for mode in modes)
+    from hydragen.bench import llamacpp_peer
+
+    elements, kv_per_token = sizes
+    file_bytes = path.stat().st_size
+    need = 0.0
+    for mode in modes:
+        if mode == "llamacpp":
+            if llamacpp_peer.unavailable(path, False) is None:  # skipped otherwise
+                need += file_bytes + peer_cells * kv_per_token * 2  # the mapped file, an f16 cache
+            continue
+        # resident weights: at most 1.06x the file measured, float32 ones 4 bytes a weight
+        need += 4 * elements if mode == "hydragen-fp32" else 1.1 * file_bytes
+        need += kv_tokens * kv_per_token * (4 if mode in ("hydragen-kv32", "hydragen-fp32") else 2)
     if need > 0.9 * available:
         raise SystemExit(
-            f"hydragen bench quant: {len(modes)} engines of {path.name} ({size / 2**30:.1f} GiB) stay loaded "
-            f"together and need about {need / 2**30:.0f} GiB, but {available / 2**30:.0f} GiB is available; "
-            "pass fewer with --engines (e.g. --engines hydragen,llamacpp)"
+            f"hydragen bench quant: {len(modes)} engines of {path.name} ({file_bytes / 2**30:.1f} GiB) "
+            f"stay loaded together and need about {need / 2**30:.1f} GiB with their KV caches, more than "
+            f"90 % of the {available / 2**30:.1f} GiB available; pass fewer with --engines "
+            "(e.g. --engines hydragen,llamacpp)"
         )
 
 
@@ -128,9 +162,9 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
     e2e.ENGINE_SAMPLING.update(temperature=0.8, top_p=0.95)
     path = resolve_model_path(model) if not isinstance(model, Path) else model
     points = [_point(pt) for pt in points]
-    _check_memory(path, modes)
     # KV tokens a point holds at its end: the shared prompt once, or each distinct prompt
     cells = max((n if distinct else 1) * p + n * new_tokens for n, p, distinct in points)
+    _check_memory(path, modes, cells + 64 * new_tokens, cells + 64)
     vocab = None
     runners = {}  # mode -> (runner, timer for one prompt's n completions, timer for distinct prompts)
     for mode in modes:

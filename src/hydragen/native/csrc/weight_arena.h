@@ -105,9 +105,11 @@ class WeightArena {
       madvise(base, static_cast<size_t>(size), MADV_HUGEPAGE);  // advice: refused, it costs nothing
       return r;
     }
-    // Unmaps the untouched pages from `used` bytes on (the arena holds its lock and a reference).
+    // Unmaps the untouched room from `used` bytes on, from the next 2 MiB boundary: cutting inside the last
+    // huge page would split it, and its live bytes would go back to 4 KiB pages (the arena holds its lock and
+    // a reference).
     void release_after(int64_t used) {
-      const int64_t keep = round_up(used, kPage);
+      const int64_t keep = round_up(used, kHuge);
       if (keep < size) munmap(base + keep, static_cast<size_t>(size - keep));
       size = std::min(size, keep);
     }
