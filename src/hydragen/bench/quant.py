@@ -104,30 +104,22 @@ def _available_bytes() -> int | None:
 
 
 def _gguf_sizes(path: Path) -> tuple[int, int] | None:
-    """(weight elements, K and V elements one cached token stores) from a GGUF's header, or None."""
-    import gguf
+    """(weight elements, K and V elements one cached token stores) from a GGUF's header, read as the loader
+    reads it, or None for a file it would refuse."""
+    from hydragen.model.config import ModelConfig
+    from hydragen.model.gguf import open_gguf_tensors
 
     try:
-        reader = gguf.GGUFReader(path)
-        field = lambda key: reader.fields[key].contents()  # noqa: E731
-        arch = field("general.architecture")
-        heads = field(f"{arch}.attention.head_count")
-        if f"{arch}.attention.key_length" in reader.fields:
-            head_dim = field(f"{arch}.attention.key_length")
-        else:
-            head_dim = field(f"{arch}.embedding_length") // heads
-        kv_key = f"{arch}.attention.head_count_kv"
-        kv_heads = field(kv_key) if kv_key in reader.fields else heads
-        per_token = 2 * field(f"{arch}.block_count") * kv_heads * head_dim
-        return sum(int(t.n_elements) for t in reader.tensors), per_token
-    except (KeyError, ValueError, TypeError, OSError):
+        config, tensors = open_gguf_tensors(path)
+        return tensors.elements(), ModelConfig.from_hf(config).kv_bytes_per_token_per_elem
+    except (KeyError, ValueError, TypeError):  # ModelFileError is a ValueError
         return None
 
 
 def _check_memory(path: Path, modes, kv_tokens: int, peer_cells: int) -> None:
     """Every engine stays loaded for the alternating rounds: refuse up front, naming the way out, when their
     weights and KV caches would not fit in 90 % of the available memory (the real part's four engines of the
-    8B Q4_K_M file need ~23 GiB), rather than swap or be killed. GGUF files only (the engines' own)."""
+    8B Q4_K_M file need ~25 GiB), rather than swap or be killed. GGUF files only (the engines' own)."""
     available = _available_bytes()
     sizes = _gguf_sizes(path) if path.suffix == ".gguf" and path.is_file() else None
     if available is None or sizes is None:

@@ -352,6 +352,10 @@ class GGUFTensors:
         self.head_dim = d
         self.names = list(self._by_hf)
 
+    def elements(self) -> int:
+        """Weights in the file (every tensor the model reads), whatever their type."""
+        return sum(int(t.n_elements) for t in self._by_hf.values())
+
     def keeps_quantized(self) -> bool:
         """Whether any tensor is read in a quantized block format (kept, not dequantized): the model it builds
         then computes from quantized blocks (``model.linear.keeps_quantized_weights``)."""
