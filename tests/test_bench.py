@@ -229,6 +229,68 @@ def test_llamacpp_peer_shares_the_prompt_cells(tmp_path):
     assert [(r["mode"], r["n"]) for r in rows] == [("llamacpp", 1), ("llamacpp", 2)]
 
 
+class _ChainRecorder:
+    """llama-cpp-python's sampler calls, recorded: what sampler_chain builds, without llama.cpp."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name.removeprefix("llama_sampler_"), *args)) or name
+
+
+@pytest.mark.parametrize(
+    "settings, stages",
+    [
+        (None, None),
+        ({"temperature": 0.0, "top_p": 0.9}, None),  # greedy
+        (
+            {"temperature": 0.8, "top_p": 0.95},
+            [("init_temp", 0.8), ("init_top_p", 0.95, 1), ("init_dist", 0)],
+        ),
+        ({"temperature": 1.0}, [("init_dist", 0)]),  # nothing changes the distribution: a plain draw
+        (
+            {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 3},
+            [
+                ("init_temp", 0.7),
+                ("init_top_k", 40),
+                ("init_top_p", 0.9, 1),
+                ("init_min_p", 0.05, 1),
+                ("init_dist", 3),
+            ],
+        ),
+    ],
+)
+def test_llamacpp_peer_samples_from_hydragens_distribution(settings, stages):
+    """The peer's chain applies the temperature first, then top_k, top_p and min_p, as hydragen (and vLLM)
+    define them; settings that change nothing add no stage; temperature 0 is greedy (no chain)."""
+    from hydragen.bench.llamacpp_peer import sampler_chain
+
+    fake = _ChainRecorder()
+    chain = sampler_chain(fake, settings)
+    if stages is None:
+        assert chain is None and fake.calls == []
+        return
+    made = [c for c in fake.calls if c[0].startswith("init_")]
+    added = [c for c in fake.calls if c[0] == "chain_add"]
+    assert made == stages
+    assert [c[2] for c in added] == [f"llama_sampler_{s[0]}" for s in stages]  # each stage, in order
+
+
+def test_llamacpp_peer_with_top_k_1_picks_what_greedy_picks():
+    """A sampled chain that keeps one token draws the argmax: the chain reads each sequence's own logits
+    (where llama-cpp-python is installed)."""
+    pytest.importorskip("llama_cpp")
+    from hydragen.bench import llamacpp_peer
+    from hydragen.bench.e2e import synthetic_prompt
+
+    greedy = llamacpp_peer.Peer(None, 32, 6, 3)
+    one = llamacpp_peer.Peer(None, 32, 6, 3, sampling={"temperature": 0.8, "top_k": 1, "seed": 5})
+    prompts = [synthetic_prompt(greedy.vocab, 32, seed=s) for s in (1, 2, 3)]
+    assert one.generate_prompts(prompts, 6) == greedy.generate_prompts(prompts, 6)
+    assert one.generate(prompts[0], 3, 6) == greedy.generate(prompts[0], 3, 6)
+
+
 def test_llamacpp_peer_keeps_distinct_prompts_apart():
     """Distinct prompts are sequences of their own: each continues as it would alone (where llama-cpp-python
     is installed)."""

@@ -173,12 +173,51 @@ def test_engines_that_would_not_fit_together_are_refused_before_loading(monkeypa
     monkeypatch.setattr(bench, "_gguf_sizes", lambda path: (1024, 512))
     with pytest.raises(SystemExit, match="with their KV caches"):
         bench.decode_rows(model, [(1, 8)], 1, 1, ("hydragen", "hydragen-int8"))
-    args = bench.argparse.Namespace(real_size="tiny:Q8_0", real_tokens=2, rounds=1, engines=("hydragen",))
+    args = bench.argparse.Namespace(real_size="tiny:Q8_0", real_tokens=2, rounds=1, engines=("hydragen",),
+                                    temperature=0.8, top_p=0.95, top_k=0, min_p=0.0)  # fmt: skip
     seen = []
     monkeypatch.setattr(bench, "_real_file", lambda spec: model)
     monkeypatch.setattr(bench, "decode_rows", lambda *a: seen.append(a[4]) or [])
     bench._real(args, quick=False)
     assert seen == [("hydragen",)]
+
+
+@pytest.mark.parametrize(
+    "flags, settings",
+    [
+        ([], {"temperature": 0.8, "top_p": 0.95}),  # the issue's settings
+        (
+            ["--top-k", "40", "--min-p", "0.05"],
+            {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05},
+        ),
+        (["--temperature", "0", "--top-p", "1"], {"temperature": 0.0}),  # greedy, both
+    ],
+)
+def test_both_engines_of_the_decode_table_sample_alike(monkeypatch, tmp_path, flags, settings):
+    """hydragen's runs and llama.cpp's sampler chain get the same settings from the command line: a peer
+    picking greedily while hydragen samples would leave its sampling out of one side of the ratio."""
+    from hydragen.bench import e2e, llamacpp_peer
+    from hydragen.bench import quant as bench
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def peer(*args, sampling=None, **kwargs):
+        seen.update(peer=dict(sampling), hydragen=dict(e2e.ENGINE_SAMPLING))
+        raise Loaded  # stop before any engine runs
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"\0")
+    monkeypatch.setattr(e2e, "ENGINE_SAMPLING", dict(e2e.ENGINE_SAMPLING))  # put back afterwards
+    monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: None)
+    monkeypatch.setattr(llamacpp_peer, "Peer", peer)
+    monkeypatch.setattr(bench, "_check_memory", lambda *args: None)
+    argv = ["--parts", "decode", "--model", str(model), "--engines", "llamacpp", "--out", str(tmp_path)]
+    with pytest.raises(Loaded):
+        bench.main(argv + flags)
+    assert seen == {"peer": settings, "hydragen": settings}
 
 
 def test_the_memory_check_reads_the_models_shape_from_its_gguf():

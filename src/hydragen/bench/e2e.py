@@ -54,7 +54,8 @@ def _engine_llm(
     )
 
 
-# Sampling settings of hydragen's runs (--temperature/--top-p/--top-k): real clients send top_p.
+# Sampling settings of hydragen's runs and llama.cpp's sampler chain (--temperature/--top-p/--top-k): real
+# clients send top_p.
 ENGINE_SAMPLING: dict = dict(temperature=1.0)
 
 
@@ -271,7 +272,7 @@ def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer
         if why:
             return skip(why)
         longest, most = max(p for p, _ in points), min(max(n for _, n in points), peer_max_n)
-        peer = llamacpp_peer.Peer(model, longest, new_tokens, most)
+        peer = llamacpp_peer.Peer(model, longest, new_tokens, most, sampling=ENGINE_SAMPLING)
         llamacpp_peer.timer(peer, synthetic_prompt(peer.vocab, 64), 2, 2)  # warm-up
         return peer, llamacpp_peer.timer, peer.vocab, ""
     longest = max(max(p for p, _ in points), 64)  # the warm-up prompt is 64 tokens
@@ -394,9 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peer-max-n", type=int, default=4, help="largest n run for hf/llamacpp (default 4)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--temperature", type=float, default=1.0, help="hydragen's sampling temperature (1.0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="hydragen's nucleus mass (1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="hydragen's top-k (0 = off)")
+    p.add_argument("--temperature", type=float, default=1.0, help="both engines' temperature (1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="their nucleus mass (1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="their top-k (0 = off)")
     p.add_argument("--page-size", type=int, default=16, help="hydragen's KV page size in tokens (16)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", type=Path, default=Path("bench-out"))

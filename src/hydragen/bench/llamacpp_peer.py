@@ -3,9 +3,13 @@
 sequence (``llama_memory_seq_cp`` on a unified KV cache tags cells, it copies nothing), then all n
 sequences decode together, one llama_decode per step.
 
-llama.cpp runs the GGUF's quantized weights (Q4_1 for the embedded model) with an f16 KV cache, where
-hydragen dequantizes to fp32: the comparison is engine against engine on the same file, not kernel
-against kernel. Tokens are picked greedily from llama.cpp's logits (sampling cost is not what is measured).
+llama.cpp runs the GGUF's quantized weights (Q4_1 for the embedded model) with an f16 KV cache: the
+comparison is engine against engine on the same file, not kernel against kernel.
+
+Tokens are drawn as the batched example draws them, with a llama.cpp sampler chain per sequence and step
+(``llama_sampler_sample`` on that sequence's logits), built from the settings hydragen runs with
+(``sampling``, in SamplingParams' terms): the same distribution, so both engines pay for the same sampling.
+Temperature 0 (or no settings) picks greedily from the logits.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -31,12 +36,45 @@ def unavailable(model, random_weights: bool) -> str | None:
     return None
 
 
+def sampler_chain(L, sampling: Mapping | None):
+    """A llama.cpp sampler chain drawing from the distribution hydragen's SamplingParams define (temperature
+    first, then top_k, top_p and min_p on the tempered probabilities, as vLLM and hydragen apply them), or
+    None for greedy (no settings, or temperature 0). Settings that change nothing add no sampler."""
+    if not sampling:
+        return None
+    settings = dict(sampling)
+    temperature = float(settings.get("temperature", 1.0))  # SamplingParams' default
+    if temperature == 0:
+        return None
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    stages = [L.llama_sampler_init_temp(temperature)] if temperature != 1.0 else []
+    if (top_k := int(settings.get("top_k") or 0)) > 0:
+        stages.append(L.llama_sampler_init_top_k(top_k))
+    if (top_p := float(settings.get("top_p", 1.0))) < 1.0:
+        stages.append(L.llama_sampler_init_top_p(top_p, 1))
+    if (min_p := float(settings.get("min_p") or 0.0)) > 0:
+        stages.append(L.llama_sampler_init_min_p(min_p, 1))
+    stages.append(L.llama_sampler_init_dist(int(settings.get("seed") or 0)))
+    for stage in stages:
+        L.llama_sampler_chain_add(chain, stage)  # the chain owns its stages
+    return chain
+
+
 class Peer:
     """One llama.cpp context sized for the longest prompt and the largest n of the sweep."""
 
-    def __init__(self, model, max_prompt: int, max_new: int, max_n: int, cells: int | None = None):
+    def __init__(
+        self,
+        model,
+        max_prompt: int,
+        max_new: int,
+        max_n: int,
+        cells: int | None = None,
+        sampling: Mapping | None = None,
+    ):
         """``cells``: KV cells to hold (default: one prompt shared by ``max_n`` sequences of ``max_new``
-        tokens each; distinct prompts need each prompt's cells)."""
+        tokens each; distinct prompts need each prompt's cells). ``sampling``: hydragen's settings
+        (temperature, top_p, top_k, min_p, seed) for llama.cpp's sampler chain; greedy without."""
         import llama_cpp as L
 
         from hydragen.model.loader import resolve_model_path
@@ -61,6 +99,7 @@ class Peer:
         self.n_batch = cp.n_batch
         self.batch = L.llama_batch_init(self.n_batch, 0, max_n)
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.sampler = sampler_chain(L, sampling)
 
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], want: list[bool]) -> None:
         b = self.batch
@@ -75,13 +114,22 @@ class Peer:
         ptr = self.L.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(rows, self.vocab))
 
+    def _pick(self, rows: int) -> list[int]:
+        """A token from each of the last decode's ``rows`` logits rows (every token of the batch wanted its
+        logits, or the batch's last token alone did and ``rows`` is 1)."""
+        if self.sampler is None:
+            return self._logits(rows).argmax(axis=1).tolist()
+        if rows == 1:  # -1: the batch's last output, wherever its token sat in the batch
+            return [int(self.L.llama_sampler_sample(self.sampler, self.ctx, -1))]
+        return [int(self.L.llama_sampler_sample(self.sampler, self.ctx, i)) for i in range(rows)]
+
     def _prefill(self, prompt: list[int], seq: int) -> int:
-        """The prompt as sequence ``seq``; its first token (greedy)."""
+        """The prompt as sequence ``seq``; its first token."""
         for start in range(0, len(prompt), self.n_batch):
             chunk = prompt[start : start + self.n_batch]
             pos = list(range(start, start + len(chunk)))
             self._decode(chunk, pos, [seq] * len(chunk), [p == len(prompt) - 1 for p in pos])
-        return int(self._logits(1)[0].argmax())
+        return int(self._pick(1)[0])
 
     def _continue(self, out: list[list[int]], lengths: list[int], tokens: int) -> list[list[int]]:
         """Sequence s (its prompt ``lengths[s]`` long, its first token in ``out[s]``) to ``tokens`` tokens,
@@ -90,7 +138,7 @@ class Peer:
         for step in range(1, tokens):
             positions = [length + step - 1 for length in lengths]
             self._decode([o[-1] for o in out], positions, list(range(n)), [True] * n)
-            for o, t in zip(out, self._logits(n).argmax(axis=1).tolist(), strict=True):
+            for o, t in zip(out, self._pick(n), strict=True):
                 o.append(int(t))
         return out
 
@@ -112,6 +160,8 @@ class Peer:
 
     def __del__(self):
         try:
+            if self.sampler is not None:
+                self.L.llama_sampler_free(self.sampler)
             self.L.llama_batch_free(self.batch)
             self.L.llama_free(self.ctx)
             self.L.llama_model_free(self.model)

@@ -14,9 +14,10 @@ Five parts, each a table (Markdown + JSON) and where it helps a plot:
 * ``real``: a random-weights GGUF of a real shape (``--real-size llama-3.1-8b:Q4_K_M``, written once to
   hydragen's cache, never into the repository): its memory and decode at n = 1 and 16 against llama.cpp.
 
-hydragen samples at temperature 0.8, top_p 0.95; llama.cpp picks greedily from its logits (its sampling is
-not what is measured). Decode-only rate: n (T - 1) / (t(T) - t(1)); rounds alternate the engines and each
-point keeps its best round.
+Both engines sample from the same distribution, by default the issue's temperature 0.8, top_p 0.95
+(``--temperature/--top-p/--top-k/--min-p``; temperature 0: greedy): hydragen with its sampler, llama.cpp with
+its sampler chain per sequence, as its batched example does. Decode-only rate: n (T - 1) / (t(T) - t(1));
+rounds alternate the engines and each point keeps its best round.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ PARTS = ("kernels", "accuracy", "decode", "memory", "real")
 # (n, prompt tokens): n completions of one prompt, the issue's three points; (n, prompt tokens, True): n
 # distinct prompts, one completion each (what a server's separate users send: nothing shared)
 DECODE_POINTS = ((1, 512), (8, 512), (64, 2048), (8, 512, True))
+SAMPLING = dict(temperature=0.8, top_p=0.95)  # the issue's settings, and what chat clients commonly send
 MODES = (
     "hydragen",
     "hydragen-kv32",
@@ -146,12 +148,15 @@ def _check_memory(path: Path, modes, kv_tokens: int, peer_cells: int) -> None:
         )
 
 
-def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> list[dict]:
-    """Decode tok/s per (mode, point), the best of ``rounds`` alternating rounds."""
+def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES, sampling=None) -> list[dict]:
+    """Decode tok/s per (mode, point), the best of ``rounds`` alternating rounds; every engine samples with
+    ``sampling`` (SamplingParams' names; default SAMPLING)."""
     from hydragen.bench import e2e, llamacpp_peer
     from hydragen.model.loader import resolve_model_path
 
-    e2e.ENGINE_SAMPLING.update(temperature=0.8, top_p=0.95)
+    sampling = dict(SAMPLING if sampling is None else sampling)
+    e2e.ENGINE_SAMPLING.clear()
+    e2e.ENGINE_SAMPLING.update(sampling)
     path = resolve_model_path(model) if not isinstance(model, Path) else model
     points = [_point(pt) for pt in points]
     # KV tokens a point holds at its end: the shared prompt once, or each distinct prompt
@@ -166,7 +171,7 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES) -> lis
                 _say(f"llama.cpp skipped: {why}")
                 continue
             longest, most = max(p for _, p, _ in points), max(n for n, _, _ in points)
-            peer = llamacpp_peer.Peer(path, longest, new_tokens, most, cells=cells + 64)
+            peer = llamacpp_peer.Peer(path, longest, new_tokens, most, cells=cells + 64, sampling=sampling)
             vocab = vocab or peer.vocab
             runners[mode] = (peer, llamacpp_peer.timer, llamacpp_peer.timer_prompts)
         else:
@@ -273,15 +278,30 @@ def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
     points = ((1, 64), (4, 64), (4, 64, True)) if quick else a.points or DECODE_POINTS
     new_tokens = 4 if quick else a.new_tokens
     rounds = 1 if quick else a.rounds
-    rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES)
+    rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES, _sampling(a))
     notes = (
         "n completions of one prompt (its KV shared by every engine), or, where 'prompts' is n, n distinct "
-        "prompts of that length, one completion each; hydragen samples at temperature 0.8, "
-        "top_p 0.95, llama.cpp picks greedily from its logits. Decode-only rate n (T - 1) / (t(T) - t(1)); "
-        f"best of {rounds} alternating rounds. 'vs llama.cpp' divides the two best rates; 'paired' is the "
-        "median over rounds of the ratio within a round (the engines run back to back in each round)."
+        f"prompts of that length, one completion each; {_sampling_words(_sampling(a))}. Decode-only "
+        f"rate n (T - 1) / (t(T) - t(1)); best of {rounds} alternating rounds. 'vs llama.cpp' divides the "
+        "two best rates; 'paired' is the median over rounds of the ratio within a round (the engines run "
+        "back to back in each round)."
     )
-    return rows, {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or MODES)}, notes
+    extra = {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or MODES)}
+    return rows, {**extra, "sampling": _sampling(a)}, notes
+
+
+def _sampling(a: argparse.Namespace) -> dict:
+    """Both engines' sampling settings from the command line (SamplingParams' names; only those set)."""
+    settings = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p)
+    return {k: v for k, v in settings.items() if v != {"top_p": 1.0, "top_k": 0, "min_p": 0.0}.get(k)}
+
+
+def _sampling_words(sampling: dict) -> str:
+    if sampling.get("temperature", 1.0) == 0:
+        return "both engines pick greedily"
+    words = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
+    return (f"both engines sample at {words} (llama.cpp through its sampler chain, one draw per sequence and "
+            "step, as its batched example)")  # fmt: skip
 
 
 def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
@@ -302,13 +322,15 @@ def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
     rows = []
     for spec in _specs(a.real_size):
         rounds = 1 if quick else a.rounds
-        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, a.engines or REAL_MODES):
+        engines = a.engines or REAL_MODES
+        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, engines, _sampling(a)):
             rows.append({"model": spec, **row})
     notes = (
         "Random-weights GGUFs (model/gguf_write.py: llama-quantize's type mix), the same file for both "
-        "engines; one 256-token prompt, n completions, as the decode table."
+        f"engines; one 256-token prompt, n completions, as the decode table; {_sampling_words(_sampling(a))}."
     )
-    return rows, {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or REAL_MODES)}, notes
+    extra = {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or REAL_MODES)}
+    return rows, {**extra, "sampling": _sampling(a)}, notes
 
 
 REAL_MODES = ("hydragen", "hydragen-kv32", "hydragen-int8", "llamacpp")
@@ -511,6 +533,11 @@ def main(argv: list[str] | None = None) -> None:
         help=f"engines of the decode and real parts, comma-separated, of {', '.join(MODES)} (default: all; "
         f"the real part: {', '.join(REAL_MODES)})",
     )
+    p.add_argument("--temperature", type=float, default=SAMPLING["temperature"],
+                   help="both engines' temperature, decode and real parts (0.8; 0: greedy)")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=SAMPLING["top_p"], help="their top_p (default 0.95)")
+    p.add_argument("--top-k", type=int, default=0, help="their top_k (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="their min_p (default 0: off)")
     p.add_argument("--prompts", type=int, default=128, help="accuracy prompts (default 128)")
     p.add_argument("--kernel-shape", type=int, nargs=2, default=(4096, 4096), metavar=("N", "K"))
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
