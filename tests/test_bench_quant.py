@@ -229,3 +229,13 @@ def test_the_memory_check_reads_the_models_shape_from_its_gguf():
     elements, per_token = _gguf_sizes(default_model_path())
     assert per_token == 2 * 30 * 3 * 64
     assert 130e6 < elements < 140e6
+
+
+def test_the_decode_plots_name_the_sampling_they_ran_with():
+    """A plot read alone says how both engines sampled; results from before the peer sampled say greedy."""
+    from hydragen.bench.quant import _plot_words
+
+    assert _plot_words({"params": {}}) == "llama.cpp greedy"
+    assert _plot_words({"params": {"sampling": {"temperature": 0.0}}}) == "both greedy"
+    sampled = {"params": {"sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 40}}}
+    assert _plot_words(sampled) == "both at temperature 0.8, top_p 0.95, top_k 40"

@@ -458,8 +458,9 @@ def plots(data: dict, out: Path) -> list[Path]:
             xs, ys = series.setdefault(r["engine"], ([], []))
             xs.append(r["n"])
             ys.append(r["decode tok/s"])
+        title = f"Decode, same GGUF, side by side ({_plot_words(data['runs']['decode'])})"
         paths.append(
-            plot_lines(series, out / "quant_decode.png", "Decode throughput, same GGUF, side by side",
+            plot_lines(series, out / "quant_decode.png", title,
                        "completions n of one prompt (1, 8: 512 tokens; 64: 2,048)",
                        "decode tokens/s", logx=True, logy=True, quick=quick)
         )  # fmt: skip
@@ -470,12 +471,22 @@ def plots(data: dict, out: Path) -> list[Path]:
             xs, ys = series.setdefault(name, ([], []))
             xs.append(r["n"])
             ys.append(r["decode tok/s"])
+        title = f"Models of real size, random weights ({_plot_words(data['runs']['real'])})"
         paths.append(
-            plot_lines(series, out / "quant_real.png", "Models of real size (random weights), side by side",
-                       "completions n of one 256-token prompt", "decode tokens/s", logx=True, logy=True,
-                       quick=quick)
+            plot_lines(series, out / "quant_real.png", title, "completions n of one 256-token prompt",
+                       "decode tokens/s", logx=True, logy=True, quick=quick)
         )  # fmt: skip
     return paths
+
+
+def _plot_words(run: dict) -> str:
+    """The sampling a part's plot shows, for its title (results from before the peer sampled: greedy)."""
+    sampling = run.get("params", {}).get("sampling")
+    if sampling is None:
+        return "llama.cpp greedy"
+    if sampling.get("temperature", 1.0) == 0:
+        return "both greedy"
+    return "both at " + ", ".join(f"{k} {v:g}" for k, v in sampling.items())
 
 
 def _points(text: str) -> tuple[tuple, ...]:
