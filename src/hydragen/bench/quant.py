@@ -471,7 +471,7 @@ def plots(data: dict, out: Path) -> list[Path]:
             xs, ys = series.setdefault(name, ([], []))
             xs.append(r["n"])
             ys.append(r["decode tok/s"])
-        title = f"Models of real size, random weights ({_plot_words(data['runs']['real'])})"
+        title = f"Real-size random models ({_plot_words(data['runs']['real'])})"
         paths.append(
             plot_lines(series, out / "quant_real.png", title, "completions n of one 256-token prompt",
                        "decode tokens/s", logx=True, logy=True, quick=quick)
