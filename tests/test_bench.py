@@ -253,21 +253,26 @@ class _ChainRecorder:
             {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 3},
             [
                 ("init_temp", 0.7),
+                ("init_min_p", 0.05, 1),
                 ("init_top_k", 40),
                 ("init_top_p", 0.9, 1),
-                ("init_min_p", 0.05, 1),
                 ("init_dist", 3),
             ],
         ),
+        (
+            {"temperature": 0.8, "top_k": 2**32 + 5},
+            [("init_temp", 0.8), ("init_dist", 0)],
+        ),  # top_k >= vocab: off
     ],
 )
 def test_llamacpp_peer_samples_from_hydragens_distribution(settings, stages):
-    """The peer's chain applies the temperature first, then top_k, top_p and min_p, as hydragen (and vLLM)
-    define them; settings that change nothing add no stage; temperature 0 is greedy (no chain)."""
+    """The peer's chain applies the temperature first, then min_p, top_k and top_p, in hydragen's (and vLLM's)
+    order; settings that change nothing add no stage (a top_k of the whole vocabulary or more too, which a C
+    int would wrap); temperature 0 is greedy (no chain)."""
     from hydragen.bench.llamacpp_peer import sampler_chain
 
     fake = _ChainRecorder()
-    chain = sampler_chain(fake, settings)
+    chain = sampler_chain(fake, settings, vocab=1000)
     if stages is None:
         assert chain is None and fake.calls == []
         return
@@ -275,6 +280,88 @@ def test_llamacpp_peer_samples_from_hydragens_distribution(settings, stages):
     added = [c for c in fake.calls if c[0] == "chain_add"]
     assert made == stages
     assert [c[2] for c in added] == [f"llama_sampler_{s[0]}" for s in stages]  # each stage, in order
+
+
+def _kept_by_definition(logits: list[float], temperature=1.0, min_p=0.0, top_k=0, top_p=1.0) -> list[int]:
+    """The tokens hydragen's distribution keeps (engine/truncation.py's definition, in float64): min_p on the
+    tempered probabilities, then top_k, then top_p over the mass of what those kept."""
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    if top_k:
+        keep &= p >= np.sort(p[keep])[::-1][min(top_k, keep.sum()) - 1]
+    mass = p[keep].sum()
+    return [i for i in np.flatnonzero(keep) if p[keep][p[keep] > p[i]].sum() < top_p * mass]
+
+
+@pytest.mark.parametrize(
+    "probs, settings",
+    [
+        ([0.6, 0.1] + [0.01] * 30, {"top_p": 0.8, "min_p": 0.05}),  # min_p after top_p would keep token 1
+        ([0.9, 0.04] + [0.001] * 60, {"top_p": 0.95, "min_p": 0.04}),
+        (None, {"temperature": 0.8, "top_p": 0.95}),
+        (None, {"temperature": 0.8, "top_k": 40, "top_p": 0.95}),
+        (None, {"temperature": 1.3, "top_k": 5, "top_p": 0.9, "min_p": 0.02}),
+    ],
+)
+def test_llamacpp_peers_chain_keeps_the_tokens_hydragen_keeps(probs, settings):
+    """llama.cpp's own samplers, run by the peer's chain on a row of logits, keep exactly the tokens
+    hydragen's distribution keeps (where llama-cpp-python is installed; no model needed)."""
+    L = pytest.importorskip("llama_cpp")
+    import ctypes
+
+    import numpy as np
+
+    from hydragen.bench.llamacpp_peer import sampler_chain
+
+    logits = list(np.log(probs)) if probs else list(np.random.default_rng(0).normal(size=200) * 2)
+    settings = {"temperature": 1.0, **settings}
+    chain = sampler_chain(L, settings, vocab=len(logits))
+    row = (L.llama_token_data * len(logits))(
+        *[L.llama_token_data(i, float(x), 0.0) for i, x in enumerate(logits)]
+    )
+    cur = L.llama_token_data_array(row, len(logits), -1, False)
+    L.llama_sampler_apply(chain, ctypes.byref(cur))
+    kept = sorted(row[i].id for i in range(cur.size))
+    L.llama_sampler_free(chain)
+    assert kept == _kept_by_definition(logits, **settings)
+
+
+def test_llamacpp_peer_draws_each_sequence_on_its_own():
+    """A flat distribution: the sampled peer leaves greedy's tokens, each of n sequences of one prompt draws
+    its own first token, and a seed reproduces a run (where llama-cpp-python is installed)."""
+    pytest.importorskip("llama_cpp")
+    from hydragen.bench import llamacpp_peer
+    from hydragen.bench.e2e import synthetic_prompt
+
+    flat = {"temperature": 1.5, "seed": 7}
+    greedy = llamacpp_peer.Peer(None, 32, 6, 8)
+    prompt = synthetic_prompt(greedy.vocab, 32)
+    sampled = llamacpp_peer.Peer(None, 32, 6, 8, sampling=flat).generate(prompt, 8, 6)
+    assert sampled != greedy.generate(prompt, 8, 6)
+    assert len({s[0] for s in sampled}) > 1  # not one draw shared by every sequence
+    assert llamacpp_peer.Peer(None, 32, 6, 8, sampling=flat).generate(prompt, 8, 6) == sampled
+
+
+def test_bench_e2e_gives_its_sampling_to_the_llamacpp_peer(monkeypatch):
+    """e2e's llama.cpp runs sample with the settings its hydragen runs use."""
+    from hydragen.bench import e2e, llamacpp_peer
+
+    class Built(Exception):
+        pass
+
+    def peer(*args, sampling=None, **kwargs):
+        raise Built(dict(sampling))
+
+    monkeypatch.setattr(llamacpp_peer, "unavailable", lambda model, random: None)
+    monkeypatch.setattr(llamacpp_peer, "Peer", peer)
+    monkeypatch.setattr(e2e, "ENGINE_SAMPLING", {"temperature": 0.7, "top_p": 0.9, "top_k": 0})
+    with pytest.raises(Built) as built:
+        e2e._runner("llamacpp", None, [(32, 2)], 4, False, "cpu", "float32", 4)
+    assert built.value.args[0] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0}
 
 
 def test_llamacpp_peer_with_top_k_1_picks_what_greedy_picks():

@@ -54,8 +54,8 @@ def _engine_llm(
     )
 
 
-# Sampling settings of hydragen's runs and llama.cpp's sampler chain (--temperature/--top-p/--top-k): real
-# clients send top_p.
+# Sampling settings of hydragen's runs and llama.cpp's sampler chain (--temperature/--top-p/--top-k; the hf
+# peer samples at its own defaults): real clients send top_p.
 ENGINE_SAMPLING: dict = dict(temperature=1.0)
 
 
@@ -395,13 +395,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peer-max-n", type=int, default=4, help="largest n run for hf/llamacpp (default 4)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--temperature", type=float, default=1.0, help="both engines' temperature (1.0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="hydragen's and llama.cpp's temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="their nucleus mass (1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="their top-k (0 = off)")
     p.add_argument("--page-size", type=int, default=16, help="hydragen's KV page size in tokens (16)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmark runs")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     a = p.parse_args(argv)
+    ENGINE_SAMPLING.clear()
     ENGINE_SAMPLING.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if a.random_weights and a.model:
         p.error("give either --model or --random-weights, not both")

@@ -36,27 +36,32 @@ def unavailable(model, random_weights: bool) -> str | None:
     return None
 
 
-def sampler_chain(L, sampling: Mapping | None):
-    """A llama.cpp sampler chain drawing from the distribution hydragen's SamplingParams define (temperature
-    first, then top_k, top_p and min_p on the tempered probabilities, as vLLM and hydragen apply them), or
-    None for greedy (no settings, or temperature 0). Settings that change nothing add no sampler."""
+def sampler_chain(L, sampling: Mapping | None, vocab: int | None = None):
+    """A llama.cpp sampler chain drawing from the distribution hydragen's SamplingParams define, or None for
+    greedy (no settings, or temperature 0). In hydragen's (and vLLM's) order (engine/truncation.py): the
+    temperature, then on the tempered probabilities min_p, top_k, and top_p over what those two kept, then a
+    seeded draw. Settings that change nothing add no stage (a top_k of the whole ``vocab`` or more included).
+    """
     if not sampling:
         return None
     settings = dict(sampling)
     temperature = float(settings.get("temperature", 1.0))  # SamplingParams' default
     if temperature == 0:
         return None
+    top_k = int(settings.get("top_k") or 0)
+    if vocab is not None and top_k >= vocab:
+        top_k = 0  # keeps every token, as hydragen reads it (and a C int would wrap a huge one)
+    stages = [
+        (temperature != 1.0, lambda: L.llama_sampler_init_temp(temperature)),
+        ((min_p := float(settings.get("min_p") or 0.0)) > 0, lambda: L.llama_sampler_init_min_p(min_p, 1)),
+        (top_k > 0, lambda: L.llama_sampler_init_top_k(top_k)),
+        ((top_p := float(settings.get("top_p", 1.0))) < 1.0, lambda: L.llama_sampler_init_top_p(top_p, 1)),
+        (True, lambda: L.llama_sampler_init_dist(int(settings.get("seed") or 0))),
+    ]
     chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-    stages = [L.llama_sampler_init_temp(temperature)] if temperature != 1.0 else []
-    if (top_k := int(settings.get("top_k") or 0)) > 0:
-        stages.append(L.llama_sampler_init_top_k(top_k))
-    if (top_p := float(settings.get("top_p", 1.0))) < 1.0:
-        stages.append(L.llama_sampler_init_top_p(top_p, 1))
-    if (min_p := float(settings.get("min_p") or 0.0)) > 0:
-        stages.append(L.llama_sampler_init_min_p(min_p, 1))
-    stages.append(L.llama_sampler_init_dist(int(settings.get("seed") or 0)))
-    for stage in stages:
-        L.llama_sampler_chain_add(chain, stage)  # the chain owns its stages
+    for wanted, make in stages:
+        if wanted:
+            L.llama_sampler_chain_add(chain, make())  # the chain owns each stage from here
     return chain
 
 
@@ -99,7 +104,7 @@ class Peer:
         self.n_batch = cp.n_batch
         self.batch = L.llama_batch_init(self.n_batch, 0, max_n)
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-        self.sampler = sampler_chain(L, sampling)
+        self.sampler = sampler_chain(L, sampling, self.vocab)
 
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], want: list[bool]) -> None:
         b = self.batch
@@ -116,20 +121,22 @@ class Peer:
 
     def _pick(self, rows: int) -> list[int]:
         """A token from each of the last decode's ``rows`` logits rows (every token of the batch wanted its
-        logits, or the batch's last token alone did and ``rows`` is 1)."""
+        logits)."""
         if self.sampler is None:
             return self._logits(rows).argmax(axis=1).tolist()
-        if rows == 1:  # -1: the batch's last output, wherever its token sat in the batch
-            return [int(self.L.llama_sampler_sample(self.sampler, self.ctx, -1))]
         return [int(self.L.llama_sampler_sample(self.sampler, self.ctx, i)) for i in range(rows)]
 
-    def _prefill(self, prompt: list[int], seq: int) -> int:
-        """The prompt as sequence ``seq``; its first token."""
+    def _prefill(self, prompt: list[int], seq: int, draws: int = 1) -> list[int]:
+        """The prompt as sequence ``seq``; ``draws`` first tokens from its last logits, one for each sequence
+        that will continue it (each drawn on its own, as the batched example does)."""
         for start in range(0, len(prompt), self.n_batch):
             chunk = prompt[start : start + self.n_batch]
             pos = list(range(start, start + len(chunk)))
             self._decode(chunk, pos, [seq] * len(chunk), [p == len(prompt) - 1 for p in pos])
-        return int(self._pick(1)[0])
+        if self.sampler is None:
+            return [int(self._logits(1)[0].argmax())] * draws
+        # -1: the last decode's only output row, wherever its token sat in the batch
+        return [int(self.L.llama_sampler_sample(self.sampler, self.ctx, -1)) for _ in range(draws)]
 
     def _continue(self, out: list[list[int]], lengths: list[int], tokens: int) -> list[list[int]]:
         """Sequence s (its prompt ``lengths[s]`` long, its first token in ``out[s]``) to ``tokens`` tokens,
@@ -146,21 +153,21 @@ class Peer:
         """n completions of one prompt: evaluated once, its cells shared by every sequence."""
         L = self.L
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
-        first = self._prefill(prompt, 0)
+        firsts = self._prefill(prompt, 0, n)
         mem = L.llama_get_memory(self.ctx)
         for s in range(1, n):
             L.llama_memory_seq_cp(mem, 0, s, -1, -1)
-        return self._continue([[first] for _ in range(n)], [len(prompt)] * n, tokens)
+        return self._continue([[t] for t in firsts], [len(prompt)] * n, tokens)
 
     def generate_prompts(self, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         """One completion of each prompt, each its own sequence: a server's distinct requests."""
         self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
-        firsts = [self._prefill(prompt, s) for s, prompt in enumerate(prompts)]
+        firsts = [self._prefill(prompt, s)[0] for s, prompt in enumerate(prompts)]
         return self._continue([[t] for t in firsts], [len(p) for p in prompts], tokens)
 
     def __del__(self):
         try:
-            if self.sampler is not None:
+            if getattr(self, "sampler", None) is not None:  # None too when __init__ failed before it
                 self.L.llama_sampler_free(self.sampler)
             self.L.llama_batch_free(self.batch)
             self.L.llama_free(self.ctx)
