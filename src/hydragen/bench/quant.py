@@ -17,7 +17,8 @@ Five parts, each a table (Markdown + JSON) and where it helps a plot:
 Both engines sample from the same distribution, by default the issue's temperature 0.8, top_p 0.95
 (``--temperature/--top-p/--top-k/--min-p``; temperature 0: greedy): hydragen with its sampler, llama.cpp with
 its sampler chain per sequence, as its batched example does. Decode-only rate: n (T - 1) / (t(T) - t(1));
-rounds alternate the engines and each point keeps its best round.
+rounds alternate the engines, and each point's best rate takes its fastest t(1) and fastest t(T) over the
+rounds.
 """
 
 from __future__ import annotations
