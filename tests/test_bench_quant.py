@@ -54,6 +54,10 @@ def test_bench_quant_quick(tmp_path, monkeypatch):
     engines = {r["mode"] for r in data["decode"]}
     assert set(MODES) - {"llamacpp"} <= engines
     assert all("vs llama.cpp, paired" in r for r in data["decode"])
+    # the table says whether the peer ran (CI has no llama-cpp-python): its ratios are n/a otherwise
+    ran = "llamacpp" in engines
+    assert ("llamacpp" in data["runs"]["decode"]["params"]["engines"]) == ran
+    assert ("llama.cpp did not run here" in (out / "quant-decode.md").read_text()) != ran
     # n completions of one prompt, and n distinct prompts of one completion each, for every engine
     points = {(r["mode"], r["n"], r["prompts"]) for r in data["decode"]}
     assert all({(n, k) for m, n, k in points if m == mode} == {(1, 1), (4, 1), (4, 4)} for mode in engines)
@@ -239,3 +243,14 @@ def test_the_decode_plots_name_the_sampling_they_ran_with():
     assert _plot_words({"params": {"sampling": {"temperature": 0.0}}}) == "both greedy"
     sampled = {"params": {"sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 40}}}
     assert _plot_words(sampled) == "both at temperature 0.8, top_p 0.95, top_k 40"
+
+
+def test_the_decode_plots_x_label_names_the_points_it_shows():
+    from hydragen.bench.quant import _points_label
+
+    rows = [
+        {"n": n, "prompt": p, "prompts": k}
+        for n, p, k in ((1, 512, 1), (8, 512, 1), (64, 2048, 1), (8, 512, 8))
+    ]
+    assert _points_label(rows) == "completions n of one prompt (n = 1, 8: 512 tokens; 64: 2,048 tokens)"
+    assert _points_label([{"n": 4, "prompt": 64}]) == "completions n of one prompt (n = 4: 64 tokens)"

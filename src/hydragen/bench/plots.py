@@ -43,6 +43,7 @@ STYLES = {
     "hydragen, dequantized to float32 (before)": dict(color="C7"),  # not the default cycle's red: llama.cpp's
     "hydragen, float32 KV cache (--kv-cache-dtype float32)": dict(color="C1"),
     "hydragen, per-op layers (HYDRAGEN_FUSED_LAYERS=0)": dict(color="C2"),
+    "hydragen, packed weights on 4 KiB pages (HYDRAGEN_HUGE_PAGES=0)": dict(color="C8"),
     "hydragen, int8 activations, llama.cpp's numerics (HYDRAGEN_QUANT_ACT_BITS=8)": dict(color="C4"),
     # the engines of runs before float16 became a quantized model's default cache (docs/results/quant)
     "hydragen, float16 KV cache (--kv-cache-dtype float16)": dict(color="C1", linestyle=":"),

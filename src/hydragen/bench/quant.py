@@ -285,10 +285,25 @@ def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
         f"prompts of that length, one completion each; {_sampling_words(_sampling(a))}. Decode-only "
         f"rate n (T - 1) / (t(T) - t(1)); best of {rounds} alternating rounds. 'vs llama.cpp' divides the "
         "two best rates; 'paired' is the median over rounds of the ratio within a round (the engines run "
-        "back to back in each round)."
+        "back to back in each round)." + _skipped_peer(a.model, rows)
     )
-    extra = {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or MODES)}
+    extra = {"points": points, "new_tokens": new_tokens, "engines": _engines_run(rows)}
     return rows, {**extra, "sampling": _sampling(a)}, notes
+
+
+def _engines_run(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["mode"] for r in rows))
+
+
+def _skipped_peer(model, rows: list[dict]) -> str:
+    """A table's word on a llama.cpp peer that was asked for and did not run (its ratios then read n/a)."""
+    from hydragen.bench import llamacpp_peer
+    from hydragen.model.loader import resolve_model_path
+
+    if any(r["mode"] == "llamacpp" for r in rows):
+        return ""
+    why = llamacpp_peer.unavailable(model if isinstance(model, Path) else resolve_model_path(model), False)
+    return f" llama.cpp did not run here ({why or 'not asked for'}): 'vs llama.cpp' is n/a."
 
 
 def _sampling(a: argparse.Namespace) -> dict:
@@ -330,7 +345,12 @@ def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
         "Random-weights GGUFs (model/gguf_write.py: llama-quantize's type mix), the same file for both "
         f"engines; one 256-token prompt, n completions, as the decode table; {_sampling_words(_sampling(a))}."
     )
-    extra = {"points": points, "new_tokens": new_tokens, "engines": list(a.engines or REAL_MODES)}
+    if rows and not any(r["mode"] == "llamacpp" for r in rows):
+        from hydragen.bench import llamacpp_peer
+
+        why = llamacpp_peer.unavailable(_real_file(_specs(a.real_size)[0]), False)
+        notes += f" llama.cpp did not run here ({why or 'not asked for'}): 'vs llama.cpp' is n/a."
+    extra = {"points": points, "new_tokens": new_tokens, "engines": _engines_run(rows)}
     return rows, {**extra, "sampling": _sampling(a)}, notes
 
 
@@ -461,8 +481,7 @@ def plots(data: dict, out: Path) -> list[Path]:
             ys.append(r["decode tok/s"])
         title = f"Decode, same GGUF, side by side ({_plot_words(data['runs']['decode'])})"
         paths.append(
-            plot_lines(series, out / "quant_decode.png", title,
-                       "completions n of one prompt (1, 8: 512 tokens; 64: 2,048)",
+            plot_lines(series, out / "quant_decode.png", title, _points_label(data["decode"]),
                        "decode tokens/s", logx=True, logy=True, quick=quick)
         )  # fmt: skip
     if data.get("real"):
@@ -478,6 +497,17 @@ def plots(data: dict, out: Path) -> list[Path]:
                        "decode tokens/s", logx=True, logy=True, quick=quick)
         )  # fmt: skip
     return paths
+
+
+def _points_label(rows: list[dict]) -> str:
+    """The decode plot's x label from the points it shows, e.g. 'completions n of one prompt (n = 1, 8: 512
+    tokens; 64: 2,048)'."""
+    by_prompt: dict[int, list[int]] = {}
+    for r in rows:
+        if r.get("prompts", 1) == 1 and r["n"] not in by_prompt.setdefault(r["prompt"], []):
+            by_prompt[r["prompt"]].append(r["n"])
+    parts = [f"{', '.join(map(str, sorted(ns)))}: {p:,} tokens" for p, ns in sorted(by_prompt.items())]
+    return f"completions n of one prompt (n = {'; '.join(parts)})"
 
 
 def _plot_words(run: dict) -> str:
@@ -545,8 +575,12 @@ def main(argv: list[str] | None = None) -> None:
         help=f"engines of the decode and real parts, comma-separated, of {', '.join(MODES)} (default: all; "
         f"the real part: {', '.join(REAL_MODES)})",
     )
-    p.add_argument("--temperature", type=float, default=SAMPLING["temperature"],
-                   help="both engines' temperature, decode and real parts (0.8; 0: greedy)")  # fmt: skip
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=SAMPLING["temperature"],
+        help="both engines' temperature (default 0.8; 0: greedy), decode and real parts",
+    )
     p.add_argument("--top-p", type=float, default=SAMPLING["top_p"], help="their top_p (default 0.95)")
     p.add_argument("--top-k", type=int, default=0, help="their top_k (default 0: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="their min_p (default 0: off)")
