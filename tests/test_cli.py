@@ -76,6 +76,7 @@ def test_version(capsys):
         (["--temperature", "-1"], "--temperature must be"),
         (["--max-tokens", "0"], "--max-tokens must be"),
         (["--top-k", "-3"], "--top-k must be"),
+        (["--min-p", "2"], "--min-p must be"),
         (["--stop", ""], "--stop must be"),
         (["--threads", "0"], "--threads must be at least 1"),
         (["--max-model-len", "1"], "--max-model-len must be at least 2"),
@@ -279,3 +280,13 @@ def test_random_weights_shape_and_scheme_run_like_a_downloaded_file(
         assert main(bad) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_and_chat_pass_min_p_to_sampling():
+    from hydragen.cli.common import sampling_params
+    from hydragen.cli.parser import build_parser
+
+    for command in (["generate", "hi"], ["chat"]):
+        args = build_parser().parse_args([*command, "--min-p", "0.2", "--top-k", "5"])
+        params = sampling_params(args, max_tokens=4)
+        assert (params.min_p, params.top_k) == (0.2, 5)

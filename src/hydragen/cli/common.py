@@ -13,6 +13,7 @@ SAMPLING_FLAGS = {
     "temperature": "--temperature",
     "top_p": "--top-p",
     "top_k": "--top-k",
+    "min_p": "--min-p",
     "max_tokens": "--max-tokens",
     "stop": "--stop",
     "seed": "--seed",
@@ -35,7 +36,12 @@ def sampling_params(args: argparse.Namespace, **fields):
 
     try:
         return SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, **fields
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            **fields,
         )
     except ValueError as e:
         raise UsageError(flag_named(str(e))) from None

@@ -114,6 +114,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     )
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default 0)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop p < min_p x the top p, 0 = off (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
 
 
