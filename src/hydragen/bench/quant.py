@@ -279,16 +279,17 @@ def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
     points = ((1, 64), (4, 64), (4, 64, True)) if quick else a.points or DECODE_POINTS
     new_tokens = 4 if quick else a.new_tokens
     rounds = 1 if quick else a.rounds
-    rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES, _sampling(a))
+    sampling = _sampling(a)
+    rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES, sampling)
     notes = (
         "n completions of one prompt (its KV shared by every engine), or, where 'prompts' is n, n distinct "
-        f"prompts of that length, one completion each; {_sampling_words(_sampling(a))}. Decode-only "
+        f"prompts of that length, one completion each; {_sampling_words(sampling)}. Decode-only "
         f"rate n (T - 1) / (t(T) - t(1)); best of {rounds} alternating rounds. 'vs llama.cpp' divides the "
         "two best rates; 'paired' is the median over rounds of the ratio within a round (the engines run "
         "back to back in each round)." + _skipped_peer(a.model, rows)
     )
     extra = {"points": points, "new_tokens": new_tokens, "engines": _engines_run(rows)}
-    return rows, {**extra, "sampling": _sampling(a)}, notes
+    return rows, {**extra, "sampling": sampling}, notes
 
 
 def _engines_run(rows: list[dict]) -> list[str]:
@@ -312,10 +313,16 @@ def _sampling(a: argparse.Namespace) -> dict:
     return {k: v for k, v in settings.items() if v != {"top_p": 1.0, "top_k": 0, "min_p": 0.0}.get(k)}
 
 
-def _sampling_words(sampling: dict) -> str:
+def _settings(sampling: dict) -> str | None:
+    """'temperature 0.8, top_p 0.95' for sampled settings, None for greedy ones."""
     if sampling.get("temperature", 1.0) == 0:
+        return None
+    return ", ".join(f"{k} {v:g}" for k, v in sampling.items())
+
+
+def _sampling_words(sampling: dict) -> str:
+    if (words := _settings(sampling)) is None:
         return "both engines pick greedily"
-    words = ", ".join(f"{k} {v:g}" for k, v in sampling.items())
     return (f"both engines sample at {words} (llama.cpp through its sampler chain, one draw per sequence and "
             "step, as its batched example)")  # fmt: skip
 
@@ -336,22 +343,19 @@ def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
     points = ((1, 256), (16, 256))
     new_tokens = 4 if quick else a.real_tokens
     rows = []
-    for spec in _specs(a.real_size):
+    sampling, engines, specs = _sampling(a), a.engines or REAL_MODES, _specs(a.real_size)
+    for spec in specs:
         rounds = 1 if quick else a.rounds
-        engines = a.engines or REAL_MODES
-        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, engines, _sampling(a)):
+        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, engines, sampling):
             rows.append({"model": spec, **row})
     notes = (
         "Random-weights GGUFs (model/gguf_write.py: llama-quantize's type mix), the same file for both "
-        f"engines; one 256-token prompt, n completions, as the decode table; {_sampling_words(_sampling(a))}."
+        f"engines; one 256-token prompt, n completions, as the decode table; {_sampling_words(sampling)}."
     )
-    if rows and not any(r["mode"] == "llamacpp" for r in rows):
-        from hydragen.bench import llamacpp_peer
-
-        why = llamacpp_peer.unavailable(_real_file(_specs(a.real_size)[0]), False)
-        notes += f" llama.cpp did not run here ({why or 'not asked for'}): 'vs llama.cpp' is n/a."
+    if rows:
+        notes += _skipped_peer(_real_file(specs[0]), rows)
     extra = {"points": points, "new_tokens": new_tokens, "engines": _engines_run(rows)}
-    return rows, {**extra, "sampling": _sampling(a)}, notes
+    return rows, {**extra, "sampling": sampling}, notes
 
 
 REAL_MODES = ("hydragen", "hydragen-kv32", "hydragen-int8", "llamacpp")
@@ -515,9 +519,8 @@ def _plot_words(run: dict) -> str:
     sampling = run.get("params", {}).get("sampling")
     if sampling is None:
         return "llama.cpp greedy"
-    if sampling.get("temperature", 1.0) == 0:
-        return "both greedy"
-    return "both at " + ", ".join(f"{k} {v:g}" for k, v in sampling.items())
+    words = _settings(sampling)
+    return "both greedy" if words is None else f"both at {words}"
 
 
 def _points(text: str) -> tuple[tuple, ...]:
