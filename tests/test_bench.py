@@ -14,6 +14,7 @@ from hydragen.bench.e2e import main as e2e_main
 from hydragen.bench.e2e import run as run_e2e
 from hydragen.bench.tree import kv_tokens_needed, tree_prompts
 from hydragen.bench.tree import run as run_tree
+from tests.sampling_helpers import reference
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -282,21 +283,6 @@ def test_llamacpp_peer_samples_from_hydragens_distribution(settings, stages):
     assert [c[2] for c in added] == [f"llama_sampler_{s[0]}" for s in stages]  # each stage, in order
 
 
-def _kept_by_definition(logits: list[float], temperature=1.0, min_p=0.0, top_k=0, top_p=1.0) -> list[int]:
-    """The tokens hydragen's distribution keeps (engine/truncation.py's definition, in float64): min_p on the
-    tempered probabilities, then top_k, then top_p over the mass of what those kept."""
-    import numpy as np
-
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    keep = p >= min_p * p.max()
-    if top_k:
-        keep &= p >= np.sort(p[keep])[::-1][min(top_k, keep.sum()) - 1]
-    mass = p[keep].sum()
-    return [i for i in np.flatnonzero(keep) if p[keep][p[keep] > p[i]].sum() < top_p * mass]
-
-
 @pytest.mark.parametrize(
     "probs, settings",
     [
@@ -327,7 +313,9 @@ def test_llamacpp_peers_chain_keeps_the_tokens_hydragen_keeps(probs, settings):
     L.llama_sampler_apply(chain, ctypes.byref(cur))
     kept = sorted(row[i].id for i in range(cur.size))
     L.llama_sampler_free(chain)
-    assert kept == _kept_by_definition(logits, **settings)
+    defined = reference(torch.tensor(logits), settings["temperature"], settings.get("top_k", 0),
+                        settings.get("top_p", 1.0), settings.get("min_p", 0.0))  # fmt: skip
+    assert kept == torch.nonzero(defined).flatten().tolist()
 
 
 def test_llamacpp_peer_draws_each_sequence_on_its_own():
