@@ -446,3 +446,71 @@ def test_a_row_of_nan_logits_fails_alone_and_says_why(temperature):
         alone = sampler(logits[i : i + 1], *(a[i : i + 1] for a in args), *flags)
         assert tokens[i] == alone[0]
     assert tokens[2] >= 40
+
+
+def test_a_sample_readmitted_mid_extend_leaves_no_page_that_nobody_writes(path):
+    """Both samples of a request are forced through the same text; pages run short and the newer sample goes
+    back to the queue. Re-admitted, it publishes the text's pages to the prefix cache before computing them
+    (in flight: others wait for them) and computes them a chunk at a time beside its sibling. Once both
+    stood at the same position it followed its sibling and forked from it, dropping its pages in flight:
+    a later request through that text then held them and waited forever, holding its pages."""
+    llm = LLM(path, kv_cache_tokens=4096, page_size=1)
+    engine = llm.engine
+    engine.scheduler.prefill_chunk, engine.scheduler.prefill_budget = 4, 8  # the text takes two chunks
+    a = engine.add_request([5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    for s in a.seqs:
+        engine.extend(a.request_id, s.index, [40, 41, 42, 43, 44, 45])
+    engine.scheduler.preempt(a.seqs[1])  # what the scheduler does when a running sequence cannot grow
+    engine.step()
+    engine.step()
+    engine.kv.check([s.kv for s in engine.scheduler.running])  # every page in flight has one writer
+    later = a.seqs[0].context[:10] + [60]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    b = engine.add_request(later, greedy)
+    outs = run_all(engine, max_steps=200)
+    ref = LLM(path, kv_cache_tokens=4096, prefix_sharing=False).generate([later], greedy, use_tqdm=False)
+    assert tokens(outs, b.request_id) == [ref[0].outputs[0].token_ids]
+    assert_no_leak(engine)
+
+
+class InterruptedModel:
+    """The model, raising ``error`` from its forward while ``armed`` (Ctrl-C in a notebook, a fault)."""
+
+    def __init__(self, real, error: BaseException, when=lambda ids: True):
+        self.real, self.error, self.when, self.armed = real, error, when, True
+
+    def __call__(self, ids, pos, attend, **options):
+        if self.armed and self.when(ids):
+            raise self.error
+        return self.real(ids, pos, attend, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("injected fault of every request")])
+def test_a_step_that_raises_before_its_commit_gives_every_page_back(path, error):
+    """Ctrl-C inside ``LLM.generate`` (a notebook), or every request of a step failing alone (then the engine
+    itself is taken to be broken and the step raises): the step that prefills the prompts and forks their
+    samples raises before its commit. The pages it reserved for the forks belonged to no page table and
+    leaked for good (``reset_prefix_cache`` could not get them back). Now they go back, the interrupted
+    requests are aborted, and the next call runs as on a fresh engine."""
+    llm = LLM(path, kv_cache_tokens=4096)
+    engine = llm.engine
+    faulty = InterruptedModel(engine.model, error)
+    engine.model = faulty
+    params = SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15]]  # two requests: each fails alone, too
+    with pytest.raises(type(error)):
+        llm.generate(prompts, params, use_tqdm=False)
+    engine.kv.check([s.kv for s in engine.scheduler.running])
+    assert not engine.has_unfinished()
+    engine.reset_prefix_cache()
+    assert engine.pool.free_pages == engine.pool.num_pages  # nothing held by a table that is gone
+    faulty.armed = False
+    again = llm.generate(prompts, params, use_tqdm=False)
+    ref = LLM(path, kv_cache_tokens=4096).generate(prompts, params, use_tqdm=False)
+    as_tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+    assert as_tokens(again) == as_tokens(ref)
+    assert_no_leak(engine)

@@ -296,15 +296,23 @@ class Engine:
         if self.ended:
             done += self._release_ended(self.ended)
             self.ended = []
-        plan = self.scheduler.schedule()
-        self.last_plan = plan
-        self._count_admissions()
-        for s, e in self.scheduler.failures:
-            self.fail(s.request, failure_message("scheduling", e))
+        try:
+            plan = self.scheduler.schedule()
+            self.last_plan = plan
+            self._count_admissions()
+            for s, e in self.scheduler.failures:
+                self.fail(s.request, failure_message("scheduling", e))
+            logits = None
+            if not plan.empty:
+                logits = self._forward(plan)
+                plan = self.last_plan  # without the requests the forward failed
+                self.scheduler.commit(plan)
+        except BaseException:  # Ctrl-C, or every request failing alone: the plan is never committed, so
+            self.scheduler.abandon()  # the pages reserved for its forks go back (its tables stay consistent)
+            self.kv.flush_events()  # admission may have published pages: a router hears of them now
+            self.snapshot = EngineSnapshot.of(self)
+            raise
         if not plan.empty:
-            logits = self._forward(plan)
-            plan = self.last_plan  # without the requests the forward failed
-            self.scheduler.commit(plan)
             for s, e in self.scheduler.failures:  # a fork that could not copy its leader's KV
                 self.fail(s.request, failure_message("fork", e))
             if plan.samplers and logits is not None:

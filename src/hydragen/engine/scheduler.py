@@ -79,6 +79,9 @@ class Scheduler:
         # (sequence, prompt tokens found cached; None for a fork: what its leader found) admitted this step
         self.admitted: list[tuple[Sequence, int | None]] = []
         self.failures: list[tuple[Sequence, Exception]] = []  # sequences the engine must fail
+        # Forks planned and not carried out yet: their reserved pages belong to the scheduler until commit
+        # hands them to the fork's table, or ``abandon`` gives them back (a step that raised before commit).
+        self._open_forks: dict[Fork, None] = {}
 
     @property
     def page_size(self) -> int:
@@ -125,6 +128,7 @@ class Scheduler:
         self._admit(work, forks)
         live = lambda s: s.sched.status is Status.RUNNING  # noqa: E731  (a failure may have ended some)
         work = [w for w in work if live(w.seq)]
+        self.abandon([f for f in forks if not (live(f.seq) and live(f.leader))])
         forks = [f for f in forks if live(f.seq) and live(f.leader)]
         ordered = order(work, self.page_size)
         shared, cuts = (
@@ -143,6 +147,7 @@ class Scheduler:
                 kv.mark_computed(t, before)
         self.failures = []
         for f in plan.forks:
+            self._open_forks.pop(f, None)
             try:
                 kv.fork(f.seq.kv, f.leader.kv, f.leader.kv.computed, f.shared_pages, list(f.reserved))
             except Exception as e:  # noqa: BLE001  the forked sequence's request fails alone
@@ -208,10 +213,20 @@ class Scheduler:
         self.failures.append((s, error))
         self.remove([x for x in s.request.seqs if x.sched.status is not Status.DONE])
 
-    def abandon(self, forks: list[Fork]) -> None:
-        """Forks that will not happen (their request failed in the forward): give back reserved pages."""
-        for f in forks:
+    def abandon(self, forks: list[Fork] | None = None) -> None:
+        """Forks that will not be carried out (their request failed, or the step raised before its commit;
+        None: every fork not carried out yet): their reserved pages go back, and a sample that was to start
+        by its fork goes back to the front of the queue."""
+        for f in list(self._open_forks) if forks is None else forks:
+            if self._open_forks.pop(f, False) is False:
+                continue  # carried out or given back already
             self.kv.give_back(list(f.reserved))
+            s = f.seq
+            if s.sched.status is Status.RUNNING and not s.kv.pages:  # started by this fork: holds nothing
+                self.running.remove(s)
+                s.sched.status = Status.WAITING
+                s.sched.arrival_step = self.step_count - self.max_wait_steps
+                self.waiting.appendleft(s)
 
     # ---- siblings that share one context --------------------------------------------------------------
     def _sibling_extends(self) -> dict[int, Sequence]:
@@ -224,7 +239,9 @@ class Scheduler:
             if s.pending > 1 and s.generated and s.computed >= len(s.prompt_ids):
                 key = (id(s.request), s.computed, tuple(s.generated))
                 groups.setdefault(key, []).append(s)
-        return {id(f): g[0] for g in groups.values() if len(g) > 1 for f in g[1:]}
+        # A sample still writing pages it published in flight (re-admitted mid-extend) computes its own text:
+        # a fork would drop those pages, and whoever waits on them would wait for good.
+        return {id(f): g[0] for g in groups.values() for f in g[1:] if not self.kv.in_flight(f.kv)}
 
     def _group_followers(self, followers: dict[int, Sequence], work: list[Work]):
         """(leader, followers) for the leaders whose work this step reaches the end of their context; the
@@ -253,7 +270,9 @@ class Scheduler:
             reserved = tuple(self.kv.pool.take(need)) if need else ()
             if s.sched.status is not Status.RUNNING:
                 self._start(s)
-            out.append(Fork(s, leader, shared, reserved))
+            fork = Fork(s, leader, shared, reserved)
+            self._open_forks[fork] = None
+            out.append(fork)
         return out
 
     # ---- admission ------------------------------------------------------------------------------------

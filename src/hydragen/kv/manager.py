@@ -136,10 +136,15 @@ class KVManager:
         for i in range(before // self.page_size, min(table.published, table.computed // self.page_size)):
             nodes[table.pages[i]].computed = True
 
+    def in_flight(self, table: PageTable) -> list[int]:
+        """Pages ``table`` published to the tree before computing them: it is their only writer, and whoever
+        matched them waits for it."""
+        return table.pages[max(table.computed // self.page_size, table.own_from) : table.published]
+
     def dependents(self, table: PageTable, others: list[PageTable]) -> list[int]:
         """Indices of ``others`` waiting on a page ``table`` published but has not computed yet."""
         ps = self.page_size
-        mine = set(table.pages[max(table.computed // ps, table.own_from) : table.published])
+        mine = set(self.in_flight(table))
         if not mine:
             return []
         return [
@@ -208,8 +213,11 @@ class KVManager:
     def fork(self, dst: PageTable, src: PageTable, upto: int, shared_pages: int, reserved: list[int]) -> None:
         """Make ``dst`` hold ``src``'s KV for positions [0, upto): its first ``shared_pages`` pages shared
         with ``src``, the rest copied into ``reserved`` (pages the scheduler took for it, held once). What
-        ``dst`` held before is released."""
+        ``dst`` held before is released; it must not be writing pages in flight (their waiters would wait on
+        a page nobody writes: the scheduler never forks such a table)."""
         ps = self.page_size
+        if self.in_flight(dst):
+            raise RuntimeError("a fork would drop pages in flight that its table still has to compute")
         end = self.pages_for(upto)
         if len(reserved) != end - shared_pages:
             raise RuntimeError(f"fork needs {end - shared_pages} reserved pages, got {len(reserved)}")
@@ -258,3 +266,20 @@ class KVManager:
         assert self.idle == sum(1 for p in tree.nodes if not holders[p]), "idle count is off"
         for node in tree.nodes.values():
             assert node.parent.children.get(node.key) is node
+        self._check_writers(tables)
+
+    def _check_writers(self, tables: list[PageTable]) -> None:
+        """Every page in flight (in the tree, not computed) has exactly one live writer: the table that
+        published it and computes it. Everyone else holding it waits for that writer, so a page in flight
+        without one would keep its waiters waiting forever."""
+        writers: dict[int, int] = {}
+        for t in tables:
+            for p in self.in_flight(t):
+                writers[p] = writers.get(p, 0) + 1
+        for page in writers:
+            assert not self.tree.nodes[page].computed, f"page {page} is computed but its writer is not done"
+        for page, node in self.tree.nodes.items():
+            if not node.computed:
+                assert writers.get(page, 0) == 1, (
+                    f"page {page} (depth {node.depth}) is in flight with {writers.get(page, 0)} writers"
+                )
