@@ -4,7 +4,12 @@ The fake model's next token depends only on the context (``next_token``), so eve
 advance and exact whatever the batching, preemption or eviction. Its page pool keeps, instead of K/V
 tensors, which (position, token) each slot holds; every forward first checks that each work item's
 context is really there, in the pages the plan names, before "writing" the item's own tokens. A plan
-that refers to an evicted, moved or never-computed page fails that check.
+that refers to an evicted, moved or never-computed page fails that check. It also packs the plan with the
+real packing and checks what the step's attention would read: every token sees exactly the slots of its
+own context, each once, through the shared runs and cuts the plan chose.
+
+Faults can be injected: forwards that fail for given requests, a fork's KV copy that fails, a step that
+raises before its commit (Ctrl-C, or every request of the step failing alone).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from hydragen.engine.engine import Engine
+from hydragen.engine.packing import pack
 from hydragen.engine.step_plan import StepPlan
 from hydragen.kv.pool import PagePool
 
@@ -36,8 +42,14 @@ class FakePool(PagePool):
     def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
         super().__init__(1, num_pages, page_size, 1, 1, torch.float32, "cpu")  # tensors of one float a slot
         self.content: list[tuple[int, int] | None] = [None] * (num_pages * page_size)
+        self.fail_copies = 0  # the next that many copies (a fork taking its leader's partial page) raise
+        self.failed_copies = 0
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.fail_copies:
+            self.fail_copies -= 1
+            self.failed_copies += 1
+            raise RuntimeError("injected copy failure")
         for d, s in zip(dst.tolist(), src.tolist(), strict=True):
             self.content[d] = self.content[s]
 
@@ -48,6 +60,8 @@ class FakeRunner:
     def __init__(self, pool: FakePool):
         self.pool = pool
         self.fail_requests: set[str] = set()  # forwards that include these requests raise
+        self.raise_next: str | None = None  # "interrupt": the next forward raises KeyboardInterrupt;
+        # "every request": every forward raises until the engine's step has raised (``step_raised``)
         self.forwards = 0
         self.violations: list[str] = []  # kept even when the engine treats the raise as a failed forward
 
@@ -61,12 +75,23 @@ class FakeRunner:
             self.violations.append(str(e))
             raise
 
+    def step_raised(self) -> None:
+        """The engine's step raised: an injected step failure is over."""
+        self.raise_next = None
+
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:
         self.forwards += 1
         pool, ps = self.pool, self.pool.page_size
+        if self.raise_next == "interrupt":
+            self.raise_next = None
+            raise KeyboardInterrupt
+        if self.raise_next == "every request":
+            raise RuntimeError("injected step failure")
         bad = [w for w in plan.work if w.seq.request.request_id in self.fail_requests]
         if bad:
             raise RuntimeError(f"injected forward failure for request {bad[0].seq.request.request_id}")
+        check_shared_runs(plan, ps)
+        check_reads(plan, ps)
         written = set()
         for w in plan.work:
             t = w.seq.kv
@@ -103,6 +128,54 @@ class FakeRunner:
 
     def sample(self, logits: torch.Tensor, seqs, top=None):
         return logits.argmax(-1), None, {}
+
+
+def check_shared_runs(plan: StepPlan, page_size: int) -> None:
+    """The plan's shared runs name pages that every item of their range holds, at the same place, and that
+    hold only context computed before this step; each item's cut is exactly the pages its runs cover."""
+    covered: list[list[tuple[int, int]]] = [[] for _ in plan.work]
+    for r in plan.shared:
+        if not (0 <= r.lo < r.hi <= len(plan.work) and r.hi - r.lo >= 2 and 0 <= r.page_lo < r.page_hi):
+            raise PlanViolation(f"malformed shared run {r}")
+        first = plan.work[r.lo].pages[r.page_lo : r.page_hi]
+        for i in range(r.lo, r.hi):
+            w = plan.work[i]
+            if w.pages[r.page_lo : r.page_hi] != first or r.page_hi * page_size > w.start:
+                raise PlanViolation(f"shared run {r}: item {i} does not hold those pages as computed context")
+            covered[i].append((r.page_lo, r.page_hi))
+    cuts = plan.cuts or (0,) * len(plan.work)
+    for i, spans in enumerate(covered):
+        spans.sort()
+        edge = 0
+        for lo, hi in spans:  # the runs over an item tile [0, cut): nested levels, no gap, no overlap
+            if lo != edge:
+                raise PlanViolation(f"item {i}: its shared runs {spans} leave a gap or overlap")
+            edge = hi
+        if edge != cuts[i]:
+            raise PlanViolation(f"item {i}: cut {cuts[i]} but its shared runs cover {edge} pages")
+
+
+def check_reads(plan: StepPlan, page_size: int) -> None:
+    """Pack ``plan`` as the model runner does and check what the attention reads: each token of each item
+    sees exactly the slots of context positions [0, its position] in the item's pages, each once."""
+    batch, starts = pack(plan, page_size, "cpu")
+    meta = batch.meta
+    seen: list[list[int]] = [[] for _ in range(meta.num_tokens)]
+    for kv_lo, kv_hi, tok_lo, tok_hi, causal in meta.unit_list:
+        for t in range(tok_lo, tok_hi):
+            seen[t] += range(kv_lo, min(kv_hi, kv_lo + t - tok_lo + 1) if causal else kv_hi)
+    for tok_lo, tok_hi, runs, visible in meta.segment_list:
+        slots = [x for lo, hi in runs for x in range(lo, hi)]
+        for t in range(tok_lo, tok_hi):
+            seen[t] += slots[: visible + t - tok_lo]
+    for w, t0 in zip(plan.work, starts, strict=True):
+        for j, p in enumerate(range(w.start, w.end)):
+            want = sorted(w.pages[q // page_size] * page_size + q % page_size for q in range(p + 1))
+            if sorted(seen[t0 + j]) != want:
+                raise PlanViolation(
+                    f"seq {w.seq.request.request_id}/{w.seq.index}: position {p} reads slots "
+                    f"{sorted(seen[t0 + j])} instead of its context's {want}"
+                )
 
 
 class FakeParallel:
@@ -145,7 +218,10 @@ def expected_output(
     out: list[int] = []
     while len(out) < max_tokens:
         if len(out) in forced:
-            out += forced[len(out)]
+            for t in forced[len(out)]:  # forced text is checked token by token: an EOS in it ends it there
+                out.append(t)
+                if t == EOS and not ignore_eos:
+                    return out
             continue
         t = next_token(prompt + out)
         out.append(t)

@@ -1,11 +1,16 @@
 """A randomized stateful test of the scheduler and KV manager, through the real engine with a fake model
-(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), forced extends,
-aborts and injected forward failures, on page sizes 1, 4 and 16 and pools from a few pages up.
+(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), forced extends of
+one sample or of every sample of a request alike (the text may hold EOS), aborts, and injected faults: a
+request whose forward fails, a fork whose KV copy fails, a step that raises before its commit (Ctrl-C, or
+every request failing alone; then everything is aborted, as ``LLM.generate`` and the server do, or the
+engine goes on), on page sizes 1, 4 and 16, pools from a few pages up and seat limits from 1.
 
 After every step: every page is free, cached or held, and its refcount equals the page tables holding it;
-every plan's context was really in the pages it named (checked by the fake runner at forward time); every
-running request makes progress within a bounded number of steps. At the end: every request finished with
-exactly the tokens the fake model gives, and nothing leaked.
+every page in flight has exactly one live writer; every plan's context was really in the pages it named,
+its shared runs and cuts agree with the page tables, and the packed step's attention reads exactly each
+token's context (checked by the fake runner at forward time); every running request makes progress within
+a bounded number of steps. At the end: every request finished with exactly the tokens the fake model gives,
+or with the error of a fault injected into it, and nothing leaked.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from fake_engine import EOS, VOCAB, PlanViolation, all_tables, expected_output, fake_engine
+from fake_engine import EOS, VOCAB, PlanViolation, all_tables, check_reads, expected_output, fake_engine
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -21,7 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hydragen import SamplingParams
 from hydragen.dp.kv_events import to_wire
 from hydragen.dp.router import ReplicaState
-from hydragen.engine.step_plan import StepPlan, Work
+from hydragen.engine.sequence import Status
+from hydragen.engine.step_plan import SharedRun, StepPlan, Work
 from hydragen.kv.page_hash import page_hash
 
 BASES = [
@@ -29,18 +35,26 @@ BASES = [
     [30, 31, 32, 33, 34, 35, 36],
 ]
 STALL_LIMIT = 64  # steps a running request may go without computing anything
-RUN = dict.fromkeys(["examples", "steps", "preemptions", "forks", "extends", "aborts", "failed"], 0)
+RUN = dict.fromkeys(
+    [
+        "examples", "steps", "preemptions", "forks", "sibling-extend forks", "failed fork copies",
+        "raised steps", "extends", "extends of every sample", "aborts", "failed",
+    ],
+    0,
+)  # fmt: skip
+INJECTED = ("injected forward failure", "injected copy failure", "injected step failure")
 
 
 class EngineMachine(RuleBasedStateMachine):
     @initialize(
-        page_size=st.sampled_from([1, 4, 16]),
+        page_size=st.sampled_from([1, 4, 16, 1, 4]),  # small pages: more page boundaries per token
         pages=st.integers(3, 48),
-        sharing=st.booleans(),
+        sharing=st.sampled_from([True, True, True, False]),
         min_shared_reads=st.sampled_from([0, 2048]),
-        chunk=st.sampled_from([4, 16, 512]),
+        chunk=st.sampled_from([2, 4, 16, 512]),
+        seats=st.sampled_from([1, 2, 3, 256]),
     )
-    def setup(self, page_size, pages, sharing, min_shared_reads, chunk):
+    def setup(self, page_size, pages, sharing, min_shared_reads, chunk, seats):
         self.engine = fake_engine(
             pages,
             page_size,
@@ -49,6 +63,7 @@ class EngineMachine(RuleBasedStateMachine):
             prefill_chunk=chunk,
             prefill_budget=max(chunk, 8),
             max_wait_steps=8,
+            max_num_seqs=seats,
         )
         self.mirror = ReplicaState(approx_capacity=1)  # a router's view, built from KV events alone
         self.engine.publish_kv_events(
@@ -58,17 +73,21 @@ class EngineMachine(RuleBasedStateMachine):
         self.outputs = {}
         self.stalled = {}
         self.steps = 0
+        self.abort_after_raise = False
 
     # ---- rules -------------------------------------------------------------------------------------
     @rule(
         base=st.sampled_from(range(len(BASES))),
         cut=st.integers(0, 20),
         suffix=st.lists(st.integers(1, VOCAB - 1), max_size=12),
-        n=st.integers(1, 3),
+        n=st.integers(1, 4),
         max_tokens=st.integers(1, 24),
         ignore_eos=st.booleans(),
+        settle=st.booleans(),
     )
-    def add(self, base, cut, suffix, n, max_tokens, ignore_eos):
+    def add(self, base, cut, suffix, n, max_tokens, ignore_eos, settle):
+        """A request; ``settle`` steps until each of its samples has a token (or a bound of steps), so that
+        later rules find its samples decoding side by side."""
         prompt = BASES[base][:cut] + suffix
         if not prompt:
             prompt = [5]
@@ -78,17 +97,46 @@ class EngineMachine(RuleBasedStateMachine):
         except ValueError:
             return  # too big for this pool: refused up front, as it must be
         self.requests[req.request_id] = (prompt, params, [{} for _ in range(n)], req)
+        for _ in range(32 if settle else 0):
+            if all(s.generated or s.finished for s in req.seqs) or not self.engine.has_unfinished():
+                break
+            self.step(1)
 
     @precondition(lambda self: self.engine.has_unfinished())
-    @rule()
-    def step(self):
-        before = {id(s): (s.kv.computed, len(s.generated)) for s in self.engine.scheduler.running}
-        for out in self.engine.step():
+    @rule(steps=st.integers(1, 6))
+    def step(self, steps):
+        """A few engine steps, every invariant checked after each."""
+        for _ in range(steps):
+            if not self.engine.has_unfinished():
+                break
+            self._step()
+            self.pages_are_accounted_for()
+
+    def _step(self):
+        running = self.engine.scheduler.running
+        before = {id(s): (s.kv.computed, len(s.generated)) for s in running}
+        runner, injected = self.engine.runner, self.engine.runner.raise_next
+        try:
+            outs = self.engine.step()
+        except (KeyboardInterrupt, RuntimeError) as e:
+            if injected is None or (isinstance(e, RuntimeError) and "injected step failure" not in str(e)):
+                raise
+            runner.raise_next = None
+            RUN["raised steps"] += 1
+            self.stalled.clear()
+            if self.abort_after_raise:  # what LLM.generate's loop and the server do with a raised step
+                for rid in [r for r in self.requests if r in self.engine.requests]:
+                    self.engine.abort(rid)
+                    self.outputs[rid] = None
+            return
+        runner.raise_next = None  # "every request" with one request in the step: it failed alone
+        for out in outs:
             self.outputs[out.request_id] = out
         self.steps += 1
         RUN["steps"] += 1
         plan = self.engine.last_plan
         RUN["forks"] += len(plan.forks)
+        RUN["sibling-extend forks"] += sum(1 for f in plan.forks if id(f.seq) in before)
         moved = {id(w.seq) for w in plan.work} | {id(f.seq) for f in plan.forks}
         for s in self.engine.scheduler.running:
             if id(s) in moved or before.get(id(s)) != (s.kv.computed, len(s.generated)):
@@ -106,31 +154,74 @@ class EngineMachine(RuleBasedStateMachine):
             self.outputs[rid] = None
             RUN["aborts"] += 1
 
-    @rule(data=st.data(), tokens=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=20))
-    def extend(self, data, tokens):
-        cands = [
-            (rid, s)
-            for rid, (_, params, _, req) in self.requests.items()
-            if rid in self.engine.requests
-            for s in req.seqs
-            if not s.finished and s.generated and len(s.generated) + len(tokens) < params.max_tokens
-        ]
-        if not cands:
-            return
-        rid, s = data.draw(st.sampled_from(cands))
-        forced = self.requests[rid][2][s.index]
-        forced[len(s.generated)] = list(tokens)
-        self.engine.extend(rid, s.index, tokens)
-        RUN["extends"] += 1
+    def _extendable(self) -> list[tuple[str, list]]:
+        """(request id, its samples that can take forced text now), for live requests that have some."""
+        out = []
+        for rid, (_, _, _, req) in self.requests.items():
+            if rid in self.engine.requests:
+                seqs = [s for s in req.seqs if not s.finished and s.generated]
+                if seqs:
+                    out.append((rid, seqs))
+        return out
 
+    @precondition(lambda self: self._extendable())
+    @rule(
+        data=st.data(),
+        every_sample=st.booleans(),
+        tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+        then_preempt=st.booleans(),
+    )
+    def extend(self, data, every_sample, tokens, then_preempt):
+        """Forced text (jump-forward, ``Engine.extend``; it may hold EOS) for one sample, or the same text
+        for every sample of a request, as jump-forward through a grammar's fixed text does: the samples
+        that share a context then follow the oldest one and fork from it. ``then_preempt``: pages run
+        short right then, and the newest of those samples goes back to the queue (re-admitted with the
+        text pending, it publishes the text's pages in flight)."""
+        rid, seqs = data.draw(st.sampled_from(self._extendable()))
+        _, params, forced, _ = self.requests[rid]
+        if not every_sample:
+            seqs = [data.draw(st.sampled_from(seqs))]
+        for s in seqs:
+            if len(s.generated) + len(tokens) < params.max_tokens:
+                forced[s.index][len(s.generated)] = list(tokens)
+                self.engine.extend(rid, s.index, tokens)
+                RUN["extends"] += 1
+        RUN["extends of every sample"] += every_sample and len(seqs) > 1
+        running = [s for s in seqs if s.sched.status is Status.RUNNING]
+        if then_preempt and running:
+            self._preempt(max(running, key=lambda s: s.sched.admitted))
+
+    @precondition(lambda self: self.engine.scheduler.running)
     @rule(data=st.data())
-    def fail_a_forward(self, data):
-        """Every forward that includes this request raises from now on (one such request at a time)."""
-        injected = self.engine.runner.fail_requests
-        injected &= set(self.engine.requests)
-        running = sorted({s.request.request_id for s in self.engine.scheduler.running})
-        if running and not injected:
-            injected.add(data.draw(st.sampled_from(running)))
+    def preempt(self, data):
+        """Pages run short before the next step: the scheduler sends a running sequence back to the queue
+        (its policy picks the newest; the mechanism must hold for any)."""
+        self._preempt(data.draw(st.sampled_from(self.engine.scheduler.running)))
+
+    def _preempt(self, s) -> None:
+        self.engine.scheduler.preempt(s)
+        self.engine.kv.flush_events()  # as the step that preempts it does at its end
+
+    @rule(
+        data=st.data(),
+        fault=st.sampled_from(["forward", "fork copy", "interrupt", "every request"]),
+        abort_after=st.booleans(),
+    )
+    def inject(self, data, fault, abort_after):
+        """A fault: every forward that includes a running request raises from now on (one such request at a
+        time); the next copy of a leader's partial page into a fork's page raises; the next step raises
+        between its plan and its commit (Ctrl-C in the forward, or every request of the step failing
+        alone: one request alone just fails), after which everything is aborted or the engine goes on."""
+        runner = self.engine.runner
+        if fault == "fork copy":
+            runner.pool.fail_copies = 1
+        elif fault == "forward":
+            runner.fail_requests &= set(self.engine.requests)
+            running = sorted({s.request.request_id for s in self.engine.scheduler.running})
+            if running and not runner.fail_requests:
+                runner.fail_requests.add(data.draw(st.sampled_from(running)))
+        else:
+            runner.raise_next, self.abort_after_raise = fault, abort_after
 
     # ---- invariants --------------------------------------------------------------------------------
     @invariant()
@@ -151,7 +242,12 @@ class EngineMachine(RuleBasedStateMachine):
             return
         eng = self.engine
         eng.runner.fail_requests.clear()
-        for _ in range(2000):
+        eng.runner.raise_next = None
+        eng.runner.pool.fail_copies = 0
+        # Enough steps for every sequence to run alone (a seat limit of 1 runs them one at a time), with
+        # every token a step of its own: more means a request never finished.
+        bound = 100 + sum(p.n * (len(prompt) + p.max_tokens) for prompt, p, _, _ in self.requests.values())
+        for _ in range(bound):
             if not eng.has_unfinished():
                 break
             for out in eng.step():
@@ -161,6 +257,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not eng.has_unfinished(), "requests never finished"
         RUN["examples"] += 1
         RUN["preemptions"] += eng.stats.preemptions
+        RUN["failed fork copies"] += eng.runner.pool.failed_copies
         eng.kv.check([])
         usage = eng.kv_usage()
         assert usage["used"] == usage["cached"], usage
@@ -169,7 +266,7 @@ class EngineMachine(RuleBasedStateMachine):
             if out is None:
                 continue  # aborted, or refused
             if out.error:
-                assert "injected forward failure" in out.error, out.error
+                assert any(why in out.error for why in INJECTED), out.error
                 RUN["failed"] += 1
                 continue
             for c in out.outputs:
@@ -203,12 +300,34 @@ def test_plan_violations_are_caught():
         eng.runner.forward(StepPlan((decode,)))
 
 
+def test_shared_runs_and_reads_that_disagree_with_the_tables_are_caught():
+    """The fake runner's checks of what a step reads: a shared run over pages one of its items does not hold,
+    a cut its runs do not cover, and a packing that reads a slot twice are each a violation."""
+    eng = fake_engine(16, 4)
+    eng.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(n=2, max_tokens=4, temperature=0))
+    eng.step()
+    eng.step()
+    a, b = eng.scheduler.running
+    work = tuple(Work(s, tuple(s.kv.pages), s.kv.computed, (s.generated[-1],), True) for s in (a, b))
+    assert a.kv.pages[:2] == b.kv.pages[:2] and a.kv.pages[2] != b.kv.pages[2]
+    eng.runner.forward(StepPlan(work, (), (SharedRun(0, 2, 0, 2),), (2, 2)))  # what they share: fine
+    for shared, cuts, why in [
+        ((SharedRun(0, 3, 0, 2),), (3, 3), "does not hold"),  # page 2 differs
+        ((SharedRun(0, 2, 0, 2),), (2, 1), "cut 1"),
+        ((SharedRun(0, 2, 0, 2), SharedRun(1, 2, 0, 2)), (2, 2), "gap or overlap"),
+    ]:
+        with pytest.raises(PlanViolation, match=why):
+            eng.runner.forward(StepPlan(work, (), shared, cuts))
+    with pytest.raises(PlanViolation, match="instead of its context"):  # the packed step's own check
+        check_reads(StepPlan(work, (), (), (2, 2)), 4)  # cuts without runs: pages 0-1 are never read
+
+
 def test_the_random_run_was_long():
     """Runs after the state machine (file order): it covered thousands of engine steps, with preemptions
     and forks among them."""
     print(f"\nstateful run: {RUN}")
     assert RUN["examples"] >= 100 and RUN["steps"] >= 2000, RUN
-    assert all(RUN[k] > 0 for k in ("preemptions", "forks", "extends", "aborts", "failed")), RUN
+    assert all(RUN.values()), RUN
 
 
 class _Draws:
@@ -219,8 +338,10 @@ class _Draws:
 
     def draw(self, _strategy):
         value = self.values.pop(0)
-        if isinstance(value, tuple):  # (request id, sample index): that sequence
-            return value[0], self.machine.requests[value[0]][3].seqs[value[1]]
+        if isinstance(value, tuple):  # (request id, sample index): that request's live samples, then that one
+            rid, index = value
+            self.values.insert(0, self.machine.requests[rid][3].seqs[index])
+            return rid, [s for s in self.machine.requests[rid][3].seqs if not s.finished and s.generated]
         return value
 
 
@@ -229,32 +350,45 @@ def test_found_a_failed_request_whose_sample_was_sent_back_to_the_queue():
     pages the other is computing. Releasing the leader preempted the follower into the queue, where it was
     admitted again and ran forever for a request that had ended."""
     m = EngineMachine()
-    m.setup(sharing=True, pages=36, page_size=1, min_shared_reads=2048, chunk=4)
-    m.add(base=1, cut=19, ignore_eos=False, max_tokens=1, n=1, suffix=[1, 1])
-    for _ in range(3):
-        m.step()
-    m.add(base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
-    m.add(base=0, cut=13, ignore_eos=False, max_tokens=2, n=1, suffix=[1, 1, 1, 1, 1, 1, 1, 4])
-    for _ in range(4):
-        m.step()
-    m.add(base=0, cut=15, ignore_eos=True, max_tokens=13, n=3, suffix=[1, 1, 1, 1, 2])
-    m.step()
-    m.step()
-    m.fail_a_forward(_Draws(m, "2"))
-    m.add(base=0, cut=0, ignore_eos=False, max_tokens=3, n=1, suffix=[2, 6, 1, 1, 1])
-    for _ in range(3):
-        m.step()
-    m.fail_a_forward(_Draws(m, "4"))
-    m.add(base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
-    m.extend(_Draws(m, ("3", 0)), tokens=[1, 1, 1, 1, 1, 1])
-    m.add(base=0, cut=0, ignore_eos=False, max_tokens=3, n=2, suffix=[1, 1, 1, 6])
-    m.step()
-    m.step()
-    m.fail_a_forward(_Draws(m, "6"))
-    m.extend(_Draws(m, ("3", 0)), tokens=[1])
-    m.add(base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
-    m.add(base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
-    m.step()
-    m.step()
+    m.setup(sharing=True, pages=36, page_size=1, min_shared_reads=2048, chunk=4, seats=256)
+    m.add(settle=False, base=1, cut=19, ignore_eos=False, max_tokens=1, n=1, suffix=[1, 1])
+    m.step(steps=3)
+    m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
+    m.add(settle=False, base=0, cut=13, ignore_eos=False, max_tokens=2, n=1, suffix=[1, 1, 1, 1, 1, 1, 1, 4])
+    m.step(steps=4)
+    m.add(settle=False, base=0, cut=15, ignore_eos=True, max_tokens=13, n=3, suffix=[1, 1, 1, 1, 2])
+    m.step(steps=2)
+    m.inject(_Draws(m, "2"), fault="forward", abort_after=False)
+    m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=3, n=1, suffix=[2, 6, 1, 1, 1])
+    m.step(steps=3)
+    m.inject(_Draws(m, "4"), fault="forward", abort_after=False)
+    m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
+    m.extend(_Draws(m, ("3", 0)), every_sample=False, then_preempt=False, tokens=[1, 1, 1, 1, 1, 1])
+    m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=3, n=2, suffix=[1, 1, 1, 6])
+    m.step(steps=2)
+    m.inject(_Draws(m, "6"), fault="forward", abort_after=False)
+    m.extend(_Draws(m, ("3", 0)), every_sample=False, then_preempt=False, tokens=[1])
+    m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
+    m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
+    m.step(steps=2)
     m.teardown()  # every request finished, with the fake model's tokens, and no page leaked
     assert m.outputs["6"].error and all(s.sched.status.value == "done" for s in m.requests["6"][3].seqs)
+
+
+def test_found_a_fork_that_dropped_pages_in_flight():
+    """A case a seeded random walk of these rules found: both samples of a request are forced through the
+    same text and the newer one goes back to the queue. Re-admitted, it publishes the text's pages in flight
+    and computes them a chunk at a time beside its sibling; once both stand at the same position, it used to
+    follow the sibling and fork from it, which dropped its pages in flight with no writer left. Another
+    request through that text then held them and waited for good. Now a sample writing pages in flight
+    computes its own text, and every page in flight keeps exactly one writer."""
+    m = EngineMachine()
+    m.setup(sharing=True, pages=64, page_size=1, min_shared_reads=2048, chunk=4, seats=256)
+    m.add(settle=True, base=0, cut=3, ignore_eos=True, max_tokens=20, n=2, suffix=[])
+    m.extend(_Draws(m, ("0", 0)), every_sample=True, then_preempt=True, tokens=[5, 6, 7, 8, 9, 10])
+    m.step(steps=2)
+    through_the_text = m.requests["0"][3].seqs[0].context[:10] + [11]
+    m.add(settle=False, base=0, cut=0, ignore_eos=True, max_tokens=3, n=1, suffix=through_the_text)
+    m.step(steps=6)
+    m.teardown()  # the later request finished, with the fake model's tokens
+    assert m.outputs["1"].outputs[0].finish_reason == "length"
