@@ -134,3 +134,23 @@ def test_a_match_of_a_few_pages_of_a_long_prompt_counts_as_none():
     assert Router(2, page_size=P, min_match=0).min_match == 0
     with pytest.raises(ValueError, match="min_match"):
         Router(2, min_match=1.5)
+
+
+def test_requests_from_before_a_restart_leave_the_new_runs_pending_pages_alone():
+    """A replica restarted (its cache forgotten) while a request routed before the restart is still
+    unwinding: that request's end must not take its pages off the pending count of requests routed to the
+    new run (issue 39: they were subtracted, and the new run's pending prefix stopped matching)."""
+    router = Router(1, page_size=P)
+    before = router.choose(request(SYSTEM_A + [1]))
+    router.started(before)
+    router.clear(0)  # the replica restarted: the front forgets what it held and was computing
+    after = router.choose(request(SYSTEM_A + [2]))
+    assert after.reason == "no-match"  # the old run's pending pages are forgotten
+    router.started(after)
+    assert router.choose(request(SYSTEM_A + [3])).reason == "cache"  # pending on the new run
+    router.finished(before)  # the old run's request ends only now
+    follower = router.choose(request(SYSTEM_A + [3]))
+    assert (follower.reason, follower.matched_tokens) == ("cache", len(SYSTEM_A)), follower
+    assert router.snapshot()[0]["in_flight"] == 1
+    router.finished(after)
+    assert router.choose(request(SYSTEM_A + [4])).reason == "no-match"  # nothing pending now

@@ -52,6 +52,7 @@ class Route:
     matched_tokens: int  # prompt tokens the chosen replica is known to hold (0 for policies without a cache)
     reason: str  # cache, balance, no-match, round-robin, least-loaded, approx
     pending: list[int] = field(default_factory=list, repr=False)  # page hashes added to the replica's pending
+    run: int | None = field(default=None, repr=False)  # the replica's run it was counted on (``started``)
 
 
 class ReplicaState:
@@ -65,6 +66,9 @@ class ReplicaState:
         self.page_size: int | None = None
         self.text: OrderedDict[int, None] = OrderedDict()  # approx: text-block hashes, LRU order
         self.text_capacity = approx_capacity
+        # Bumped whenever the cache is forgotten (a restart): a request counted on an earlier run takes
+        # its pages off nothing when it ends, as the pending count it added to is gone.
+        self.run = 0
 
     def apply(self, event) -> None:
         if isinstance(event, BlockStored):
@@ -142,6 +146,7 @@ class Router:
             state.cached.clear()
             state.pending.clear()
             state.text.clear()
+            state.run += 1
 
     def set_healthy(self, replica: int, healthy: bool) -> None:
         with self._lock:
@@ -217,13 +222,15 @@ class Router:
             state = self.replicas[route.replica]
             state.in_flight += 1
             state.pending.update(route.pending)
+            route.run = state.run
 
     def finished(self, route: Route) -> None:
         with self._lock:
             state = self.replicas[route.replica]
             state.in_flight = max(0, state.in_flight - 1)
-            state.pending.subtract(route.pending)
-            state.pending = +state.pending  # drop zero counts
+            if route.run == state.run:
+                state.pending.subtract(route.pending)
+                state.pending = +state.pending  # drop zero counts
 
     def snapshot(self) -> list[dict]:
         with self._lock:
