@@ -187,9 +187,9 @@ def test_front_routes_on_the_exact_ids_the_replica_computes(kind, tmp_path):
     engine = srv.app.state.engine
     real_submit = engine.submit
 
-    async def recording_submit(ids, params, text):
+    async def recording_submit(ids, params, text, label=""):
         submitted.append(list(ids))
-        return await real_submit(ids, params, text)
+        return await real_submit(ids, params, text, label)
 
     engine.submit = recording_submit
     try:

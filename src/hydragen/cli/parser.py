@@ -7,6 +7,7 @@ import argparse
 from hydragen.cli.bench import BENCHMARKS, EXTRA_BENCHMARKS, run_bench
 from hydragen.cli.generate import run_chat, run_generate
 from hydragen.cli.serve import run_serve
+from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 
 
 def _version() -> str:
@@ -299,6 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="on SIGTERM, seconds in-flight requests get before they are aborted (default 10)",
+    )
+    v.add_argument(
+        "--step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        metavar="SECONDS",
+        help="an engine step running longer than this is stalled: /health and new requests get a 503 "
+        "engine_stalled and the log names the step's requests; with --data-parallel-size the front routes "
+        "away from that replica and restarts it if it stays stuck as long again; 0: off (default "
+        f"{DEFAULT_STEP_TIMEOUT_S:g}, room for a full 2,048-token prefill step of an 8B model on one core)",
     )
     _add_tp_arg(v)
     v.add_argument(

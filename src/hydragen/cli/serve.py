@@ -24,6 +24,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         read_timeout=args.read_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        step_timeout=args.step_timeout,
     )
     problems = []
     if not 0 <= args.port <= 65535:

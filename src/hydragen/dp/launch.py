@@ -32,6 +32,7 @@ PASSED_FLAGS = (
     ("max_request_bytes", "--max-request-bytes", True),
     ("read_timeout", "--read-timeout", True),
     ("shutdown_timeout", "--shutdown-timeout", True),
+    ("step_timeout", "--step-timeout", True),
 )
 
 

@@ -75,6 +75,7 @@ def build_from_args(args: argparse.Namespace, options, api_key: str | None):
         max_request_bytes=options.max_request_bytes,
         read_timeout=options.read_timeout,
         shutdown_timeout=options.shutdown_timeout,
+        step_timeout=options.step_timeout,
     )
     return build_app(
         args.model,

@@ -61,7 +61,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
     options = options or ServerOptions()
     options.check()
     metrics = LatencyMetrics()
-    engine = AsyncEngine(llm, metrics)
+    engine = AsyncEngine(llm, metrics, options.step_timeout)
     tok = llm.tokenizer
     encoder = PromptEncoder(tok, llm.config.max_position_embeddings, llm.config.vocab_size)
 
@@ -182,7 +182,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
             params, field = await tool_params(tools, params, body.literal_json_schema), "tools"
         else:
             await precompile(params[0].structured_outputs, field)
-        subs = await submit_all(prompts, params, chat, body.max_tokens_param, field)
+        subs = await submit_all(prompts, params, chat, body.max_tokens_param, record["id"], field)
         enforced = tools if tools is not None and tools.enforced else None
         shapes = Shapes(tok, chat, (body.top_logprobs or 0) if chat else 0, logprobs is not None, enforced)
         meta = {"id": record["id"], "created": int(time.time()), "model": body.model}
@@ -222,12 +222,18 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
             raise APIError(400, str(e), e.param, code="invalid_value") from None
 
     async def submit_all(
-        prompts, params, chat: bool, max_tokens_param: str, structured_param: str = "structured_outputs"
+        prompts,
+        params,
+        chat: bool,
+        max_tokens_param: str,
+        label: str,
+        structured_param: str = "structured_outputs",
     ) -> list[tuple[str, asyncio.Queue]]:
         subs = []
         try:
-            for (ids, text), p in zip(prompts, params, strict=True):
-                subs.append(await engine.submit(ids, p, text))
+            for i, ((ids, text), p) in enumerate(zip(prompts, params, strict=True)):
+                name = label if len(prompts) == 1 else f"{label} prompt {i}"
+                subs.append(await engine.submit(ids, p, text, name))
         except (ValueError, TypeError) as e:
             for rid, _ in subs:
                 engine.abort(rid)

@@ -8,6 +8,11 @@ Failures stay with their request: the engine ends a request whose own work faile
 error), and building one request's update is guarded here the same way. An exception the engine cannot
 attribute ends every request in flight with a 500, marks the engine failed (``/health`` answers 503, new
 requests 503), and leaves the thread answering commands, so no client ever waits on a dead engine.
+
+A step that runs past ``step_timeout`` seconds is stalled (``step_watchdog``): while it runs on, ``/health``
+and new requests get a 503 ``engine_stalled`` (they would only queue behind it), and the log names the
+step's requests. Its requests in flight keep waiting for it: a thread cannot be stopped from outside, and
+the step may yet end; a data-parallel front restarts a replica that stays stuck (docs/data_parallel.md).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.sequence import Request
 from hydragen.server.errors import APIError
 from hydragen.server.metrics import LatencyMetrics, RequestTimes
+from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S, StepWatchdog
 
 log = logging.getLogger("hydragen.server")
 
@@ -54,6 +60,7 @@ class _Tracked:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     times: RequestTimes
+    label: str  # what the server's log calls it (the HTTP request's id), for the stall log
     sent_text: list[str] = field(default_factory=list)
     sent_tokens: list[int] = field(default_factory=list)
     finished_sent: list[bool] = field(default_factory=list)
@@ -64,7 +71,10 @@ def request_failed(message: str) -> APIError:
 
 
 class AsyncEngine:
-    def __init__(self, llm, metrics: LatencyMetrics | None = None):
+    def __init__(
+        self, llm, metrics: LatencyMetrics | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT_S
+    ):
+        """``step_timeout``: seconds after which a running step counts as stalled (0: never)."""
         self.llm = llm
         self.engine = llm.engine
         self.loop = llm.loop
@@ -77,6 +87,8 @@ class AsyncEngine:
         self.failure: str | None = None  # set when the engine loop failed: it takes no more requests
         self.draining = False  # shutting down: in-flight requests finish, new ones are refused
         self.started = time.time()
+        self.watchdog = StepWatchdog(step_timeout, self._stalled_requests)
+        self._plan_before_step = None  # the engine's plan when the running step began
         self._thread = threading.Thread(target=self._run, name="hydragen-engine", daemon=True)
         self._thread.start()
 
@@ -92,6 +104,13 @@ class AsyncEngine:
             return APIError(
                 503, f"the engine failed and takes no more requests: {reason}", code="engine_failed"
             )
+        if (ran := self.watchdog.stalled()) is not None:
+            return APIError(
+                503,
+                f"the engine is stalled: its current step has run {ran:.0f} s, past the step timeout of "
+                f"{self.watchdog.timeout:g} s; it takes no requests until that step ends",
+                code="engine_stalled",
+            )
         if self.draining:
             return APIError(
                 503, "the server is shutting down and takes no more requests", code="shutting_down"
@@ -99,9 +118,10 @@ class AsyncEngine:
         return None
 
     async def submit(
-        self, prompt_ids: list[int], params: SamplingParams, prompt: str | None
+        self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, label: str = ""
     ) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns its id and the queue its updates arrive on.
+        """Queue a request; returns its id and the queue its updates arrive on. ``label``: the name the
+        server's log knows it by (the HTTP request's id), used when a step holding it stalls.
 
         Raises ValueError/ParamError for a request the engine refuses, APIError 503 when unavailable.
         """
@@ -111,7 +131,7 @@ class AsyncEngine:
         out: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
         times = RequestTimes(arrival=time.monotonic())
-        self._commands.put(("add", (prompt_ids, params, prompt, loop, out, accepted, times)))
+        self._commands.put(("add", (prompt_ids, params, prompt, loop, out, accepted, times, label)))
         self._wake.set()
         if not self._thread.is_alive():  # nobody else will ever answer the command
             self._reject_queued()
@@ -130,6 +150,7 @@ class AsyncEngine:
         self._wake.set()
 
     def shutdown(self) -> None:
+        self.watchdog.close()
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
@@ -151,11 +172,29 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._plan_before_step = self.engine.last_plan
+            self.watchdog.begin()
             try:
                 self.loop.step()  # every tracked request's update goes out through _updated
             except Exception as e:  # not attributable to a request: the engine's state is suspect
                 traceback.print_exc()
                 self._die(failure_message("engine step", e))
+            finally:
+                self.watchdog.end()
+
+    def _stalled_requests(self) -> str:
+        """The stalled step's requests, for the log (on the watchdog's thread, while this thread is stuck in
+        the step, so nothing here changes under it): those of its plan, or every request in flight when it
+        is stuck before it had a plan."""
+        plan = self.engine.last_plan
+        ids = [w.seq.request.request_id for w in plan.work] + [f.seq.request.request_id for f in plan.forks]
+        if plan is self._plan_before_step or not ids:
+            ids = list(self._tracked)
+        names = []
+        for rid in dict.fromkeys(ids):
+            tr = self._tracked.get(rid)
+            names.append(f"{tr.label} ({rid})" if tr is not None and tr.label else rid)
+        return ", ".join(names) or "none"
 
     def _die(self, message: str) -> None:
         log.error("engine failed, ending %d request(s) in flight: %s", len(self._tracked), message)
@@ -194,7 +233,7 @@ class AsyncEngine:
                 traceback.print_exc()
                 self._die(failure_message("abort", e))
 
-    def _add(self, prompt_ids, params, prompt, loop, out, accepted, times) -> None:
+    def _add(self, prompt_ids, params, prompt, loop, out, accepted, times, label) -> None:
         if (err := self.unavailable()) is not None:
             loop.call_soon_threadsafe(_set_exception, accepted, err)
             return
@@ -212,7 +251,7 @@ class AsyncEngine:
             )
             return
         n = len(req.seqs)
-        self._tracked[rid] = _Tracked(req, loop, out, times, [""] * n, [0] * n, [False] * n)
+        self._tracked[rid] = _Tracked(req, loop, out, times, label, [""] * n, [0] * n, [False] * n)
         loop.call_soon_threadsafe(_set_result, accepted, rid)
 
     def _reject_queued(self) -> None:

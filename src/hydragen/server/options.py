@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S
+
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
@@ -15,12 +17,13 @@ class ServerOptions:
     read_timeout: float = 30.0  # seconds to receive a request's headers and body (408 / connection closed)
     shutdown_timeout: float = 10.0  # grace for in-flight requests after SIGTERM, then they are aborted
     keep_alive_timeout: float = 5.0  # idle keep-alive connections are closed after this
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # an engine step running longer is stalled (0: never)
 
     def check(self) -> None:
         """ValueError naming the first bad option."""
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
-        for name in ("read_timeout", "shutdown_timeout", "keep_alive_timeout"):
+        for name in ("read_timeout", "shutdown_timeout", "keep_alive_timeout", "step_timeout"):
             value = getattr(self, name)
             if not value >= 0 or value == float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
