@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -29,22 +30,24 @@ from hydragen.cli.parser import build_parser
 from hydragen.dp.launch import build_front, ready_line, serve_front
 from hydragen.server.launch import bind_socket, make_server
 from hydragen.server.options import ServerOptions
-from tests.server_helpers import LiveServer, all_gone, tiny_chat_model
+from tests.server_helpers import LiveServer, all_gone, tiny_chat_model, wait_for_log
 from tests.tool_helpers import tiny_tool_model, tool_json
 
 SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
 STEP_DELAY = 0.02  # a 400-token request then runs >= 8 s on any machine
 PAGE = 16
 SHUTDOWN_GRACE = 1.0  # seconds in-flight requests get after a stop; 2 x it < 400 x STEP_DELAY
+STEP_TIMEOUT = 3.0  # the replicas' --step-timeout: 150 x STEP_DELAY, for the tiny model's steps
 
 
 class LiveFront:
     """The data-parallel front of ``hydragen serve`` flags ``argv``, served from a thread of this process."""
 
-    def __init__(self, argv: list[str], step_delay: float):
+    def __init__(self, argv: list[str], step_delay: float, env: dict[str, str] | None = None):
         self.args = args = build_parser().parse_args(["serve", *argv])
         command = [sys.executable, SLOWED, str(step_delay)]
         self.front, path = build_front(args, None, "warning", command=command)
+        self.front.replicas.env.update(env or {})
         from hydragen.dp.front import create_front_app
 
         self.options = ServerOptions(shutdown_timeout=SHUTDOWN_GRACE)
@@ -106,9 +109,19 @@ def model_dir(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
+def faults(tmp_path_factory) -> Path:
+    """The replicas' fault folder (``slowed_hydragen``): ``<pid>.fail`` fails a replica's engine,
+    ``<pid>.stall`` holds its next step for as long as the file is there."""
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, faults):
     argv = ["--model", model_dir, "--data-parallel-size", "2", "--threads", "1", "--kv-cache-tokens", "4096"]
-    live = LiveFront(argv, STEP_DELAY)
+    argv += ["--step-timeout", str(STEP_TIMEOUT)]
+    live = LiveFront(argv, STEP_DELAY, env={"HYDRAGEN_TEST_FAULTS": str(faults)})
+    # A stalled replica stays out of rotation, unrestarted, until the test that stalls it says otherwise.
+    live.front.health.restart_after = 0
     yield live
     if live.thread.is_alive():  # the last test stops it itself
         live.stop()
@@ -299,7 +312,7 @@ def test_bad_input_gets_the_replicas_own_4xx(cluster, path, body):
 
 
 def test_models_health_and_the_api_shape_of_unknown_paths(cluster):
-    assert httpx.get(cluster.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(cluster.url + "/health").json() == {"status": "ok", "replicas": {"0": "ok", "1": "ok"}}
     assert httpx.get(cluster.url + "/v1/models").json()["data"][0]["id"] == "tiny"
     r = httpx.get(cluster.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
@@ -347,34 +360,33 @@ def test_a_client_that_leaves_aborts_its_request_at_the_replica(cluster, stream)
 
 
 # ---- a replica dies -------------------------------------------------------------------------------------
-def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(cluster, request):
-    prompt = "This request is held in flight until its replica is killed. "  # 62 tokens + 400 < 512
-    long = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "ignore_eos": True}
-    results: dict = {}
+def start_stream(url: str, body: dict) -> tuple[threading.Thread, list[str]]:
+    """A streamed completion on a thread, its SSE data lines collected; returns once the first has come."""
+    events: list[str] = []
+    first = threading.Event()
 
-    def plain() -> None:
-        results["plain"] = httpx.post(cluster.url + "/v1/completions", json=long, timeout=120)
-
-    stream_events: list[str] = []
-    first_event = threading.Event()
-
-    def streamed() -> None:
-        body = {**long, "stream": True}
+    def read() -> None:
         try:
-            with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as r:
+            streamed = {**body, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=streamed, timeout=120) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: "):
-                        stream_events.append(line[len("data: ") :])
-                        first_event.set()
+                        events.append(line[len("data: ") :])
+                        first.set()
         finally:
-            first_event.set()
+            first.set()
 
-    t_stream = threading.Thread(target=streamed)
-    t_stream.start()
-    assert first_event.wait(120) and stream_events, "the stream never started"
-    victim = next(i for i, r in enumerate(cluster.snapshot()) if r["in_flight"] == 1)
-    restart = threading.Event()  # the victim's restart waits for it
+    thread = threading.Thread(target=read)
+    thread.start()
+    assert first.wait(120) and events, "the stream never started"
+    return thread, events
+
+
+def hold_restarts(cluster: LiveFront, request) -> threading.Event:
+    """Replicas started again wait until the returned event is set (by the test, or at its end), so the
+    test sees the cluster while a replica is down."""
+    restart = threading.Event()
     replica_set = cluster.front.replicas
     real_launch = replica_set._launch
 
@@ -384,6 +396,20 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(
 
     replica_set._launch = held_launch
     request.addfinalizer(lambda: (restart.set(), vars(replica_set).pop("_launch", None)))
+    return restart
+
+
+def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(cluster, request):
+    prompt = "This request is held in flight until its replica is killed. "  # 62 tokens + 400 < 512
+    long = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "ignore_eos": True}
+    results: dict = {}
+
+    def plain() -> None:
+        results["plain"] = httpx.post(cluster.url + "/v1/completions", json=long, timeout=120)
+
+    t_stream, stream_events = start_stream(cluster.url, long)
+    victim = next(i for i, r in enumerate(cluster.snapshot()) if r["in_flight"] == 1)
+    restart = hold_restarts(cluster, request)
     t_plain = threading.Thread(target=plain)
     t_plain.start()  # same prompt: routed to the same replica (its pages are pending or cached there)
     cluster.wait_for(lambda: cluster.snapshot()[victim]["in_flight"] == 2, "both requests in flight")
@@ -402,7 +428,8 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(
     m0 = metrics(cluster.url)
     complete(cluster.url, "still serving?")
     assert served_by(m0, metrics(cluster.url)) == 1 - victim
-    assert httpx.get(cluster.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(cluster.url + "/health").json()  # ok while one replica serves, and it says which
+    assert health == {"status": "ok", "replicas": {str(victim): "exited", str(1 - victim): "ok"}}
     restart.set()
     cluster.wait_for(lambda: cluster.snapshot()[victim]["healthy"], "the restart")
     back = cluster.replicas[victim]
@@ -440,6 +467,96 @@ def test_a_replica_that_refuses_connections_is_skipped_and_the_request_routed_ag
     r = httpx.post(cluster.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 502 and r.json()["error"]["code"] == "replica_failed"
     assert "no replica could be connected to (tried 0, 1)" in r.json()["error"]["message"]
+
+
+# ---- a replica's engine fails, or its step hangs: its process lives on ------------------------------------
+def post_completion(url: str, prompt: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def test_a_replica_whose_engine_failed_leaves_the_rotation_and_is_restarted(cluster, faults, request):
+    """Issue 39, defect 2: a replica whose engine failed still runs and answers every request at once with a
+    503 ``engine_failed``, so it looked alive and idle. The front takes it out of rotation at once (the
+    request it refused is routed again), says so on /health and /metrics, and restarts it."""
+    restart = hold_restarts(cluster, request)
+    victim = 0
+    pid, url = cluster.replicas[victim].pid, cluster.replicas[victim].url
+    fail = faults / f"{pid}.fail"
+    fail.touch()
+    request.addfinalizer(lambda: fail.unlink(missing_ok=True))
+    r = post_completion(url, "the request whose step fails")  # sent to the victim itself: its engine fails
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed", r.text
+    fail.unlink()
+    sequential = [post_completion(cluster.url, f"sequential {k}") for k in range(20)]
+    failed = [r for r in sequential if r.status_code != 200]
+    assert not failed, f"{len(failed)} of 20 sequential requests failed, e.g. {failed[0].text}"
+    with ThreadPoolExecutor(24) as pool:
+        concurrent = list(pool.map(lambda k: post_completion(cluster.url, f"concurrent {k}"), range(24)))
+    failed = [r for r in concurrent if r.status_code != 200]
+    assert not failed, f"{len(failed)} of 24 concurrent requests failed, e.g. {failed[0].text}"
+    # Out of rotation (its restart is held back by the test), and the front says so.
+    assert not cluster.snapshot()[victim]["healthy"]
+    health = httpx.get(cluster.url + "/health")
+    assert health.status_code == 200, health.text
+    assert health.json()["replicas"] == {str(victim): "engine_failed", str(1 - victim): "ok"}
+    m = metrics(cluster.url)
+    assert m[f'hydragen_dp_replica_healthy{{replica="{victim}"}}'] == 0
+    assert m["hydragen_dp_replicas_healthy"] == 1
+    assert m[f'hydragen_dp_replica_unhealthy_total{{reason="engine_failed",replica="{victim}"}}'] == 1
+    assert m[f'hydragen_dp_replica_replaced_total{{reason="engine_failed",replica="{victim}"}}'] == 1
+    # Restarted like a dead process: the old one is stopped, a new one takes its place.
+    assert all_gone([pid])
+    restart.set()
+    cluster.wait_for(lambda: cluster.snapshot()[victim]["healthy"], "the restart")
+    assert cluster.replicas[victim].pid != pid
+    assert post_completion(cluster.replicas[victim].url, "the new engine serves").status_code == 200
+    assert httpx.get(cluster.url + "/health").json()["replicas"] == {"0": "ok", "1": "ok"}
+
+
+def test_a_replica_stuck_in_a_step_leaves_the_rotation_and_is_restarted_if_it_stays_stuck(
+    cluster, faults, request, caplog, monkeypatch
+):
+    """Issue 39, defect 11, through the front: a replica whose step hangs still answers HTTP. Past its
+    --step-timeout it says so (503 engine_stalled, a log line naming the step's requests), the front routes
+    around it, and once it has stayed stuck as long as the front allows, restarts it: the request it held
+    ends with an error, not a hang."""
+    restart = hold_restarts(cluster, request)
+    body = {"model": "tiny", "prompt": "held in a stuck step", "max_tokens": 400, "ignore_eos": True}
+    stream, events = start_stream(cluster.url, body)
+    victim = next(i for i, r in enumerate(cluster.snapshot()) if r["in_flight"] == 1)
+    pid, url = cluster.replicas[victim].pid, cluster.replicas[victim].url
+    stall = faults / f"{pid}.stall"
+    stall.touch()  # its next step waits for as long as the file is there
+    request.addfinalizer(lambda: stall.unlink(missing_ok=True))
+    cluster.wait_for(lambda: not cluster.snapshot()[victim]["healthy"], "the stall to take it out")
+    err = httpx.get(url + "/health").json()["error"]
+    assert err["code"] == "engine_stalled" and f"step timeout of {STEP_TIMEOUT:g} s" in err["message"], err
+    wait_for_log(caplog, f"replica {victim}: engine step stalled")
+    said = next(r.getMessage() for r in caplog.records if "engine step stalled" in r.getMessage())
+    assert json.loads(events[0])["id"] in said, said  # the stuck step's request, by the id its client saw
+    assert httpx.get(cluster.url + "/health").json()["replicas"][str(victim)] == "engine_stalled"
+    m0 = metrics(cluster.url)
+    assert m0[f'hydragen_dp_replica_unhealthy_total{{reason="engine_stalled",replica="{victim}"}}'] == 1
+    assert m0[f'hydragen_dp_replica_healthy{{replica="{victim}"}}'] == 0
+    for k in range(4):  # meanwhile the other replica serves everything
+        assert post_completion(cluster.url, f"around the stall {k}").status_code == 200
+    m1 = metrics(cluster.url)
+    key = 'hydragen_requests_finished_total{{replica="{}"}}'
+    assert m1[key.format(1 - victim)] - m0[key.format(1 - victim)] == 4
+    # It stays stuck: let the front's bound pass, and it restarts the replica; the held request ends.
+    monkeypatch.setattr(cluster.front.health, "restart_after", 1e-9)
+    stream.join(timeout=60)
+    assert not stream.is_alive(), "the stuck replica's request hangs"
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "replica_failed" and "engine_stalled" in error["message"], error
+    assert all_gone([pid])
+    m2 = metrics(cluster.url)
+    assert m2[f'hydragen_dp_replica_replaced_total{{reason="engine_stalled",replica="{victim}"}}'] == 1
+    restart.set()
+    cluster.wait_for(lambda: cluster.snapshot()[victim]["healthy"], "the restart")
+    assert post_completion(cluster.replicas[victim].url, "unstuck").status_code == 200
 
 
 def test_stopping_the_front_ends_requests_in_flight_and_stops_the_replicas(cluster):

@@ -7,11 +7,13 @@ the front cannot parse is sent to a replica anyway, so the client gets the repli
 
 Requests never hang on a replica that fails: when its connection breaks or its process ends, each of its
 requests in flight ends with a 502 ``replica_failed`` error (a streaming one with an SSE error event), and
-the router stops choosing it until it is back. A replica that cannot be connected to never saw the
-request, so the request is routed again among the others (a 502 only when none can be reached). A client
+the router stops choosing it until it is back. A replica whose process runs but whose engine failed or is
+stuck in a step leaves the rotation too, and is restarted (``dp.health``). A replica that cannot be
+connected to, or that refuses a request because its engine cannot take it (503 ``engine_failed`` or
+``engine_stalled``), never took the request, so the request is routed again among the others. A client
 that goes away closes the proxied connection, and the replica aborts the request. ``/health`` is ok
-while at least one replica is healthy. On SIGTERM the front behaves as the server does
-(``HydragenServer``: drain, grace period, then 503 ``shutting_down``), then stops the replicas.
+while at least one replica is healthy, and names each one's state. On SIGTERM the front behaves as the
+server does (``HydragenServer``: drain, grace period, then 503 ``shutting_down``), then stops the replicas.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from hydragen.dp import metrics
+from hydragen.dp.health import HealthWatch, Verdict, server_verdict
 from hydragen.dp.kv_events import KVEventSubscriber
 from hydragen.dp.prompts import RequestPrompts
 from hydragen.dp.replicas import Replica, ReplicaSet, describe_exit
@@ -33,6 +36,7 @@ from hydragen.server.body import read_body
 from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions
 from hydragen.server.responses import SSE_DONE, sse
+from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 
 log = logging.getLogger("hydragen.dp")
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
@@ -52,6 +56,14 @@ class Unreachable(Exception):
     def __init__(self, replica: int, cause: Exception):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.replica = replica
+
+
+class Refused(Exception):
+    """The replica answered 503 before taking the request, as its engine cannot: another may take it."""
+
+    def __init__(self, replica: int, verdict: Verdict):
+        super().__init__(f"{verdict.code}: {verdict.detail}")
+        self.replica, self.code = replica, verdict.code
 
 
 class Flight:
@@ -89,7 +101,10 @@ class Front:
         cores: list[list[int] | None],
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
+        restart_after: float = DEFAULT_STEP_TIMEOUT_S,
     ):
+        """``restart_after``: seconds a replica may stay stalled or silent before it is restarted
+        (``dp.health``; the command passes ``--step-timeout``)."""
         self.router, self.prompts = router, prompts
         self.replicas = ReplicaSet(
             serve_args, cores, on_up=self.replica_up, on_down=self.replica_down, command=command, env=env
@@ -101,6 +116,14 @@ class Front:
         self.subscribers: list[KVEventSubscriber | None] = [None] * n
         self.client: httpx.AsyncClient | None = None
         self.draining = False
+        self.health = HealthWatch(
+            n,
+            restart_after,
+            take_out=lambda i: router.set_healthy(i, False),
+            put_back=lambda i: router.set_healthy(i, True),
+            replace=self.replace,
+        )
+        self._watching: asyncio.Task | None = None
 
     # ---- life --------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -111,8 +134,11 @@ class Front:
         for i in range(len(self.flights)):
             self.router.set_healthy(i, False)
         await self.replicas.start()
+        self._watching = asyncio.ensure_future(self.health.watch(self.client, self.replicas.replicas))
 
     async def stop(self, timeout: float = 10.0) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
         await self.replicas.stop(timeout)
         for i, sub in enumerate(self.subscribers):
             if sub is not None:
@@ -130,19 +156,31 @@ class Front:
             )
         else:
             log.warning("replica %d publishes no KV events: the cache policy cannot see its cache", i)
+        self.health.up(i, replica.pid)
         self.router.set_healthy(i, True)
 
     async def replica_down(self, replica: Replica) -> None:
         i = replica.index
         self.router.set_healthy(i, False)
         self.router.clear(i)
+        self.health.down(i)
         code = replica.process.returncode if replica.process is not None else None
-        why = f"its process {describe_exit(code)}" if code is not None else "it stopped"
+        if replica.replacing is not None:
+            why = f"it was restarted: {replica.replacing}"
+        else:
+            why = f"its process {describe_exit(code)}" if code is not None else "it stopped"
         for flight in list(self.flights[i]):
             flight.end(replica_failed(i, why))
         sub, self.subscribers[i] = self.subscribers[i], None
         if sub is not None:
             await asyncio.to_thread(sub.close)
+
+    def replace(self, i: int, why: str) -> None:
+        """Restart replica ``i``, whose process runs on but cannot serve; its requests in flight end first,
+        with the reason (the kill would only tell them that the connection broke)."""
+        for flight in list(self.flights[i]):
+            flight.end(replica_failed(i, f"it was restarted: {why}"))
+        self.replicas.replace(self.replicas.replicas[i], why)
 
     # ---- the server's drain interface --------------------------------------------------------------
     def unavailable(self) -> APIError | None:
@@ -151,8 +189,12 @@ class Front:
                 503, "the server is shutting down and takes no more requests", code="shutting_down"
             )
         if not any(r["healthy"] for r in self.router.snapshot()):
-            return APIError(503, "no replica is ready to take requests", code="no_replica")
+            return no_replica(self.health.states())
         return None
+
+    def health_body(self) -> dict:
+        """``/health`` while a replica takes requests: each replica's state (ok, or why it is out)."""
+        return {"status": "ok", "replicas": self.health.states()}
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -166,18 +208,21 @@ class Front:
     async def route_and_proxy(
         self, http: Request, request: RouteRequest, raw: bytes, record: dict
     ) -> Response:
-        """Route and proxy; a replica that cannot be connected to is left out and the request routed again
-        (502 ``replica_failed`` when no healthy replica is left to try)."""
+        """Route and proxy; a replica that cannot be connected to, or that refuses the request before taking
+        it, is left out and the request routed again (502 ``replica_failed`` when none could be connected
+        to, 503 ``no_replica`` when every one tried refused)."""
         tried: frozenset[int] = frozenset()
-        last = -1  # the replica that last refused
+        refused: dict[int, str] = {}  # replica -> its refusal's code
+        last = -1  # the replica that could not be connected to last
         while True:
             try:
                 route = self.router.choose(request, tried)
             except NoReplica:
-                if not tried:
-                    raise APIError(503, "no replica is ready to take requests", code="no_replica") from None
-                why = f"no replica could be connected to (tried {', '.join(map(str, sorted(tried)))})"
-                return replica_failed(last, why).response()
+                if tried and set(refused) != tried:
+                    why = f"no replica could be connected to (tried {', '.join(map(str, sorted(tried)))})"
+                    return replica_failed(last, why).response()
+                states = {**self.health.states(), **{str(i): code for i, code in refused.items()}}
+                raise no_replica(states) from None
             record.update(replica=route.replica, route=route.reason, matched=route.matched_tokens)
             try:
                 return await self.proxy(http, route, raw, record)
@@ -185,14 +230,29 @@ class Front:
                 last = e.replica
                 self.unreachable[last] += 1
                 tried |= {last}
-                record["unreachable"] = sorted(tried)
+                record["unreachable"] = sorted(tried - set(refused))
                 log.warning("replica %d could not be connected to (%s); routing the request again", last, e)
+            except Refused as e:
+                refused[e.replica] = e.code
+                tried |= {e.replica}
+                record["refused"] = ",".join(f"{i}:{c}" for i, c in sorted(refused.items()))
+                log.warning("replica %d refused the request (%s); routing it again", e.replica, e)
 
     def url(self, replica: int) -> str:
         url = self.replicas.replicas[replica].url
         if url is None:
             raise APIError(503, f"replica {replica} is not running", code="replica_unavailable")
         return url
+
+    def judge(self, replica: int, pid: int | None, status: int, body: bytes) -> None:
+        """What a replica's error answer says about it (``dp.health``): Refused when it did not take the
+        request because its engine cannot."""
+        verdict = server_verdict(status, body)
+        if verdict is None:
+            return
+        self.health.judge(replica, pid, verdict)
+        if status == 503:
+            raise Refused(replica, verdict)
 
     async def proxy(self, http: Request, route: Route, raw: bytes, record: dict) -> Response:
         """Send the request to ``route.replica``; its response, streamed through when it is SSE."""
@@ -217,6 +277,7 @@ class Front:
         streaming = False
         try:
             headers = {k: v for k, v in http.headers.items() if k in FORWARDED_HEADERS}
+            pid = self.replicas.replicas[i].pid
             request = self.client.build_request(
                 "POST", self.url(i) + http.url.path, content=raw, headers=headers
             )
@@ -226,6 +287,7 @@ class Front:
                 raise Unreachable(i, e) from e
             if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 body = await flight.wait(upstream.aread())
+                self.judge(i, pid, upstream.status_code, body)
                 media = upstream.headers.get("content-type", "application/json")
                 return Response(body, status_code=upstream.status_code, media_type=media)
             gone.cancel()  # the streaming response watches the client itself
@@ -303,9 +365,14 @@ class Front:
         urls = [r.url for r in self.replicas.replicas]
         texts = await metrics.scrape(self.client, urls)
         own = metrics.router_families(
-            self.router.snapshot(), self.replicas.replicas, self.failed, self.unreachable
+            self.router.snapshot(), self.replicas.replicas, self.failed, self.unreachable, self.health
         )
         return metrics.render(texts, own)
+
+
+def no_replica(states: dict[str, str]) -> APIError:
+    said = ", ".join(f"replica {i}: {state}" for i, state in states.items())
+    return APIError(503, f"no replica is ready to take requests ({said})", code="no_replica")
 
 
 def replica_failed(replica: int, why: str) -> APIError:
@@ -333,7 +400,7 @@ def create_front_app(front: Front, options: ServerOptions | None = None) -> Fast
     options = options or ServerOptions()
     options.check()
 
-    app = openai_app(front, options)  # /health: ok while a replica is healthy (Front.unavailable)
+    app = openai_app(front, options, health_body=front.health_body)  # ok while a replica is healthy
 
     @app.get("/v1/models")
     async def models(http: Request):

@@ -128,7 +128,10 @@ def build_front(
     serve_args = replica_args(args, threads, replica_kv_cache(args, config), log_level)
     router = Router(n, args.router_policy, args.router_balance_bound, page_size=args.page_size)
     env = {"HYDRAGEN_API_KEY": api_key or ""}
-    return Front(router, prompts, serve_args, cores, command=command, env=env), path
+    front = Front(
+        router, prompts, serve_args, cores, command=command, env=env, restart_after=args.step_timeout
+    )
+    return front, path
 
 
 async def serve_front(front, server, sock, options, ready) -> int:

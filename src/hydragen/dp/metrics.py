@@ -87,11 +87,11 @@ def _totals(name: str, parts, per_replica) -> list[tuple[str, dict, float]]:
 
 
 def router_families(
-    snapshot: list[dict], replicas, failed: list[int], unreachable: list[int]
+    snapshot: list[dict], replicas, failed: list[int], unreachable: list[int], health
 ) -> list[Metric]:
     """The front's own figures: ``snapshot`` is ``Router.snapshot()``, ``replicas`` the ReplicaSet's
     replicas, ``failed[i]`` the requests ended by replica i's failure, ``unreachable[i]`` the requests it
-    could not be connected for (each routed again)."""
+    could not be connected for (each routed again), ``health`` the front's ``dp.health.HealthWatch``."""
     healthy = GaugeMetricFamily("hydragen_dp_replicas_healthy", "replicas taking requests")
     healthy.add_metric([], sum(1 for r in snapshot if r["healthy"]))
     up = GaugeMetricFamily(
@@ -130,6 +130,18 @@ def router_families(
         "requests the replica could not be connected for; each was routed again to another replica",
         labels=["replica"],
     )
+    out_of_rotation = CounterMetricFamily(
+        "hydragen_dp_replica_unhealthy",
+        "times the replica was taken out of rotation while its process ran, by what its server said: "
+        "engine_failed, engine_stalled (a step past --step-timeout), no_answer (/health unanswered)",
+        labels=["replica", "reason"],
+    )
+    replaced = CounterMetricFamily(
+        "hydragen_dp_replica_replaced",
+        "times the front stopped the replica and started it again for what its server said (its engine "
+        "failed, or it stayed stalled or silent past --step-timeout)",
+        labels=["replica", "reason"],
+    )
     for r, replica, n_failed, n_refused in zip(snapshot, replicas, failed, unreachable, strict=True):
         i = str(r["replica"])
         up.add_metric([i], 1.0 if r["healthy"] else 0.0)
@@ -142,7 +154,12 @@ def router_families(
         restarts.add_metric([i], replica.restarts)
         lost.add_metric([i], n_failed)
         refused.add_metric([i], n_refused)
-    return [healthy, up, routed, matched, in_flight, cached, exits, restarts, lost, refused]
+        for reason, count in sorted(health.unhealthy[r["replica"]].items()):
+            out_of_rotation.add_metric([i, reason], count)
+        for reason, count in sorted(health.replaced[r["replica"]].items()):
+            replaced.add_metric([i, reason], count)
+    families = [healthy, up, routed, matched, in_flight, cached, exits, restarts, lost, refused]
+    return [*families, out_of_rotation, replaced]
 
 
 class _Fixed:

@@ -9,9 +9,10 @@ port it bound, its KV cache size and its KV-event addresses.
 
 A replica that exits is reported (a log line naming it and its exit code or signal, ``exits`` counted) and
 started again after a backoff that doubles from ``BACKOFF_S`` up to ``BACKOFF_MAX_S``; no more than
-``max_restarts_per_minute`` restarts happen in any minute (the wait is said in the log). A replica that
-cannot start at all when the set starts is an error for the whole command (``ReplicaStartError``): a bad
-model option fails once, it does not loop.
+``max_restarts_per_minute`` restarts happen in any minute (the wait is said in the log). ``replace`` stops a
+replica whose process runs on but cannot serve (its engine failed or is stuck: ``dp.health``), and it is
+then started again the same way. A replica that cannot start at all when the set starts is an error for
+the whole command (``ReplicaStartError``): a bad model option fails once, it does not loop.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Replica:
     cores: list[int] | None  # None: not pinned (more replicas than cores)
     process: asyncio.subprocess.Process | None = None
     ready: ReadyLine | None = None
-    exits: int = 0  # times its process ended while the set was running
+    exits: int = 0  # times its process ended while the set was running, unasked
+    replacing: str | None = None  # why ``replace`` stopped the running process (until it is down)
     restarts: int = 0  # times it was started again
     started_at: float = 0.0
     failures: int = 0  # deaths in a row without a stable run between (sets the backoff)
@@ -257,15 +259,28 @@ class ReplicaSet:
             code = await proc.wait()
             if self._stopping:
                 return
-            replica.exits += 1
             ran = time.monotonic() - replica.started_at
             replica.failures = 0 if ran >= STABLE_S else replica.failures + 1
-            log.error(
-                "replica %d (pid %d) %s after %.1f s", replica.index, proc.pid, describe_exit(code), ran
-            )
+            if replica.replacing is None:
+                replica.exits += 1
+                log.error(
+                    "replica %d (pid %d) %s after %.1f s", replica.index, proc.pid, describe_exit(code), ran
+                )
             replica.ready = None
             await self.on_down(replica)
+            replica.replacing = None
             await self._restart(replica)
+
+    def replace(self, replica: Replica, why: str) -> None:
+        """Stop a replica whose process runs but cannot serve; its supervisor then starts it again, with the
+        backoff of a dead one. SIGKILL: its engine failed or is stuck, so it has nothing to drain, and a
+        stuck step could keep a gentler signal from being handled."""
+        proc = replica.process
+        if self._stopping or proc is None or proc.returncode is not None:
+            return
+        replica.replacing = why
+        log.error("replica %d (pid %d) is restarted: %s", replica.index, proc.pid, why)
+        _kill(proc)
 
     async def _restart(self, replica: Replica) -> None:
         while not self._stopping:

@@ -32,10 +32,11 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 CLIENT_CLOSED = 499  # logged status of a request whose client went away before its response
 
 
-def openai_app(engine, options: ServerOptions, on_shutdown=None) -> FastAPI:
+def openai_app(engine, options: ServerOptions, on_shutdown=None, health_body=None) -> FastAPI:
     """What the server and the data-parallel front (``dp.front``) share: errors in OpenAI's shape, the
     gate, ``/health`` from ``engine.unavailable()``, and ``engine`` in ``app.state`` (HydragenServer drains it
-    on SIGTERM: ``begin_drain``, ``fail_all``). ``on_shutdown`` runs when the app stops."""
+    on SIGTERM: ``begin_drain``, ``fail_all``). ``on_shutdown`` runs when the app stops; ``health_body()``
+    gives the body of an ok ``/health`` (default ``{"status": "ok"}``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -52,7 +53,9 @@ def openai_app(engine, options: ServerOptions, on_shutdown=None) -> FastAPI:
     @app.get("/health")
     async def health():
         err = engine.unavailable()
-        return {"status": "ok"} if err is None else err.response()
+        if err is not None:
+            return err.response()
+        return health_body() if health_body is not None else {"status": "ok"}
 
     return app
 

@@ -107,7 +107,7 @@ class AsyncEngine:
         if (ran := self.watchdog.stalled()) is not None:
             return APIError(
                 503,
-                f"the engine is stalled: its current step has run {ran:.0f} s, past the step timeout of "
+                f"the engine is stalled: its current step has run {ran:.1f} s, past the step timeout of "
                 f"{self.watchdog.timeout:g} s; it takes no requests until that step ends",
                 code="engine_stalled",
             )

@@ -89,7 +89,7 @@ class StepWatchdog:
                     continue  # it ended meanwhile
                 self._reported = step
             log.error(
-                "engine step stalled: running for %.0f s, past --step-timeout %g s; its requests: %s. "
+                "engine step stalled: running for %.1f s, past --step-timeout %g s; its requests: %s. "
                 "/health answers 503 engine_stalled until it ends",
                 ran,
                 self.timeout,
