@@ -52,8 +52,10 @@ class FakeReplica:
         self.events.publish([BlockStored(page_hashes(tokens, P), None, tokens, P)])
 
 
-def pending(tokens: list[int] | None, request_id: str) -> PendingRequest:
-    kwargs = {"route": {"token_ids": tokens, "text": ""}} if tokens is not None else {}
+def pending(tokens: list[int] | None, request_id: str, refused: list[str] | None = None) -> PendingRequest:
+    kwargs = (
+        {"route": {"token_ids": tokens, "text": "", "refused": refused or []}} if tokens is not None else {}
+    )
     return PendingRequest(
         args=[],
         kwargs=kwargs,
@@ -161,6 +163,26 @@ def test_replicas_beyond_the_slots_or_without_events_are_still_routed_to():
         r.update_replicas([a, b])
         assert list(r.slots) == [a.replica_id] and not r.subscribers  # a publishes nothing, b has no slot
         assert ids(await r.choose_replicas([a, b], pending(PREFIX, "1"))) == [["a"], ["b"]]
+        for x in (a, b):
+            x.events.close()
+
+    asyncio.run(run())
+
+
+def test_a_replica_that_refused_the_request_is_passed_over_when_it_is_routed_again():
+    """The ingress routes a request again when a replica refused it (503: its engine failed or is stalled,
+    until Ray's health check replaces it): the router passes that replica over, even where the request's
+    prefix is cached, unless no other is left."""
+
+    async def run():
+        r = router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        r.update_replicas([a, b])
+        stored_and_seen(r, b, PREFIX)
+        assert ids(await r.choose_replicas([a, b], pending(PREFIX, "1")))[0] == ["b"]  # the cache says b
+        assert ids(await r.choose_replicas([a, b], pending(PREFIX, "2", refused=["b"]))) == [["a"]]
+        everyone = pending(PREFIX, "3", refused=["a", "b"])
+        assert ids(await r.choose_replicas([a, b], everyone)) == [["b"], ["a"]]  # their 503 then stands
         for x in (a, b):
             x.events.close()
 

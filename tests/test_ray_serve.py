@@ -3,8 +3,10 @@ tiny model behind the ingress and the cache-aware request router (``dp.ray_route
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -12,9 +14,18 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray Serve is an optional dependency (pip install hydragen[ray])")
 from ray import serve  # noqa: E402
-from server_helpers import free_port, tiny_chat_model  # noqa: E402
+from server_helpers import HeldCalls, LiveServer, free_port, tiny_chat_model  # noqa: E402
+from starlette.requests import Request  # noqa: E402
 
-from hydragen.dp.ray_serve import APP_NAME, REPLICA_HEADER, build_app  # noqa: E402
+from hydragen.dp.ray_serve import (  # noqa: E402
+    APP_NAME,
+    REPLICA_HEADER,
+    HydragenIngress,
+    HydragenReplica,
+    build_app,
+)
+from hydragen.dp.router import RouteRequest  # noqa: E402
+from hydragen.server.options import ServerOptions  # noqa: E402
 
 MODEL = "tiny"
 # Four tenants' system prompts (~250 bytes = tokens): they differ from their first page on, as the chat
@@ -44,6 +55,147 @@ def test_ray_flags_are_one_line_errors_before_anything_starts(capsys, model):
         assert main(["serve", "--model", model, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and err.count("\n") == 1, (argv, err)
+
+
+# ---- a replica whose engine failed or is stuck (no cluster: the pieces Ray drives, driven here) ------------
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout  # a hang guard, not a speed assumption
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def health_raises(replica: HydragenReplica) -> str | None:
+    """What Ray's health check of the replica raises (None: it passes)."""
+    try:
+        replica.check_health()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_rays_health_check_fails_on_a_failed_or_stalled_engine_and_only_then(model):
+    """Ray Serve replaces a replica whose ``check_health`` raises: it must for a step stuck past the step
+    timeout (issue 39, defect 11; it passed before) and for a failed engine, not while the engine is merely
+    busy or draining. The replica's app and engine are real; the stall is a held forward."""
+    from hydragen import LLM
+
+    srv = LiveServer(LLM(model, kv_cache_tokens=4096), MODEL, ServerOptions(step_timeout=0.2))
+    replica = object.__new__(HydragenReplica)  # what check_health reads of a replica: its app
+    replica.app = srv.app
+    runner = srv.engine.runner
+    held = HeldCalls(runner.forward)
+    try:
+        assert health_raises(replica) is None
+        runner.forward = held
+        body = {"model": MODEL, "prompt": "stuck", "max_tokens": 2, "ignore_eos": True}
+        client = threading.Thread(
+            target=lambda: httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        )
+        client.start()
+        held.wait_arrivals(1)
+        wait_until(lambda: health_raises(replica) is not None, "the stall to fail the health check")
+        assert health_raises(replica).startswith("engine_stalled: ")
+        held.release()
+        client.join(timeout=60)
+        wait_until(lambda: health_raises(replica) is None, "the health check to pass again")
+        engine = srv.app.state.engine
+        engine.draining = True  # a shutdown in progress is no reason to replace it
+        assert health_raises(replica) is None
+        engine.draining = False
+
+        def failing_step():
+            raise RuntimeError("injected engine failure")
+
+        srv.engine.step = failing_step
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 500
+        assert health_raises(replica).startswith("engine_failed: ")
+    finally:
+        held.release()
+        srv.stop()
+
+
+class FakeCall:
+    """A replica's streamed answer, as the ingress reads a deployment handle's call."""
+
+    def __init__(self, replica: str, status: int, body: bytes):
+        self.parts = [
+            {"status": status, "headers": [(b"content-type", b"application/json")], "replica": replica}
+        ]
+        self.parts.append(body)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.parts:
+            raise StopAsyncIteration
+        return self.parts.pop(0)
+
+    def cancel(self) -> None:
+        self.parts.clear()
+
+
+class FakeHandle:
+    """The ingress's handle to the replicas: each call answered by the next (replica, status, body)."""
+
+    def __init__(self, answers: list[tuple[str, int, bytes]]):
+        self.answers, self.routes = answers, []
+
+    def remote(self, call, route):
+        self.routes.append(route)
+        return FakeCall(*self.answers.pop(0))
+
+
+def ingress_answer(answers: list[tuple[str, int, bytes]]) -> tuple[int, bytes, dict, list[dict]]:
+    """(status, body, headers) the ingress answers a completion with, the replicas answering ``answers``;
+    and the routes it called them with."""
+
+    class Prompts:
+        async def route_request(self, body: bytes, chat: bool) -> RouteRequest:
+            return RouteRequest([1, 2, 3])
+
+    ingress = object.__new__(HydragenIngress)
+    ingress.replicas, ingress.prompts, ingress.options = FakeHandle(answers), Prompts(), ServerOptions()
+    raw = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": []}
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def run():
+        response = await ingress(Request(scope, receive))
+        if hasattr(response, "body_iterator"):  # streamed through
+            body = b"".join([chunk async for chunk in response.body_iterator])
+        else:
+            body = response.body
+        return response.status_code, body, dict(response.headers)
+
+    status, body, headers = asyncio.run(run())
+    return status, body, headers, ingress.replicas.routes
+
+
+def refusal(code: str) -> bytes:
+    return json.dumps(
+        {"error": {"message": code, "type": "server_error", "param": None, "code": code}}
+    ).encode()
+
+
+def test_the_ingress_routes_a_request_refused_by_a_failed_replica_again():
+    """Until Ray's health check replaces a replica whose engine failed (or is stalled), that replica answers
+    every request at once with a 503 and looks idle; the ingress routes such a request again, the refusing
+    replica passed over, and only a replica's other answers reach the client."""
+    ok = json.dumps({"choices": []}).encode()
+    status, body, headers, routes = ingress_answer([("a", 503, refusal("engine_failed")), ("b", 200, ok)])
+    assert (status, body, headers[REPLICA_HEADER.lower()]) == (200, ok, "b")
+    assert [r["refused"] for r in routes] == [[], ["a"]] and routes[1]["token_ids"] == [1, 2, 3]
+    # Every replica refused (the router offered "a" again): its 503 goes to the client.
+    stalled = refusal("engine_stalled")
+    status, body, _, routes = ingress_answer([("a", 503, stalled), ("b", 503, stalled), ("a", 503, stalled)])
+    assert (status, body, [r["refused"] for r in routes]) == (503, stalled, [[], ["a"], ["a", "b"]])
+    # A 503 that is no refusal (draining for a shutdown) is the answer.
+    status, body, _, routes = ingress_answer([("a", 503, refusal("shutting_down"))])
+    assert (status, json.loads(body)["error"]["code"], len(routes)) == (503, "shutting_down", 1)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ replica), and asks ``choose_replicas`` for every request. Everything the router 
   once when it is ready, sent to routers with the replica's info), and ``update_replicas`` subscribes to
   every new replica's events and drops those of replicas that left (its cache is forgotten).
 * The request's prompt token ids: the ingress computes them (``dp.prompts``) and passes them as the
-  ``route`` keyword of the handle call, which the router reads from ``PendingRequest.kwargs``.
+  ``route`` keyword of the handle call, which the router reads from ``PendingRequest.kwargs``; with them,
+  the replicas that already refused the request (503: their engine failed or is stalled), which the
+  router passes over unless no other is left.
 * Load: a request counts as in flight from ``on_request_routed`` (the replica accepted it) to
   ``on_request_completed``. Both hooks run with Ray Serve's default strict ``max_ongoing_requests``;
   inside a Ray *client* context Ray skips the first one, and routing then goes on the cache alone.
@@ -28,10 +30,11 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from hydragen.dp.kv_events import KVEventSubscriber
-from hydragen.dp.router import Route, Router, RouteRequest
+from hydragen.dp.router import NoReplica, Route, Router, RouteRequest
 
 log = logging.getLogger("hydragen.dp")
-ROUTE_KWARG = "route"  # the handle call's keyword carrying {"token_ids": [...], "text": "..."}
+ROUTE_KWARG = "route"  # the handle call's keyword: {"token_ids": [...], "text": "...", REFUSED_KEY: [...]}
+REFUSED_KEY = "refused"  # the unique ids of the replicas that refused the request
 KV_EVENTS_KEY = "hydragen_kv_events"  # replica metadata: {"endpoint": ..., "replay_endpoint": ...}
 CHOSEN_KEPT = 4096  # choices awaiting Ray's on_request_routed, oldest dropped beyond this
 
@@ -110,10 +113,19 @@ class HydragenRequestRouter(RequestRouter):
         if pending_request is not None:
             # Our ranks name every candidate: when all are full, wait before asking again (no busy loop).
             pending_request.routing_context.should_backoff = True
+        refused = refused_by(pending_request)
+        willing = [r for r in candidate_replicas if r.replica_id.unique_id not in refused]
+        candidate_replicas = willing or candidate_replicas  # all refused: offered again, their 503 stands
         by_slot = {self.slots[r.replica_id]: r for r in candidate_replicas if r.replica_id in self.slots}
         if not by_slot:
             return [[r] for r in self._by_load(candidate_replicas)]
-        route = self.router.choose(route_request(pending_request))
+        passed_over = frozenset(
+            slot for rid, slot in self.slots.items() if rid.unique_id in refused and slot not in by_slot
+        )
+        try:
+            route = self.router.choose(route_request(pending_request), passed_over)
+        except NoReplica:
+            return [[r] for r in self._by_load(candidate_replicas)]
         if pending_request is not None:
             self.chosen[pending_request.metadata.internal_request_id] = route
             while len(self.chosen) > CHOSEN_KEPT:  # requests cancelled before Ray sent them are never routed
@@ -164,6 +176,12 @@ def route_request(pending: PendingRequest | None) -> RouteRequest:
     if not route:
         return RouteRequest(token_ids=[])
     return RouteRequest(token_ids=list(route.get("token_ids") or []), text=route.get("text") or "")
+
+
+def refused_by(pending: PendingRequest | None) -> set[str]:
+    """The unique ids of the replicas that refused this request already (the ingress says)."""
+    route = pending.kwargs.get(ROUTE_KWARG) if pending is not None else None
+    return set((route or {}).get(REFUSED_KEY) or ())
 
 
 def live_routers() -> list[HydragenRequestRouter]:

@@ -8,11 +8,14 @@ Two deployments (``build_app``):
   (``dp.asgi_call``), so a replica answers exactly as ``hydragen serve`` does, errors and streaming
   included. It publishes its prefix cache's KV events (``dp.kv_events``) on its node's address and gives
   that address to the router through ``record_replica_metadata``. Ray Serve health-checks it
-  (``check_health``: a failed engine restarts the replica).
+  (``check_health``: a failed engine, or a step stuck past ``--step-timeout``, makes Ray replace it).
 * ``HydragenIngress`` (behind Ray Serve's HTTP proxy): reads the body, computes the exact prompt token
   ids the replica will see (``dp.prompts``), and calls a replica through a handle whose request router is
   ``dp.ray_router.HydragenRequestRouter``; the replica's response streams back as it comes, with an
-  ``x-hydragen-replica`` header naming the replica. Its ``/metrics`` gives the router's figures.
+  ``x-hydragen-replica`` header naming the replica. A replica that refuses a request because its engine
+  cannot take it (503 ``engine_failed`` or ``engine_stalled``, until Ray's health check replaces it) never
+  took it, so the ingress routes it again, telling the router to pass that replica over. Its ``/metrics``
+  gives the router's figures.
 
 ``hydragen serve --ray`` runs it (``dp.ray_launch``); so does ``serve run hydragen.dp.ray_serve:app_builder``.
 """
@@ -31,9 +34,16 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from hydragen.distributed.checkpoint import read_config
 from hydragen.dp.asgi_call import call_asgi, http_scope
+from hydragen.dp.health import REFUSALS, server_verdict
 from hydragen.dp.kv_events import KVEventPublisher
 from hydragen.dp.prompts import RequestPrompts
-from hydragen.dp.ray_router import KV_EVENTS_KEY, ROUTE_KWARG, HydragenRequestRouter, live_routers
+from hydragen.dp.ray_router import (
+    KV_EVENTS_KEY,
+    REFUSED_KEY,
+    ROUTE_KWARG,
+    HydragenRequestRouter,
+    live_routers,
+)
 from hydragen.dp.router import POLICIES
 from hydragen.engine.engine import DEFAULT_PAGE_SIZE
 from hydragen.server.body import read_body
@@ -90,9 +100,10 @@ class HydragenReplica:
         }
 
     def check_health(self) -> None:
-        """Ray Serve calls it periodically; raising makes Ray replace this replica."""
-        if (err := self.app.state.engine.unavailable()) is not None and err.code == "engine_failed":
-            raise RuntimeError(err.message)
+        """Ray Serve calls it periodically; raising makes Ray replace this replica: when its engine failed,
+        or is stuck in a step past the step timeout (not while it drains for a shutdown)."""
+        if (err := self.app.state.engine.unavailable()) is not None and err.code in REFUSALS:
+            raise RuntimeError(f"{err.code}: {err.message}")
 
     async def handle(self, call: ReplicaCall, **_: Any):
         """One HTTP request through the app: first {"status", "headers", "replica"}, then body chunks.
@@ -145,22 +156,35 @@ class HydragenIngress:
             except APIError:
                 pass  # the replica refuses it with its own exact 4xx
         query = request.url.query.encode()
-        call = self.replicas.remote(
-            ReplicaCall(request.method, path, query, request.headers.raw, body, text), **{ROUTE_KWARG: route}
-        )
-        try:
-            head = await call.__anext__()
-        except Exception as e:  # the replica died before answering, or Ray could not reach it
-            call.cancel()
-            return replica_failed(e).response()
-        headers = {
-            k.decode("latin-1"): v.decode("latin-1")
-            for k, v in head["headers"]
-            if k.lower() not in DROPPED_HEADERS
-        }
-        headers[REPLICA_HEADER] = head["replica"]
-        events = headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(relay(call, events), status_code=head["status"], headers=headers)
+        replica_call = ReplicaCall(request.method, path, query, request.headers.raw, body, text)
+        refused: list[str] = []  # replicas that refused it: their engine cannot take requests
+        while True:
+            call = self.replicas.remote(
+                replica_call, **{ROUTE_KWARG: {**(route or {}), REFUSED_KEY: list(refused)}}
+            )
+            try:
+                head = await call.__anext__()
+            except Exception as e:  # the replica died before answering, or Ray could not reach it
+                call.cancel()
+                return replica_failed(e).response()
+            headers = {
+                k.decode("latin-1"): v.decode("latin-1")
+                for k, v in head["headers"]
+                if k.lower() not in DROPPED_HEADERS
+            }
+            headers[REPLICA_HEADER] = head["replica"]
+            if head["status"] != 503 or head["replica"] in refused:  # refused again: no other was left
+                events = headers.get("content-type", "").startswith("text/event-stream")
+                return StreamingResponse(relay(call, events), status_code=head["status"], headers=headers)
+            try:
+                answer = b"".join([chunk async for chunk in call])
+            except Exception as e:
+                return replica_failed(e).response()
+            verdict = server_verdict(503, answer)
+            if verdict is None:
+                return Response(answer, status_code=503, headers=headers)
+            log.warning("replica %s refused a request (%s); routing it again", head["replica"], verdict.code)
+            refused.append(head["replica"])
 
 
 async def relay(call, events: bool):
