@@ -6,7 +6,8 @@ sequences fits the first buffer: one broadcast per step.
 
 Commands: ``STEP`` (a packed batch: input ids, positions, slots, logit rows and the step-attention
 metadata's tensors), ``COPY`` (KV slot copies of the no-sharing baseline), ``SETUP`` (the KV pool's
-size and the attention kernel), ``NOOP`` (a heartbeat while rank 0 is idle), ``STOP``.
+size and the attention kernel), ``NOOP`` (a heartbeat while rank 0 is idle), ``STOP``, and ``REPORT``
+(after a step some worker's forward raised in: each worker sends its error's text, ``TPGroup.gather_texts``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from hydragen.attention.step_attention import StepAttentionMeta
 from hydragen.distributed.group import TPGroup
 from hydragen.engine.model_runner import PackedBatch
 
-STEP, COPY, SETUP, NOOP, STOP = range(5)
-NAMES = {STEP: "step", COPY: "copy", SETUP: "setup", NOOP: "noop", STOP: "stop"}
+STEP, COPY, SETUP, NOOP, STOP, REPORT = range(6)
+NAMES = {STEP: "step", COPY: "copy", SETUP: "setup", NOOP: "noop", STOP: "stop", REPORT: "report"}
 FIRST = 2048
 ATTENTION_CODES = ("auto", "fused", "torch", "none")
 KV_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)  # the KV pool's dtype in SETUP

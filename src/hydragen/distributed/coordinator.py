@@ -6,10 +6,12 @@ and then runs the same forward as every rank; ``TPPagePool.copy_slots`` broadcas
 no-sharing baseline. Every rank's pool has the same pages and slots (holding its own KV heads), so the
 one set of block tables rank 0 builds serves all ranks.
 
-Failure handling: before each command rank 0 checks that its spawned workers are alive; a collective that
-fails (a peer died or timed out) or any error after a step was sent leaves the ranks out of step, so the
-group is marked broken and every later step raises at once with the first reason. While idle, a heartbeat
-keeps the workers' wait for the next command under the collective timeout.
+Failure handling: a forward that raises on some ranks is finished in step by all of them
+(``lockstep.py``): rank 0 then raises that rank's error as an ordinary exception, and the engine ends the
+request it belongs to, as in one process. Before each command rank 0 checks that its spawned workers are
+alive; a collective that fails (a peer died, hung past the timeout, or disagreed), or anything else that
+leaves the ranks out of step, marks the group broken, and every later step raises at once with the first
+reason. While idle, a heartbeat keeps the workers' wait for the next command under the collective timeout.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from collections.abc import Callable
 import torch
 
 from hydragen.distributed import commands
-from hydragen.distributed.group import TPGroup, collective_timeout
+from hydragen.distributed.group import CollectiveError, TPGroup, collective_timeout
+from hydragen.distributed.lockstep import RankFailed, run_step
 from hydragen.engine.isolation import EngineBroken
 from hydragen.engine.model_runner import ModelRunner, PackedBatch
 from hydragen.kv.pool import PagePool
+
+DEATH_GRACE_S = 1.0
 
 
 class TPGroupBroken(EngineBroken):
@@ -57,10 +62,17 @@ class Coordinator:
             raise TPGroupBroken(f"tensor-parallel group is down: {self.broken}")
 
     def fail(self, why: BaseException | str) -> None:
+        """Mark the group broken, naming a dead worker if there is one: a collective with a killed peer
+        fails as the peer's sockets close, a moment before its process can be reaped, so a failed
+        collective waits up to DEATH_GRACE_S for that."""
         if self.broken is None:
             dead = self.dead_workers()
+            deadline = time.monotonic() + (DEATH_GRACE_S if isinstance(why, CollectiveError) else 0.0)
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.01)
+                dead = self.dead_workers()
             reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}".strip()
-            self.broken = "; ".join(dead) if dead else f"a step failed part-way ({reason})"
+            self.broken = "; ".join(dead) or f"the ranks could not finish a step together ({reason})"
 
     def send(self, command: int, payload: torch.Tensor | None = None) -> None:
         with self.lock:
@@ -72,6 +84,13 @@ class Coordinator:
                 self.check()
                 raise
             self.last_sent = time.monotonic()
+
+    def report(self) -> str:
+        """The errors the workers met in the last step, one line; "" when none did (a REPORT round)."""
+        with self.lock:
+            self.send(commands.REPORT)
+            texts = self.group.gather_texts("")
+        return "; ".join(f"tensor-parallel rank {rank}: {text}" for rank, text in enumerate(texts) if text)
 
     def stop(self) -> bool:
         """Tell the workers to exit; False when they could not be told (broken group)."""
@@ -126,10 +145,22 @@ class TPRunner(ModelRunner):
         self.coordinator.send(commands.SETUP, torch.tensor([pool.num_pages, pool.page_size, code, kv_code]))
 
     def forward(self, batch: PackedBatch) -> torch.Tensor | None:
-        with self.coordinator.lock:
-            self.coordinator.send(commands.STEP, commands.pack_step(batch))
+        """Every rank's forward of ``batch``; the full logits of its sampling rows. A forward that raised on
+        some ranks raises here as an ordinary exception (rank 0's own, or ``RankFailed`` with a worker's);
+        ``TPGroupBroken`` when the ranks could not finish the step together."""
+        coordinator = self.coordinator
+        with coordinator.lock:
+            coordinator.send(commands.STEP, commands.pack_step(batch))
             try:
-                return super().forward(batch)
-            except BaseException as e:  # the other ranks may be inside a collective rank 0 never joins
-                self.coordinator.fail(e)
-                raise TPGroupBroken(f"tensor-parallel group is down: {self.coordinator.broken}") from e
+                outcome = run_step(super().forward, self.model, batch)
+                failures = coordinator.report() if outcome.error is None and outcome.worker_flagged else ""
+                if failures:
+                    raise RankFailed(failures)
+            except RankFailed:
+                raise
+            except BaseException as e:  # the ranks may now be out of step: the group is done
+                coordinator.fail(e)
+                raise TPGroupBroken(f"tensor-parallel group is down: {coordinator.broken}") from e
+            if outcome.error is not None:
+                raise outcome.error  # rank 0's own, after every rank finished the step
+            return outcome.logits

@@ -6,7 +6,9 @@ LLMs, and one that also uses torch.distributed for its own work keeps its defaul
 group carries everything. On CUDA the step's metadata (CPU tensors) goes through gloo and activations
 through NCCL, as vLLM splits them. Every collective is bounded by the timeout (``HYDRAGEN_TP_TIMEOUT``
 seconds, 300 by default), so a peer that hangs becomes an error, never a wait forever; a peer that dies
-closes its connections, which fails the collective at once.
+closes its connections, which fails the collective at once. A collective that raises is a
+``CollectiveError``: the group is then out of step for good (a gloo group that failed cannot be reused),
+unlike a rank's own computation raising, which ``lockstep.py`` recovers from.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+TEXT_BYTES = 1024  # a gathered error message, UTF-8, cut to this
+
+
+class CollectiveError(RuntimeError):
+    """A collective itself failed (a peer died, hung past the timeout, or disagreed): the group is done."""
 
 
 def collective_timeout() -> float:
@@ -64,22 +71,40 @@ class TPGroup:
     device: torch.device
     control: object = field(repr=False)
     data: object = field(repr=False)
+    issued: int = field(default=0, repr=False)  # all-reduces issued since the step began (lockstep.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.data.allreduce([x]).wait()
+        self.issued += 1  # counted before the call: a Ctrl-C is raised after a call returns, never before it
+        try:
+            self.data.allreduce([x]).wait()
+        except Exception as e:
+            raise CollectiveError(f"all-reduce failed: {e}") from e
         return x
 
-    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's ``x`` (same shape on all ranks) on rank 0, in rank order; None elsewhere."""
+    def gather_to_first(self, x: torch.Tensor, control: bool = False) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (same shape on all ranks) on rank 0, in rank order; None elsewhere.
+        ``control``: through the control group (CPU tensors), not the data group."""
         x = x.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        if self.rank == 0:
-            parts = [torch.empty_like(x) for _ in range(self.world)]
-            self.data.gather([parts], [x], opts).wait()
-            return parts
-        self.data.gather([], [x], opts).wait()
-        return None
+        pg = self.control if control else self.data
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
+        try:
+            pg.gather([parts] if parts is not None else [], [x], opts).wait()
+        except Exception as e:
+            raise CollectiveError(f"gather failed: {e}") from e
+        return parts
+
+    def gather_texts(self, text: str) -> list[str] | None:
+        """Every rank's ``text`` (UTF-8, cut to TEXT_BYTES) on rank 0, in rank order; None elsewhere."""
+        data = text.encode()[:TEXT_BYTES]
+        buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = self.gather_to_first(buf, control=True)
+        if parts is None:
+            return None
+        return [bytes(p.tolist()).rstrip(b"\0").decode(errors="replace") for p in parts]
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's CPU tensor ``x`` into every rank's ``x`` (the control channel)."""

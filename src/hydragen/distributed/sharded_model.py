@@ -1,12 +1,16 @@
 """A rank's shard of the Llama-family model: the same forward, on its heads, columns and vocabulary rows.
 
 ``LlamaModel`` built from the rank's local config already computes column-parallel q/k/v and gate/up and
-attends over its own heads; this class adds the three places that talk to the other ranks:
+attends over its own heads; this class adds the places that talk to the other ranks:
 
 * the embedding looks up only the ids in its vocabulary shard (zeros elsewhere) and all-reduces, which is
   exact (each row has one non-zero contribution);
 * ``reduce`` all-reduces the partial outputs of the row-parallel o and down projections (two per layer);
-* ``logits`` computes its vocabulary shard's logits and gathers them on rank 0, which samples.
+* ``logits`` (inherited) computes its vocabulary shard's logits [R, vocab_rows]; the step gathers every
+  rank's on rank 0, which samples (``lockstep.py``, ``full_logits``).
+
+So every forward issues the same all-reduces on every rank, 1 + 2 per layer, each of [tokens, hidden] in
+the model's dtype: ``finish_reduces`` issues the ones a rank whose forward raised did not reach.
 """
 
 from __future__ import annotations
@@ -38,10 +42,22 @@ class ShardedLlamaModel(LlamaModel):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(partial)
 
+    @property
+    def vocab_rows(self) -> int:
+        """The rows of every rank's vocabulary shard (equal on all ranks)."""
+        return self.embed.num_embeddings
+
+    def full_logits(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's logits shard, in rank order, as the full-vocabulary logits [R, V]."""
+        return torch.cat(shards, dim=1)[:, : self.full_vocab]
+
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, normalized: bool = True) -> torch.Tensor | None:
-        """Full-vocabulary logits [B, V] (fp32) on rank 0; None on the other ranks."""
-        parts = self.group.gather_to_first(super().logits(hidden, normalized))
-        if parts is None:
-            return None
-        return torch.cat(parts, dim=1)[:, : self.full_vocab]
+    def finish_reduces(self, tokens: int) -> None:
+        """Issue, with zeros, this forward's all-reduces that this rank has not reached (its forward raised
+        part-way), so that no other rank waits in one this rank never joins."""
+        total = 1 + 2 * len(self.layers)
+        if self.group.issued >= total:
+            return
+        filler = torch.zeros(tokens, self.norm.shape[0], dtype=self.norm.dtype, device=self.group.device)
+        while self.group.issued < total:
+            self.group.all_reduce(filler.zero_())

@@ -2,9 +2,11 @@
 
 A worker holds its model shard and a page pool of the same pages as rank 0's (its own KV heads). It keeps
 no scheduler state: each ``STEP`` brings the whole packed batch, and the forward's collectives (two
-all-reduces per layer, the embedding's all-reduce, the logits' gather) meet rank 0's. An error inside a
-step ends the worker with a non-zero exit code: rank 0 then sees a failed collective or a dead worker,
-which fails the requests instead of leaving any rank waiting.
+all-reduces per layer, the embedding's all-reduce, the logits' gather) meet rank 0's. A forward that
+raises here is finished in step with the others (``lockstep.py``): the worker keeps its error for rank 0's
+``REPORT``, prints the traceback, and waits for the next command. Anything else that fails (a collective,
+a command it cannot read) ends the worker with a non-zero exit code: rank 0 then sees a failed collective
+or a dead worker, which fails the requests instead of leaving any rank waiting.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from hydragen.distributed import commands
 from hydragen.distributed.group import TPGroup
+from hydragen.distributed.lockstep import run_step
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.kv.pool import PagePool
 
@@ -24,6 +27,7 @@ def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
     """Run commands until STOP (returns 0) or a failure (returns 1, after printing why)."""
     device = group.device
     runner: ModelRunner | None = None
+    last_error = ""  # this rank's error in the last step, for rank 0's REPORT
     while True:
         try:
             command, payload = commands.receive(group)
@@ -46,7 +50,13 @@ def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
             elif command == commands.COPY:
                 runner.pool.copy_slots(*commands.unpack_copy(payload, device))
             elif command == commands.STEP:
-                runner.forward(commands.unpack_step(payload, device))
+                outcome = run_step(runner.forward, runner.model, commands.unpack_step(payload, device))
+                last_error = _describe(outcome.error)
+                if outcome.error is not None:
+                    print(f"hydragen: tensor-parallel rank {group.rank}: its step failed:", file=sys.stderr)
+                    traceback.print_exception(outcome.error, file=sys.stderr)
+            elif command == commands.REPORT:
+                group.gather_texts(last_error)
             else:
                 raise ValueError(f"unknown command {command}")
         except Exception:  # noqa: BLE001
@@ -54,3 +64,10 @@ def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
             print(f"hydragen: tensor-parallel rank {group.rank} failed in {name}:", file=sys.stderr)
             traceback.print_exc()
             return 1
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
