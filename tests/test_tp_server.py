@@ -1,19 +1,26 @@
 """The server under tensor parallelism, as processes: `hydragen serve --tensor-parallel-size 2` answers as
-TP = 1 does, a killed worker turns into OpenAI-shaped errors (never a hang), and nothing outlives it; and
-`torchrun --nproc-per-node 2 -m hydragen serve` on localhost with TCP rendezvous (the README's command)."""
+TP = 1 does, a request whose forward fails (on every rank, or on the worker only) gets its error while the
+others complete, a worker killed during requests turns every one in flight into an OpenAI-shaped error
+(never a hang), and nothing outlives it; and `torchrun --nproc-per-node 2 -m hydragen serve` on localhost
+with TCP rendezvous (the README's command)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from server_helpers import all_gone, free_port, tiny_chat_model
 from test_server_process import Lines
+from tp_faults import ENV as FAULTS_ENV
+from tp_faults import SITE as FAULTS_SITE
 
 from hydragen import LLM, SamplingParams
 
@@ -21,6 +28,12 @@ READY = r"ready: serving 'tiny' on (http://127\.0\.0\.1:\d+)/v1"
 PROMPT = "shared prefix, then a question"
 MAX_TOKENS = 8
 TP_TIMEOUT = 600  # seconds: the collective timeout the servers here run under
+SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
+STEP_DELAY = 0.02  # seconds before every engine step: a request of N tokens is in flight >= N x this
+FAULTS = [  # a prompt holding the token fails its forward on those ranks (tests/tp_faults.py)
+    {"token": 250, "ranks": [0, 1], "at": 1},
+    {"token": 252, "ranks": [1], "at": 1},
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +49,21 @@ def expected_text(chat_model) -> str:
     return out[0].outputs[0].text
 
 
-def _env() -> dict[str, str]:
+def _env(faults: list[dict] | None = None) -> dict[str, str]:
+    """The servers' environment; ``faults`` are installed on every rank (tests/tp_faults.py)."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    path = os.pathsep.join(p for p in [src, os.environ.get("PYTHONPATH", "")] if p)
-    return {
+    site = FAULTS_SITE if faults else ""
+    path = os.pathsep.join(p for p in [src, site, os.environ.get("PYTHONPATH", "")] if p)
+    env = {
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
         "HYDRAGEN_API_KEY": "",
         "PYTHONPATH": path,
         "HYDRAGEN_TP_TIMEOUT": str(TP_TIMEOUT),
     }
+    if faults:
+        env[FAULTS_ENV] = json.dumps(faults)
+    return env
 
 
 def _serve_args(model: str) -> list[str]:
@@ -62,9 +80,32 @@ def _serve_args(model: str) -> list[str]:
     ]
 
 
-def _complete(url: str) -> httpx.Response:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+def _complete(url: str, prompt: str | list[int] = PROMPT) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def _concurrently(calls: dict) -> dict:
+    """Run the zero-argument ``calls`` on threads at once; their results by name."""
+    results: dict = {}
+    threads = [threading.Thread(target=lambda k=k, f=f: results.update({k: f()})) for k, f in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def _stream_events(url: str, started: threading.Event) -> list[str]:
+    """A long streamed completion's ``data:`` payloads; ``started`` is set at its first one."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                started.set()
+                events.append(line[6:])
+    return events
 
 
 def _descendants(pid: int) -> list[int]:
@@ -81,13 +122,13 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def test_serve_tp2_answers_like_tp1_and_a_killed_worker_is_an_error(chat_model, expected_text) -> None:
+def test_serve_tp2_fails_a_request_alone_and_a_killed_worker_is_an_error(chat_model, expected_text) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hydragen", *_serve_args(chat_model), "--tensor-parallel-size", "2"],
+        [sys.executable, SLOWED, str(STEP_DELAY), *_serve_args(chat_model), "--tensor-parallel-size", "2"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=_env(FAULTS),
     )
     lines = Lines(proc)
     try:
@@ -100,13 +141,38 @@ def test_serve_tp2_answers_like_tp1_and_a_killed_worker_is_an_error(chat_model, 
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert again.json()["choices"][0]["text"] == expected_text
 
+        # Requests whose forward fails get their own error; the one sent with them completes.
+        replies = _concurrently(
+            {
+                "every rank": lambda: _complete(url, [60, 61, 250, 62]),
+                "worker only": lambda: _complete(url, [70, 71, 252, 72]),
+                "innocent": lambda: _complete(url),
+            }
+        )
+        for name, token in [("every rank", 250), ("worker only", 252)]:
+            error = replies[name].json()["error"]
+            assert replies[name].status_code == 500 and error["code"] == "request_failed", error
+            assert f"injected fault on token {token}" in error["message"]
+        assert replies["innocent"].status_code == 200
+        assert replies["innocent"].json()["choices"][0]["text"] == expected_text
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+        # SIGKILL (running out of memory, on a CPU) during three requests: each gets an error event.
+        started = [threading.Event() for _ in range(3)]
+        calls = {i: lambda e=e: _stream_events(url, e) for i, e in enumerate(started)}
+        streams = threading.Thread(target=lambda: replies.update(_concurrently(calls)))
+        streams.start()
+        assert all(e.wait(60) for e in started)
         os.kill(workers[0], signal.SIGKILL)
-        assert all_gone(workers)
         start = time.monotonic()
-        failed = _complete(url)
-        assert failed.status_code in (500, 503)
-        error = failed.json()["error"]
-        assert "worker rank 1" in error["message"] and "SIGKILL" in error["message"] and error["code"]
+        streams.join(timeout=120)
+        assert all_gone(workers)
+        for i in range(3):
+            events = replies[i]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == "engine_failed", error
+            assert "worker rank 1" in error["message"] and "SIGKILL" in error["message"]
         later = _complete(url)
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_failed"
         assert httpx.get(f"{url}/health", timeout=10).status_code == 503
