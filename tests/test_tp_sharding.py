@@ -182,3 +182,40 @@ def test_cli_refuses_a_bad_split_with_one_line(tiny_models, capsys) -> None:
         "error: cannot split 4 attention heads over 3 ranks: tensor_parallel_size must divide the number of "
         "attention heads (sizes that work for this model: 1, 2, 4)"
     ]
+
+
+class _RecordingGroup:
+    """A one-process stand-in for rank 0's TPGroup: every all-reduce is counted, recorded and left as is."""
+
+    rank, world, device = 0, 2, CPU
+
+    def __init__(self, issued: int = 0):
+        self.issued, self.seen = issued, []
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.issued += 1
+        self.seen.append((tuple(x.shape), x.dtype))
+        return x
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("llama", torch.float32), ("qwen2", torch.bfloat16), ("llama3_mqa", torch.float16)],
+)
+def test_a_rank_that_failed_part_way_issues_the_all_reduces_the_others_do(tiny_models, name, dtype) -> None:
+    """``finish_reduces`` after any number of a forward's all-reduces issues exactly the rest of them, in
+    shape and dtype (a mismatch would leave the ranks out of step); the logits shard has vocab_rows
+    columns, the shape a failed rank's NaN shard takes (lockstep.py)."""
+    from hydragen.bench.quant_accuracy import plain_attention
+
+    net, cfg, _, shard = load_shard(tiny_models[name], 0, 2, CPU, dtype)
+    net.attach(_RecordingGroup(), shard.vocab[0], cfg.vocab_size)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    hidden = net(ids, torch.arange(len(ids)), plain_attention)
+    healthy = net.group.seen
+    assert len(healthy) == 1 + 2 * cfg.num_layers
+    assert net.logits(hidden[-2:]).shape == (2, net.vocab_rows)
+    for reached in range(len(healthy) + 1):
+        net.group = _RecordingGroup(issued=reached)
+        net.finish_reduces(len(ids))
+        assert net.group.seen == healthy[reached:], reached
