@@ -20,6 +20,7 @@ together; it propagates, and the group is down.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ def run_step(forward: Callable[[PackedBatch], torch.Tensor | None], model, batch
     parts = group.gather_to_first(shard)
     if parts is None:
         return StepOutcome(None, error)
-    flagged = bool(torch.stack([part.view(-1)[0] for part in parts[1:]]).isnan().any())
+    flagged = any(math.isnan(part.view(-1)[0].item()) for part in parts[1:])  # one read a worker
     if error is not None or not rows:
         return StepOutcome(None, error, flagged)
     try:
