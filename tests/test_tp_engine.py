@@ -178,10 +178,10 @@ while True:
 """
 
 
-@pytest.mark.parametrize("how", ["exit", "ctrl-c"])
+@pytest.mark.parametrize("how", ["exit", "ctrl-c", "sigkill"])
 def test_no_worker_outlives_its_program(tiny_models, how) -> None:
-    """A program that exits without close(), or is stopped with Ctrl-C mid-generation, takes its workers
-    with it."""
+    """A program that exits without close(), is stopped with Ctrl-C mid-generation, or is SIGKILLed
+    mid-generation (what running out of memory is on a CPU) takes its workers with it."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
@@ -194,10 +194,10 @@ def test_no_worker_outlives_its_program(tiny_models, how) -> None:
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 1, proc.stderr.read()
-        if how == "ctrl-c":
+        if how != "exit":
             assert proc.stdout.readline().strip() == "generating"
             time.sleep(0.5)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         proc.kill()
