@@ -16,12 +16,12 @@ from hydragen.bench.tool_calls import call_problems, random_tools, run_tool_requ
 from hydragen.engine.sampling_params import ParamError
 from hydragen.tools.formats import GENERIC, HERMES, LLAMA3_JSON, detect_format
 from hydragen.tools.grammar import tool_grammar
-from hydragen.tools.parser import parse, scan
+from hydragen.tools.parser import CallScanner, Content, parse
 from hydragen.tools.render import template_messages
 from hydragen.tools.request import ToolRequest
 from hydragen.tools.spec import ToolChoice, parse_tool_choice, parse_tools
 from hydragen.tools.stream import ToolCallStream
-from tests.tool_helpers import tiny_tool_model, tool_json
+from tests.tool_helpers import arguments_parse, tiny_tool_model, tool_json
 
 WEATHER = tool_json(
     "get_weather", {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}
@@ -124,7 +124,7 @@ def test_parse_whole_and_streamed_agree(fmt, reply):
         got_content, got_calls = "", {}
         for at in range(0, len(reply), step):
             final = at + step >= len(reply)
-            for delta in stream.feed(reply[at : at + step], final=final):
+            for delta in stream.feed(reply[at : at + step], "stop" if final else None):
                 got_content += delta.get("content", "")
                 for tc in delta.get("tool_calls", []):
                     entry = got_calls.setdefault(
@@ -136,20 +136,94 @@ def test_parse_whole_and_streamed_agree(fmt, reply):
         assert [(v["name"], v["arguments"]) for _, v in sorted(got_calls.items())] == [
             (c.name, c.arguments) for c in calls
         ]
-        assert all(v["id"].startswith("call_") for v in got_calls.values()) and stream.closed == 2
+        assert all(v["id"].startswith("call_") for v in got_calls.values()) and stream.complete == 2
 
 
-def test_unfinished_call_is_not_returned():
+def test_unfinished_call_is_returned_only_when_cut():
     cut = HERMES_REPLY[: HERMES_REPLY.rindex('"b"')]
     content, calls = parse(cut, HERMES)
     assert [c.name for c in calls] == ["get_weather"] and content == "Let me look."
-    assert scan(cut, HERMES, final=True).calls[-1].name == "add"
+    content, calls = parse(cut, HERMES, cut=True)  # finish_reason "length": as far as it was written
+    assert [(c.name, c.complete) for c in calls] == [("get_weather", True), ("add", False)]
+    assert calls[1].arguments == '{"a": 1, ' and content == "Let me look."
 
 
 def test_text_that_only_looks_like_a_marker_stays_text():
     assert parse("a <tool_ is not a call", HERMES) == ("a <tool_ is not a call", [])
-    assert scan("answer <tool_c", HERMES, final=False).content == "answer"  # held back: may be a marker
+    events = CallScanner(HERMES).feed("answer <tool_c")  # held back: it may be a marker
+    assert events == [Content("answer")]
     assert parse("Hello {there}", LLAMA3_JSON) == ("Hello {there}", [])
+
+
+def _accumulate(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments)]) as a client accumulates OpenAI deltas."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for tc in delta.get("tool_calls", []):
+            entry = calls.setdefault(tc["index"], ["", ""])
+            entry[0] += tc["function"].get("name", "")
+            entry[1] += tc["function"].get("arguments", "")
+    return content, [tuple(v) for _, v in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("fmt, reply", [(HERMES, HERMES_REPLY), (LLAMA3_JSON, LLAMA_REPLY)])
+def test_a_reply_cut_anywhere_streams_what_it_returns(fmt, reply):
+    """A reply cut at every character, by max_tokens ("length") or by a stop ("stop"), fed in pieces:
+    the deltas add up to what the unstreamed reply returns, and arguments that do not parse come only with
+    "length", as the last call. Without stop strings the stream sends arguments as written (a reply ends
+    inside a call only at max_tokens); with them (whole_calls) it sends each call once complete."""
+    for end in range(len(reply) + 1):
+        text = reply[:end]
+        for reason in ("length", "stop"):
+            content, calls = parse(text, fmt, cut=reason == "length")
+            expected = (content or "", [(c.name, c.arguments) for c in calls])
+            broken = [i for i, (_, arguments) in enumerate(expected[1]) if not arguments_parse(arguments)]
+            assert broken == (
+                [len(calls) - 1] if reason == "length" and calls and not calls[-1].complete else []
+            )
+            for whole_calls in (False, True) if reason == "length" else (True,):
+                for step in (1, 5):
+                    stream = ToolCallStream(fmt, whole_calls)
+                    deltas = []
+                    for at in range(0, len(text), step):
+                        deltas += stream.feed(text[at : at + step])
+                    deltas += stream.feed("", reason)
+                    assert _accumulate(deltas) == expected, (text, reason, whole_calls, step)
+                    assert stream.complete == sum(c.complete for c in calls)
+
+
+def test_whole_calls_are_sent_once_complete():
+    stream = ToolCallStream(HERMES, whole_calls=True)
+    head = '<tool_call>\n{"name": "add", "arguments": {"a": 1, '
+    assert stream.feed(head) == []  # held: a stop string could still cut it
+    deltas = stream.feed('"b": 2}}\n</tool_call>')
+    assert [list(d["tool_calls"][0]) for d in deltas] == [
+        ["index", "id", "type", "function"],
+        ["index", "function"],
+    ]
+    assert deltas[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
+def test_streaming_work_per_piece_is_bounded(fmt):
+    """A reply with 30,000 characters of arguments, streamed one character at a time: the scanner examines
+    each piece plus at most a header's worth of held-back text (counted, not timed), so the work for a
+    piece does not grow with the reply (a scan of the whole reply per piece would examine ~4.5 * 10^8)."""
+    from hydragen.tools.parser import MAX_HEADER
+
+    first = fmt.call_text("note", json.dumps({"body": "x" * 20_000, "tags": [{"a": "}{"}]}))
+    reply = first + fmt.separator + fmt.call_text("add", json.dumps({"a": '\\"' * 10_000}))
+    stream = ToolCallStream(fmt)
+    work, deltas = [], []
+    for ch in reply:
+        before = stream.scanner.scanned
+        deltas += stream.feed(ch)
+        work.append(stream.scanner.scanned - before)
+    deltas += stream.feed("", "stop")
+    assert _accumulate(deltas) == ("", [(c.name, c.arguments) for c in parse(reply, fmt)[1]])
+    assert stream.complete == 2
+    assert max(work) <= MAX_HEADER and sum(work) <= 2 * len(reply)
 
 
 # ---- grammar -----------------------------------------------------------------------------------------
@@ -275,6 +349,26 @@ def test_chat_returns_parsed_calls(llms, kind):
         llm.chat(ASK, so, tools=TOOLS, tool_choice="required", use_tqdm=False)
 
 
+NOTE = tool_json("note", {"title": {"type": "string", "maxLength": 8}, "body": {"type": "string"}})
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama3", "llama_sp"])
+def test_chat_returns_a_cut_call_as_the_server_does(llms, kind):
+    """Offline, as on the server (tests/test_tools_server.py::test_a_cut_call_is_the_same_streamed_and_not):
+    a greedy reply cut by max_tokens inside the call returns it as far as it was written, with
+    ``complete`` False and finish_reason "length"; cut by a stop string, it returns no call."""
+    llm = llms[kind]
+    cut = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=60), tools=[NOTE], tool_choice="required")
+    c = cut[0].outputs[0]
+    assert c.finish_reason == "length" and c.content is None
+    assert [(t.name, t.complete) for t in c.tool_calls] == [("note", False)]
+    assert c.tool_calls[0].arguments.startswith('{"title": ') and c.tool_calls[0].arguments in c.text
+    assert not arguments_parse(c.tool_calls[0].arguments)
+    stopped = SamplingParams(temperature=0, max_tokens=120, stop=['"body"'])
+    c = llm.chat(ASK, stopped, tools=[NOTE], tool_choice="required")[0].outputs[0]
+    assert c.finish_reason == "stop" and c.tool_calls == [] and c.text.endswith('", ')
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama3", "llama_sp"])
 def test_required_and_named_calls_are_always_valid(llms, kind):
     """120 requests, each with its own random tool set (1-8 functions with nested, bounded schemas),
@@ -332,6 +426,33 @@ def test_chat_shows_calls_and_asks_for_results(llms):
     prompts = [int(n) for n in re.findall(r"prompt (\d+) tokens", err.getvalue())]
     result_tokens = len(llm.tokenizer.encode("sunny, 21 C", add_special_tokens=False))
     assert len(prompts) == 2 and prompts[1] > prompts[0] + result_tokens  # the call and its result
+
+
+def test_chat_shows_a_cut_call_and_runs_none(llms):
+    """A reply cut by --max-tokens inside its call: the chat shows the call as the server returns it (as far
+    as it was written, marked), says that it runs no call of a cut reply, and asks for no result."""
+    import io
+
+    from hydragen.chat import Chat
+    from hydragen.chat_tools import ChatTools
+
+    llm = llms["qwen2"]
+    out, err = io.StringIO(), io.StringIO()
+    chat = Chat(
+        llm,
+        SamplingParams(temperature=0, max_tokens=1),
+        4096,
+        max_tokens=60,
+        tools=ChatTools(llm, [NOTE], "required"),
+        stdin=io.StringIO("Take a note.\nnot a result\n"),
+        stdout=out,
+        stderr=err,
+    )
+    assert chat.run(0.0) == 0
+    shown = out.getvalue()
+    assert '-> note({"title": ' in shown and shown.count("[cut off by max_tokens]") == 2  # two turns
+    assert "<tool_call>" not in shown and err.getvalue().count("its calls are not run") == 2
+    assert chat.history[-1] == {"role": "assistant", "content": ""}  # the next line was a user turn
 
 
 def test_chat_tools_file_is_checked_before_loading(tmp_path, capsys, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 
 from hydragen import LLM
 from tests.server_helpers import LiveServer
-from tests.tool_helpers import tiny_tool_model, tool_json
+from tests.tool_helpers import arguments_parse, tiny_tool_model, tool_json
 
 openai = pytest.importorskip("openai")
 
@@ -161,3 +161,45 @@ def test_literal_json_schema_reaches_the_tool_grammar(live):
         )
         (source,) = set(compiled) - before
         assert ('"additionalProperties": false' in source.text) != literal
+
+
+# ---- a call cut by max_tokens or a stop string -------------------------------------------------------
+NOTE = tool_json("note", {"title": {"type": "string", "maxLength": 8}, "body": {"type": "string"}})
+
+
+def _accumulated(live, **kw):
+    """The streamed reply's choices as the openai SDK's stream accumulator holds them (its
+    get_final_completion raises LengthFinishReasonError on a cut reply, so its snapshot)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState()
+    for chunk in _create(live, stream=True, **kw):
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot.choices
+
+
+@pytest.mark.parametrize("cut", [{"max_tokens": 60}, {"stop": ['"body"']}], ids=["max_tokens", "stop"])
+def test_a_cut_call_is_the_same_streamed_and_not(live, cut):
+    """The same greedy request, cut inside its call's arguments (by max_tokens: finish_reason "length"; by
+    a stop string: "stop"), gives the same content, calls and finish_reason streamed (as the openai SDK
+    accumulates it) and not. Arguments that do not parse are handed over only with "length", and then only
+    as the last call: the unfinished one, as far as it was written."""
+    kw = {"tools": [NOTE], "tool_choice": "required", "temperature": 0, **cut}
+    whole = _create(live, **kw).choices[0]
+    (streamed,) = _accumulated(live, **kw)
+    length = "max_tokens" in cut
+    assert whole.finish_reason == streamed.finish_reason == ("length" if length else "stop")
+
+    def calls(message):
+        return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+    assert calls(streamed.message) == calls(whole.message)
+    assert (streamed.message.content or None) == whole.message.content
+    broken = [i for i, (_, arguments) in enumerate(calls(whole.message)) if not arguments_parse(arguments)]
+    if length:  # the cut call is returned as far as it was written, named, after any finished ones
+        assert broken == [len(calls(whole.message)) - 1]
+        assert calls(whole.message)[-1][0] == "note"
+        assert calls(whole.message)[-1][1].startswith('{"title": ')
+    else:  # a stop string ended the reply inside the call: the call is not handed over at all
+        assert broken == [] and calls(whole.message) == []
+    live.assert_no_leak()

@@ -156,3 +156,12 @@ def tool_json(name: str, properties: dict, required: list[str] | None = None, de
 
 def dumps(value) -> str:
     return json.dumps(value)
+
+
+def arguments_parse(arguments: str) -> bool:
+    """Whether a call's ``arguments`` text is JSON (a call cut by max_tokens has text that is not)."""
+    try:
+        json.loads(arguments)
+    except json.JSONDecodeError:
+        return False
+    return True

@@ -186,14 +186,17 @@ class Chat:
         with interrupt_flag() as stop:
             result = stream_request(self.llm.loop, ids, params, on_text=self._write, should_stop=stop)
         text, calls = result.texts[0], []
+        reason = result.output.outputs[0].finish_reason if result.output is not None else None
         if tools is not None:
             self.stdout.write(tools.visible("", final=True))
-            reason = result.output.outputs[0].finish_reason if result.output is not None else None
             content, calls = tools.reply(text, reason) if not result.stopped else (text, [])
             text = content or ""
             for call in calls:
                 print(f"\n{show_call(call)}", end="", file=self.stdout)
         print(file=self.stdout, flush=True)
+        if calls and reason == "length":  # as the server's client sees it: a cut reply, not calls to run
+            self._note("(the reply was cut short, finish_reason length: its calls are not run)")
+            calls = []
         reused = (stats.prompt_tokens - prompt0) - (stats.prefill_tokens - computed0)
         self._note(turn_summary(result, len(ids), reused))
         threads = self.llm.engine.threads

@@ -4,7 +4,9 @@
 ``{"type": "function", "function": {...}}``, or an object with such a list under ``"tools"``). A reply's
 text streams as usual; each call the model makes is shown as ``-> get_weather(city="Paris")``, then the
 chat asks for its result (``get_weather result>``; piped, the next input line is the result) and the model
-continues with the results in the conversation, until it answers without calling.
+continues with the results in the conversation, until it answers without calling. A reply that
+``max_tokens`` cuts shows its calls as the server returns them, the cut one as far as it was written, and
+runs none of them: the turn ends there (the server's client sees finish_reason "length").
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import json
 from pathlib import Path
 
 from hydragen.engine.sampling_params import ParamError
+from hydragen.tools.parser import CallScanner, Content
 from hydragen.tools.request import ToolRequest
 from hydragen.tools.spec import ToolCall
-from hydragen.tools.stream import ToolCallStream
 
 MAX_ROUNDS = 8  # calls answered in one user turn before the chat stops asking
 
@@ -40,7 +42,10 @@ def choice_from_flag(value: str | None):
 
 
 def show_call(call: ToolCall) -> str:
-    """``name(key=value, ...)`` with the values as JSON."""
+    """``name(key=value, ...)`` with the values as JSON; a call cut by max_tokens as far as it was
+    written, and marked so."""
+    if not call.complete:
+        return f"-> {call.name}({call.arguments}... [cut off by max_tokens]"
     try:
         args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in call.args.items())
     except (json.JSONDecodeError, AttributeError):
@@ -61,7 +66,7 @@ class ChatTools:
         self.constraint = self.request.constraint(
             structured.compiler.ll_tokenizer, structured.literal_json_schema
         )
-        self.stream: ToolCallStream | None = None
+        self.scanner: CallScanner | None = None
 
     def prompt_ids(self, tokenizer, conversation: list[dict]) -> list[int]:
         return self.request.prompt_ids(tokenizer, conversation)
@@ -70,13 +75,13 @@ class ChatTools:
         return self.request.sampling_params(params, self.constraint)
 
     def start(self) -> None:
-        self.stream = ToolCallStream(self.request.fmt) if self.request.enforced else None
+        self.scanner = CallScanner(self.request.fmt) if self.request.enforced else None
 
     def visible(self, piece: str, final: bool = False) -> str:
         """Of the reply's new text, what to print now: its content, never the call markup."""
-        if self.stream is None:
+        if self.scanner is None:
             return piece
-        return "".join(d.get("content", "") for d in self.stream.feed(piece, final))
+        return "".join(e.text for e in self.scanner.feed(piece, final) if isinstance(e, Content))
 
     def reply(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall]]:
         content, calls, _ = self.request.reply(text, reason)

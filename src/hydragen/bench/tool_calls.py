@@ -67,6 +67,11 @@ class ToolReply:
     token_ids: list[int]
     forced: int = 0
 
+    @property
+    def complete_calls(self) -> list:
+        """The calls the model finished (a reply cut by max_tokens also returns the one it was writing)."""
+        return [c for c in self.calls if c.complete]
+
 
 def run_tool_requests(llm, jobs: list[tuple[list[dict], object]], params) -> list[ToolReply]:
     """Run (conversation, ToolRequest) jobs in one batch, each with its own tools and grammar; ``params``
@@ -88,14 +93,21 @@ def run_tool_requests(llm, jobs: list[tuple[list[dict], object]], params) -> lis
 
 def call_problems(reply: ToolReply, tools: list[dict], named: str | None = None) -> list[str]:
     """Why a reply's calls are not valid (empty: every call names a tool, its arguments parse as JSON and
-    validate against that tool's parameters with ``jsonschema``)."""
+    validate against that tool's parameters with ``jsonschema``; a call cut by max_tokens, unfinished, is
+    allowed only as the last call of a reply that ended with "length", and only its name is checked)."""
     import jsonschema
 
     schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
     problems = []
-    for call in reply.calls:
+    for i, call in enumerate(reply.calls):
         if call.name not in schemas or (named is not None and call.name != named):
             problems.append(f"unexpected function {call.name!r}")
+            continue
+        if not call.complete:
+            if reply.finish_reason != "length" or i != len(reply.calls) - 1:
+                problems.append(
+                    f"{call.name}: unfinished call in a reply that ended with {reply.finish_reason}"
+                )
             continue
         try:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])

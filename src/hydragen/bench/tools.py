@@ -103,10 +103,12 @@ def auto_mode(llm, rounds: int, seed: int, max_tokens: int) -> list[dict]:
                 "part": "auto",
                 "case": "asks needing a function" if needs else "asks needing none",
                 "requests": len(picked),
-                "chose_a_call": sum(bool(rep.calls) for rep, _ in picked) / len(picked),
-                "right_function": sum(any(c.name == e for c in rep.calls) for rep, e in picked) / len(picked),
+                "chose_a_call": sum(bool(rep.complete_calls) for rep, _ in picked) / len(picked),
+                "right_function": sum(any(c.name == e for c in rep.complete_calls) for rep, e in picked)
+                / len(picked),
                 "calls_started": len(started),
-                "started_calls_parsed": sum(bool(rep.calls) for rep in started) / max(1, len(started)),
+                "started_calls_parsed": sum(bool(rep.complete_calls) for rep in started)
+                / max(1, len(started)),
                 "ended_by_itself": sum(rep.finish_reason != "length" for rep, _ in picked) / len(picked),
             }
         )
@@ -119,7 +121,7 @@ def auto_mode(llm, rounds: int, seed: int, max_tokens: int) -> list[dict]:
             "case": "required, parallel_tool_calls true",
             "requests": len(replies),
             "ended_by_itself": sum(r.finish_reason == "tool_calls" for r in replies) / len(replies),
-            "calls_per_reply": statistics.fmean(len(r.calls) for r in replies),
+            "calls_per_reply": statistics.fmean(len(r.complete_calls) for r in replies),
         }
     )
     print(json.dumps(rows[-1]), flush=True)

@@ -225,6 +225,8 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, str(e), e.param, code="invalid_value") from None
         if req is None and any(m.role == "tool" or m.tool_calls for m in self.messages):
             req = ToolRequest.history_only(fmt)
+        if req is not None:  # a stop could end the reply inside a call: stream calls whole
+            req.whole_calls = bool(self.stop or self.stop_token_ids)
         return req
 
     def requested_max_tokens(self) -> int | None:

@@ -80,8 +80,10 @@ class Shapes:
         and tool-call deltas it holds (then one that carries the finish_reason)."""
         if not (self.chat and self.tools is not None):
             return [self.delta_choice(index, d)]
-        stream = self._streams.setdefault(index, ToolCallStream(self.tools.fmt))
-        deltas = stream.feed(d.text, final=d.finish_reason is not None)
+        if index not in self._streams:
+            self._streams[index] = self.tools.stream()
+        stream = self._streams[index]
+        deltas = stream.feed(d.text, d.finish_reason)
         lp = self.logprobs(d.logprobs, d.token_ids, index) if self.want_lp and d.logprobs else None
         out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
         if lp is not None:
@@ -89,7 +91,7 @@ class Shapes:
                 out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
             out[0]["logprobs"] = lp
         if d.finish_reason is not None:
-            reason = finish_reason(d.finish_reason, stream.closed)
+            reason = finish_reason(d.finish_reason, stream.complete)
             out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 

@@ -1,10 +1,15 @@
 """Reading tool calls out of a reply, whole or while it streams.
 
-``scan`` reads as far as the text allows: the content before the first call, each call's name once its
-header is complete, its arguments as far as they are written, and whether it is closed. A reply that is
-still growing is scanned again as it grows; what the scan reports never changes once reported, so
-streaming can send it at once (``tools/stream.py``). Grammar-enforced replies always have this shape;
-the scan stays lenient about whitespace so a reply written without the grammar parses too when it can.
+``CallScanner`` is fed the reply in pieces and says what each piece adds (``Content``, ``CallStarted``,
+``ArgumentsWritten``, ``CallComplete``): the content before the first call, each call's name once its
+header is complete, its arguments as they are written, and when they form a whole JSON object. What it
+reports never changes once reported, so streaming can send it at once (``tools/stream.py``), and a whole
+reply is the same scanner fed once (``parse``), so the two agree by construction.
+
+The scanner keeps only what it cannot decide yet: a possible start of the call marker, trailing
+whitespace, a header being written. So the work for a piece is proportional to the piece plus that
+small remainder, never to the reply so far; ``scanned`` counts the characters it examined. Grammar-
+enforced replies always have the shape it reads; it stays lenient about whitespace between the parts.
 """
 
 from __future__ import annotations
@@ -16,25 +21,48 @@ from dataclasses import dataclass, field
 from hydragen.tools.formats import CallFormat
 from hydragen.tools.spec import ToolCall
 
-_DECODER = json.JSONDecoder()
 _STRING = r'"(?:[^"\\]|\\.)*"'
+# A header is `{"name": "f", "arguments": ` with a name of at most 64 characters: one that has not matched
+# within this many characters never will (whitespace aside), and the scanner stops looking.
+MAX_HEADER = 256
+_IN_STRING = re.compile(r'["\\]')  # what ends a run of plain characters inside a JSON string
+_OUTSIDE_STRING = re.compile(r'[{}\[\]"]')  # what changes the nesting outside strings
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsWritten:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallComplete:
+    index: int
+
+
+Event = Content | CallStarted | ArgumentsWritten | CallComplete
 
 
 @dataclass
 class PartialCall:
-    name: str | None = None  # known once the header `{"name": "f", "arguments": ` is complete
-    arguments: str = ""  # as far as written (all of it once closed)
-    closed: bool = False  # the call's wrapper is complete
+    name: str
+    pieces: list[str] = field(default_factory=list)  # the arguments as written so far
+    complete: bool = False  # the arguments are a whole JSON object (they parse)
 
-
-@dataclass
-class Scan:
-    content: str  # text before the first call, as far as it is final
-    calls: list[PartialCall] = field(default_factory=list)
-
-
-def _header(fmt: CallFormat) -> re.Pattern:
-    return re.compile(rf'\s*\{{\s*"name"\s*:\s*({_STRING})\s*,\s*"{fmt.arguments_key}"\s*:\s*')
+    @property
+    def arguments(self) -> str:
+        return "".join(self.pieces)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -45,53 +73,217 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def scan(text: str, fmt: CallFormat, final: bool) -> Scan:
-    """What ``text`` says so far; ``final``: the reply is complete (nothing is held back)."""
-    trigger = fmt.trigger
-    if fmt.begin:
-        at = text.find(trigger)
-        if at < 0:
-            hold = 0 if final else _partial_suffix(text, trigger)
-            content = text[: len(text) - hold]
-            return Scan(content if final else content.rstrip())
-        pos = at + len(trigger)
-    else:  # bare JSON: a reply that starts with "{" is calls
-        stripped = text.lstrip()
-        if not stripped.startswith("{"):
-            return Scan(text if (final or stripped) else "")
-        at, pos = 0, len(text) - len(stripped)
-    out = Scan(text[:at].rstrip())
-    header = _header(fmt)
-    close = fmt.end.strip()
-    while True:
-        call = PartialCall()
-        out.calls.append(call)
-        m = header.match(text, pos)
-        if not m:
-            return out
-        call.name = json.loads(m.group(1))
-        start = m.end()
-        try:
-            _, stop = _DECODER.raw_decode(text, start)
-        except json.JSONDecodeError:
-            call.arguments = text[start:]
-            return out
-        call.arguments = text[start:stop]
-        rest = re.compile(r"\s*\}\s*" + re.escape(close)).match(text, stop)
-        if not rest:
-            return out
-        call.closed = True
-        pos = rest.end()
-        nxt = re.compile(r"\s*" + re.escape(fmt.separator.strip()) + r"\s*" + re.escape(trigger)).match(
-            text, pos
+class _Literals:
+    """Matches literal parts in order, each after optional whitespace, across pieces."""
+
+    def __init__(self, parts: list[str]):
+        self.parts = [p for p in parts if p]
+        self.part = 0
+        self.matched = 0  # characters of the current part matched so far
+
+    def feed(self, text: str, pos: int) -> tuple[int, bool | None]:
+        """(where it stopped, True when every part matched / False on a mismatch / None: needs more)."""
+        while self.part < len(self.parts) and pos < len(text):
+            ch, want = text[pos], self.parts[self.part]
+            if self.matched == 0 and ch.isspace():
+                pos += 1
+                continue
+            if ch != want[self.matched]:
+                return pos, False
+            pos, self.matched = pos + 1, self.matched + 1
+            if self.matched == len(want):
+                self.part, self.matched = self.part + 1, 0
+        return pos, (True if self.part == len(self.parts) else None)
+
+
+class _ObjectEnd:
+    """Finds where a JSON object ends, across pieces: nesting depth and string state only."""
+
+    def __init__(self):
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False  # the previous character was a backslash inside a string
+
+    def feed(self, text: str, pos: int) -> int | None:
+        """The index just past the object's closing brace, or None when ``text`` ends first."""
+        while pos < len(text):
+            if self.escaped:
+                self.escaped, pos = False, pos + 1
+            elif self.in_string:
+                m = _IN_STRING.search(text, pos)
+                if m is None:
+                    return None
+                pos = m.end()
+                if m.group() == '"':
+                    self.in_string = False
+                else:
+                    self.escaped = True
+            else:
+                m = _OUTSIDE_STRING.search(text, pos)
+                if m is None:
+                    return None
+                pos, ch = m.end(), m.group()
+                if ch == '"':
+                    self.in_string = True
+                elif ch in "{[":
+                    self.depth += 1
+                else:
+                    self.depth -= 1
+                    if self.depth == 0:
+                        return pos
+        return None
+
+
+class CallScanner:
+    """One reply, fed in pieces; ``feed`` returns the events the new piece adds. ``calls`` are the calls
+    seen so far (the last may be unfinished); ``scanned`` counts the characters examined."""
+
+    def __init__(self, fmt: CallFormat):
+        self.fmt = fmt
+        self.calls: list[PartialCall] = []
+        self.scanned = 0
+        self._state = "content" if fmt.begin else "start"
+        self._whitespace: list[str] = []  # content's trailing whitespace, held until text follows it
+        self._tail = ""  # content's end that may be the start of the marker
+        self._head = ""  # a call header being written
+        self._object: _ObjectEnd | None = None
+        self._literals: _Literals | None = None
+        self._header_pattern = re.compile(
+            rf'\s*\{{\s*"name"\s*:\s*({_STRING})\s*,\s*"{fmt.arguments_key}"\s*:\s*'
         )
-        if not nxt:
-            return out
-        pos = nxt.end() if fmt.begin else nxt.end() - 1  # a bare-JSON call starts at its "{"
+        self._handlers = {
+            "content": self._content,
+            "start": self._start,
+            "text": self._text,
+            "header": self._header,
+            "arguments": self._arguments,
+            "close": self._close,
+            "between": self._between,
+        }
+
+    def feed(self, piece: str, final: bool = False) -> list[Event]:
+        """The events of ``piece``; ``final``: the reply is complete, so nothing is held back."""
+        events: list[Event] = []
+        pos = 0
+        while pos < len(piece) and self._state != "done":
+            pos = self._handlers[self._state](piece, pos, final, events)
+        if final and self._state == "content":
+            self._content("", 0, True, events)
+        return events
+
+    # ---- the states: each consumes from ``pos`` and returns where it stopped ---------------------------
+    def _content(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        """Text before the first call (formats with a marker)."""
+        trigger = self.fmt.trigger
+        buf = self._tail + text[pos:]
+        self.scanned += len(buf)
+        at = buf.find(trigger)
+        if at >= 0:
+            before = buf[:at].rstrip()
+            if before:
+                events.append(Content("".join(self._whitespace) + before))
+            self._whitespace, self._state = [], "header"
+            consumed = at + len(trigger) - len(self._tail)
+            self._tail = ""
+            return pos + consumed
+        hold = 0 if final else _partial_suffix(buf, trigger)
+        visible, self._tail = buf[: len(buf) - hold], buf[len(buf) - hold :]
+        if final:
+            rest = "".join(self._whitespace) + visible
+            if rest:
+                events.append(Content(rest))
+            self._whitespace = []
+            return len(text)
+        kept = visible.rstrip()
+        if kept:
+            events.append(Content("".join(self._whitespace) + kept))
+            self._whitespace = []
+        if len(visible) > len(kept):
+            self._whitespace.append(visible[len(kept) :])
+        return len(text)
+
+    def _start(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        """Bare-JSON formats: a reply whose first character is "{" is calls, as the grammar has it."""
+        self.scanned += 1
+        self._state = "header" if text[pos] == "{" else "text"
+        return pos
+
+    def _text(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        """A bare-JSON reply that is not calls: all content."""
+        self.scanned += len(text) - pos
+        events.append(Content(text[pos:]))
+        return len(text)
+
+    def _header(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        before = len(self._head)
+        self._head += text[pos : pos + MAX_HEADER - before]
+        self.scanned += len(self._head)
+        m = self._header_pattern.match(self._head)
+        if m is None:
+            if len(self._head) >= MAX_HEADER:
+                self._state = "done"
+            return pos + len(self._head) - before
+        self.calls.append(PartialCall(json.loads(m.group(1))))
+        events.append(CallStarted(len(self.calls) - 1, self.calls[-1].name))
+        self._head, self._object, self._state = "", _ObjectEnd(), "arguments"
+        return pos + m.end() - before
+
+    def _arguments(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        call, index = self.calls[-1], len(self.calls) - 1
+        if not call.pieces:  # whitespace before the object is no part of it; anything else but "{" ends all
+            while pos < len(text) and text[pos].isspace():
+                pos, self.scanned = pos + 1, self.scanned + 1
+            if pos == len(text):
+                return pos
+            if text[pos] != "{":
+                self._state = "done"
+                return pos
+        end = self._object.feed(text, pos)
+        stop = len(text) if end is None else end
+        self.scanned += stop - pos
+        call.pieces.append(text[pos:stop])
+        events.append(ArgumentsWritten(index, text[pos:stop]))
+        if end is None:
+            return stop
+        try:
+            json.loads(call.arguments)  # once per call: the object's end is found without parsing it
+        except json.JSONDecodeError:
+            self._state = "done"
+            return stop
+        call.complete = True
+        events.append(CallComplete(index))
+        self._literals, self._state = _Literals(["}", self.fmt.end.strip()]), "close"
+        return stop
+
+    def _close(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        """After the arguments: the rest of the call's wrapper."""
+        end, matched = self._literal_run(text, pos)
+        if matched:
+            self._literals = _Literals([self.fmt.separator.strip(), self.fmt.begin.strip()])
+            self._state = "between"
+        return end
+
+    def _between(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        """After a call: the separator and the next call's marker (a bare-JSON call starts at its "{",
+        which the header reads)."""
+        end, matched = self._literal_run(text, pos)
+        if matched:
+            self._state = "header"
+        return end
+
+    def _literal_run(self, text: str, pos: int) -> tuple[int, bool]:
+        end, done = self._literals.feed(text, pos)
+        self.scanned += end - pos
+        if done is False:  # anything else after a call ends the calls
+            self._state = "done"
+        return end, bool(done)
 
 
-def parse(text: str, fmt: CallFormat) -> tuple[str | None, list[ToolCall]]:
-    """(content or None, the complete calls) of a finished reply. A call the reply left unfinished (it
-    hit ``max_tokens``, finish_reason "length") is not returned."""
-    s = scan(text, fmt, final=True)
-    return (s.content or None), [ToolCall(c.name, c.arguments) for c in s.calls if c.closed]
+def parse(text: str, fmt: CallFormat, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content or None, calls) of a finished reply. ``cut``: the reply was cut by ``max_tokens``
+    (finish_reason "length"); then a last call it left unfinished is returned too, its arguments as far as
+    written (``complete`` False: they do not parse). Otherwise only the complete calls."""
+    scanner = CallScanner(fmt)
+    content = "".join(e.text for e in scanner.feed(text, final=True) if isinstance(e, Content))
+    calls = [ToolCall(c.name, c.arguments, complete=c.complete) for c in scanner.calls if c.complete or cut]
+    return (content or None), calls

@@ -24,7 +24,7 @@ from hydragen.tools.grammar import special_markers, tool_grammar
 from hydragen.tools.parser import parse
 from hydragen.tools.render import template_messages, template_tools
 from hydragen.tools.spec import Tool, ToolCall, ToolChoice, parse_tool_choice, parse_tools
-from hydragen.tools.stream import finish_reason
+from hydragen.tools.stream import ToolCallStream, finish_reason
 
 
 @dataclass
@@ -33,6 +33,9 @@ class ToolRequest:
     choice: ToolChoice
     parallel: bool
     fmt: CallFormat
+    # Stream each call whole, once its arguments are complete: for a request with stop strings or stop
+    # tokens, which could end the reply inside a call (tools/stream.py).
+    whole_calls: bool = False
 
     @classmethod
     def build(cls, tools, tool_choice, parallel_tool_calls, fmt: CallFormat) -> ToolRequest | None:
@@ -107,8 +110,14 @@ class ToolRequest:
         return ParamError("tools", str(error))
 
     def reply(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
-        """(content or None, calls, OpenAI finish_reason) of a finished reply."""
+        """(content or None, calls, OpenAI finish_reason) of a finished reply: its complete calls, and
+        when ``max_tokens`` cut it (reason "length") inside a call, that call too, as far as it was
+        written (``ToolCall.complete`` False), as the stream has sent it."""
         if not self.enforced:
             return text, [], reason
-        content, calls = parse(text, self.fmt)
-        return content, calls, finish_reason(reason, len(calls))
+        content, calls = parse(text, self.fmt, cut=reason == "length")
+        return content, calls, finish_reason(reason, sum(c.complete for c in calls))
+
+    def stream(self) -> ToolCallStream:
+        """A stream of one choice's deltas (tools/stream.py)."""
+        return ToolCallStream(self.fmt, self.whole_calls)

@@ -41,11 +41,14 @@ class ToolChoice:
 @dataclass
 class ToolCall:
     """A call the model made: ``arguments`` is the JSON object text as the model wrote it (OpenAI's
-    shape: a string); ``args`` parses it."""
+    shape: a string); ``args`` parses it. ``complete`` is False only for the last call of a reply cut by
+    ``max_tokens`` (finish_reason "length") while it wrote the arguments: they are as far as written and
+    do not parse."""
 
     name: str
     arguments: str
     id: str = ""
+    complete: bool = True
 
     def __post_init__(self) -> None:
         if not self.id:
