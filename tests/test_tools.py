@@ -153,6 +153,9 @@ def test_text_that_only_looks_like_a_marker_stays_text():
     events = CallScanner(HERMES).feed("answer <tool_c")  # held back: it may be a marker
     assert events == [Content("answer")]
     assert parse("Hello {there}", LLAMA3_JSON) == ("Hello {there}", [])
+    # bare JSON: calls only when the reply starts with "{", as the grammar has it (its text may not)
+    spaced = ' {"name": "add", "parameters": {"a": 1}}'
+    assert parse(spaced, LLAMA3_JSON) == (spaced, []) and len(parse(spaced[1:], LLAMA3_JSON)[1]) == 1
 
 
 def _accumulate(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
@@ -306,6 +309,20 @@ def test_generic_rendering_writes_tools_calls_and_results_as_text():
     )
     # tool_choice "none": the tools are not described
     assert template_messages(ASK, parse_tools(TOOLS), ToolChoice("none"), GENERIC) == ASK
+
+
+@pytest.mark.parametrize("fmt", [GENERIC, HERMES])
+def test_rendering_gives_an_assistant_message_its_reasoning(fmt):
+    """reasoning_content goes to the template as it is (the template decides whether to show it)."""
+    history = [*HISTORY[:1], {**HISTORY[1], "reasoning_content": "Paris, so get_weather."}, *HISTORY[2:]]
+    out = template_messages(history, parse_tools(TOOLS), ToolChoice("auto"), fmt)
+    assistant = next(m for m in out if m["role"] == "assistant")
+    assert assistant["reasoning_content"] == "Paris, so get_weather."
+    with pytest.raises(ParamError) as e:
+        template_messages(
+            [*ASK, {"role": "assistant", "content": "x", "reasoning_content": 3}], [], ToolChoice("none"), fmt
+        )
+    assert e.value.param == "messages[1].reasoning_content"
 
 
 def test_template_rendering_passes_calls_and_results_to_the_template(llms):

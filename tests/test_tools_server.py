@@ -203,3 +203,134 @@ def test_a_cut_call_is_the_same_streamed_and_not(live, cut):
     else:  # a stop string ended the reply inside the call: the call is not handed over at all
         assert broken == [] and calls(whole.message) == []
     live.assert_no_leak()
+
+
+# ---- history sent back as the openai SDK dumps it ----------------------------------------------------
+def _first_turn(live, with_calls: bool):
+    """Turn 1, greedy, twice: the message as `create` returns it and as the SDK's stream accumulator
+    builds it (which adds `parsed`, and on each call `index` and `function.parsed_arguments`)."""
+    kw = (
+        {"tool_choice": NAMED, "max_tokens": 120}
+        if with_calls
+        else {"tools": openai.NOT_GIVEN, "max_tokens": 8}
+    )
+    whole = _create(live, temperature=0, **kw).choices[0].message
+    streamed = _accumulated(live, temperature=0, **kw)[0].message
+    return whole, streamed
+
+
+def _minimal(message) -> dict:
+    """The same message with only the fields hydragen always took."""
+    out = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in message.tool_calls
+        ]
+    return out
+
+
+@pytest.mark.parametrize("with_calls", [True, False], ids=["tool_calls", "text"])
+def test_a_reply_sent_back_as_model_dump_continues_the_conversation(live, with_calls):
+    """Frameworks keep history as dicts: turn 1's message goes back as `model_dump()` (refusal,
+    annotations, audio and function_call all null) or as dumped from the stream accumulator. Turn 2 is
+    accepted, and its prompt and greedy reply are those of the minimal message."""
+    whole, streamed = _first_turn(live, with_calls)
+    assert bool(whole.tool_calls) == with_calls
+
+    def turn2(message: dict):
+        after = [
+            {"role": "tool", "tool_call_id": c["id"], "content": "sunny"}
+            for c in message.get("tool_calls") or []
+        ]
+        after = after or [{"role": "user", "content": "And tomorrow?"}]
+        extra = {} if with_calls else {"tools": openai.NOT_GIVEN}
+        return _create(live, messages=[*ASK, message, *after], temperature=0, max_tokens=8, **extra)
+
+    expected = turn2(_minimal(whole))
+    streamed_dump = streamed.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call", "parsed"} <= set(streamed_dump)
+    if with_calls:
+        assert "index" in streamed_dump["tool_calls"][0]
+        assert "parsed_arguments" in streamed_dump["tool_calls"][0]["function"]
+    dumps = [whole.model_dump(), whole.model_dump(exclude_none=False), whole.model_dump(mode="json")]
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(dumps[0])
+    dumps += [streamed_dump, {**dumps[0], "parsed": {"city": "Paris"}}]  # .parse()'s copy of the content
+    for dumped in dumps:
+        got = turn2(dumped)
+        assert got.usage.prompt_tokens == expected.usage.prompt_tokens
+        assert got.choices[0].message.content == expected.choices[0].message.content
+    live.assert_no_leak()
+
+
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("audio", {"id": "audio_abc"}, "messages[1].audio"),
+        ("function_call", {"name": "get_weather", "arguments": "{}"}, "messages[1].function_call"),
+        ("refusal", "I cannot help with that.", "messages[1].refusal"),
+        (
+            "annotations",
+            [
+                {
+                    "type": "url_citation",
+                    "url_citation": {"url": "https://a.b", "title": "t", "start_index": 0, "end_index": 1},
+                }
+            ],
+            "messages[1].annotations",
+        ),
+        (
+            "tool_calls",
+            [{"id": "c1", "type": "custom", "custom": {"name": "f", "input": "x"}}],
+            "messages[1].tool_calls[0].type",
+        ),
+    ],
+)
+def test_response_fields_that_ask_for_something_unsupported_are_400s(live, field, value, param):
+    """The same fields, set: an audio reference, a deprecated function_call, a refusal, citations and a custom
+    tool call are things hydragen cannot render, so each is a 400 naming the field (never dropped)."""
+    message = {"role": "assistant", "content": "It is sunny.", field: value}
+    err = _error(live, tools=TOOLS, messages=[*ASK, message])
+    assert err["param"] == param and err["code"] == "unsupported_parameter", err
+    assert field in err["message"]
+
+
+@pytest.mark.parametrize("with_tools", [True, False], ids=["tools", "no_tools"])
+def test_reasoning_in_history_is_given_to_the_template(live, with_tools):
+    """An assistant message's reasoning_content, or reasoning (vLLM's newer name), reaches the chat template
+    as reasoning_content: the tiny Qwen2's template shows it as Qwen3's does (for turns after the last user
+    message), the other tiny templates ignore it. Two different values, or reasoning on a user message, are
+    400s naming the field."""
+    from hydragen.tools.formats import HERMES
+
+    thought = "The user asks for the weather, so get_weather is the function to call."
+    if with_tools:
+        first = _create(live, tool_choice=NAMED, temperature=0).choices[0].message
+        after = [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in first.tool_calls]
+        assistant, extra = _minimal(first), {}
+    else:  # an assistant message last: the model continues it
+        assistant, after, extra = (
+            {"role": "assistant", "content": "Let me see."},
+            [],
+            {"tools": openai.NOT_GIVEN},
+        )
+
+    def prompt_tokens(**fields) -> int:
+        messages = [*ASK, {**assistant, **fields}, *after]
+        return _create(live, messages=messages, max_tokens=1, **extra).usage.prompt_tokens
+
+    plain, shown = prompt_tokens(), prompt_tokens(reasoning_content=thought)
+    assert (
+        prompt_tokens(reasoning=thought)
+        == shown
+        == prompt_tokens(reasoning=thought, reasoning_content=thought)
+    )
+    assert (shown > plain) == (live.llm.tool_format is HERMES)
+    err = _error(live, messages=[*ASK, {**assistant, "reasoning": "a", "reasoning_content": "b"}, *after])
+    assert err["param"] == "messages[1].reasoning" and err["code"] == "invalid_value"
+    err = _error(live, messages=[{**ASK[0], "reasoning_content": thought}])
+    assert err["param"] == "messages[0].reasoning_content"

@@ -25,8 +25,12 @@ _CORPUS = [
     "What is the capital of France? It is Paris. What time is it in Tokyo? Let me check.",
 ]
 
+# Hermes-style, as Qwen2.5 / Qwen3 (with Qwen3's rendering of an assistant message's reasoning_content).
 HERMES_TEMPLATE = (
     "{% set sys = messages[0].content if messages[0].role == 'system' else '' %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
     "{% if tools %}<|im_start|>system\n{% if sys %}{{ sys }}\n\n{% endif %}"
     "You may call functions. Their signatures, one per line:\n<tools>\n"
     "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
@@ -34,7 +38,10 @@ HERMES_TEMPLATE = (
     "{% elif sys %}<|im_start|>system\n{{ sys }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}"
     "{% if m.role == 'system' %}"
-    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    # reasoning as Qwen3's template shows it: for the assistant turns after the last user message
+    "{% if m.reasoning_content is string and loop.index0 > ns.last_user %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}{% if not loop.first or m.content %}{{ '\\n' }}{% endif %}"
     '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
     "\n</tool_call>{% endfor %}<|im_end|>\n"

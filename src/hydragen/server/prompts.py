@@ -109,7 +109,7 @@ class PromptEncoder:
         return await asyncio.to_thread(self._template, conversation, tools)
 
     def _template(self, conversation: list[dict], tools) -> list[int]:
-        chars = sum(len(m["content"]) for m in conversation)
+        chars = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in conversation)
         if tools is not None:  # the functions' definitions are rendered into the prompt too
             chars += sum(len(json.dumps(t.to_openai())) for t in tools.tools)
         self._check_chars(chars, "messages")

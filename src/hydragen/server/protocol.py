@@ -176,11 +176,33 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
+# Fields of OpenAI's own response message (openai.types.chat.ChatCompletionMessage) that hydragen cannot
+# render into a prompt. A reply sent back as `message.model_dump()` carries them null: accepted. Set, each
+# asks for something hydragen does not do, and is refused naming it, never dropped.
+UNRENDERABLE = {
+    "refusal": "a refusal cannot be rendered into the prompt (send the text as content, refusal null)",
+    "annotations": "citations cannot be rendered into the prompt (send null or [])",
+    "audio": "hydragen has no audio: an audio reference cannot be rendered (send null)",
+    "function_call": "the deprecated function_call is not supported (send the call in tool_calls)",
+}
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[Any] | None = None  # assistant: the calls it made (tools/render.py checks them)
     tool_call_id: str | None = None  # tool: the call this result answers
+    # OpenAI's response fields, accepted null or empty and refused set (UNRENDERABLE); and `parsed`, the
+    # openai SDK's parsed copy of content (its stream helper and .parse() add it): ignored.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    parsed: Any = None
+    # A reasoning model's reasoning: vLLM's field, and `reasoning`, its newer name. The chat template gets it
+    # as `reasoning_content`, which templates of reasoning models (Qwen3's) read; other templates ignore it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -202,6 +224,61 @@ class ChatMessage(_Strict):
                 )
             parts.append(part["text"])
         return "".join(parts)
+
+    def template_message(self, index: int) -> dict:
+        """The message as the chat template gets it, or a 400 naming the field that cannot be rendered."""
+        where = f"messages[{index}]"
+        for name, why in UNRENDERABLE.items():
+            if getattr(self, name):  # null and empty say nothing
+                raise APIError(
+                    400, f"{where}.{name} is set: {why}", f"{where}.{name}", code="unsupported_parameter"
+                )
+        if self.role == "tool" and not self.tool_call_id:
+            raise APIError(
+                400, "a tool message needs its tool_call_id", f"{where}.tool_call_id", code="invalid_value"
+            )
+        if self.role != "assistant" and self.tool_calls is not None:
+            raise APIError(
+                400, "only assistant messages carry tool_calls", f"{where}.tool_calls", code="invalid_value"
+            )
+        for j, call in enumerate(self.tool_calls or []):
+            kind = call.get("type", "function") if isinstance(call, dict) else "function"
+            if kind != "function":
+                raise APIError(
+                    400,
+                    f"{where}.tool_calls[{j}].type is {kind!r}: only function tool calls are supported",
+                    f"{where}.tool_calls[{j}].type",
+                    code="unsupported_parameter",
+                )
+        message = {"role": self.role, "content": self.text(index)}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if reasoning := self._reasoning(where):
+            message["reasoning_content"] = reasoning
+        return message
+
+    def _reasoning(self, where: str) -> str | None:
+        """reasoning_content, or reasoning (two names for one field: they may not differ)."""
+        given = {
+            k: v
+            for k, v in (("reasoning_content", self.reasoning_content), ("reasoning", self.reasoning))
+            if v
+        }
+        if len(set(given.values())) > 1:
+            raise APIError(
+                400,
+                "reasoning and reasoning_content are two names for one field, and they differ",
+                f"{where}.reasoning",
+                code="invalid_value",
+            )
+        if given and self.role != "assistant":
+            name = next(iter(given))
+            raise APIError(
+                400, f"only assistant messages carry {name}", f"{where}.{name}", code="invalid_value"
+            )
+        return next(iter(given.values()), None)
 
 
 class ChatCompletionRequest(_Common):
@@ -249,26 +326,4 @@ class ChatCompletionRequest(_Common):
     def conversation(self) -> list[dict]:
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages", code="invalid_value")
-        out = []
-        for i, m in enumerate(self.messages):
-            if m.role == "tool" and not m.tool_call_id:
-                raise APIError(
-                    400,
-                    "a tool message needs its tool_call_id",
-                    f"messages[{i}].tool_call_id",
-                    code="invalid_value",
-                )
-            if m.role != "assistant" and m.tool_calls is not None:
-                raise APIError(
-                    400,
-                    "only assistant messages carry tool_calls",
-                    f"messages[{i}].tool_calls",
-                    code="invalid_value",
-                )
-            message = {"role": m.role, "content": m.text(i)}
-            if m.tool_calls:
-                message["tool_calls"] = m.tool_calls
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            out.append(message)
-        return out
+        return [m.template_message(i) for i, m in enumerate(self.messages)]

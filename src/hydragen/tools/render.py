@@ -6,7 +6,9 @@ their arguments as objects, as templates expect) and results (``role: "tool"``).
 knows nothing of tools (generic), hydragen writes them as text the template can render: the tools'
 description joins the system message, earlier calls become the assistant's text in the format's markup,
 and results become a user message of ``<tool_response>`` blocks (consecutive results merged, so templates
-that insist on alternating roles accept them).
+that insist on alternating roles accept them). An assistant message's ``reasoning_content`` goes to the
+template as it is: templates of reasoning models read it (Qwen3's shows it for the turns after the last
+user message), others ignore it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ def _arguments(value, where: str) -> dict:
             raise ParamError(where, f"{where} must be a JSON object (as a string): {e}") from None
     if not isinstance(value, dict):
         raise ParamError(where, f"{where} must be a JSON object")
+    return value
+
+
+def _reasoning(value, i: int) -> str:
+    """An assistant message's reasoning_content, for the template (which decides whether to show it)."""
+    if not isinstance(value, str):
+        raise ParamError(
+            f"messages[{i}].reasoning_content", f"messages[{i}].reasoning_content must be a string"
+        )
     return value
 
 
@@ -96,6 +107,8 @@ def template_messages(
                 fmt.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"])) for c in calls
             )
             out.append({"role": role, "content": f"{content}\n{written}" if content else written})
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            out[-1]["reasoning_content"] = _reasoning(m["reasoning_content"], i)
     flush_results()
     if tools and choice.mode != "none" and not fmt.template_renders_tools:
         described = generic_instructions(tools)
