@@ -597,32 +597,48 @@ def _cpp_or_skip():
 
 @pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 20])
-def test_a_16bit_cache_reads_exactly_its_float32_widening(cache, d):
-    """A 16-bit cache is widened in registers as it is read: the output is the float32 op's on the widened
-    cache, bit for bit (head dims that fill whole vectors and one that leaves a tail)."""
+@pytest.mark.parametrize("tile", [True, False])
+def test_a_16bit_cache_reads_exactly_its_float32_widening(cache, d, tile, monkeypatch):
+    """A 16-bit cache is widened to float32 as it is read, exactly (every 16-bit value is a float32), and past
+    the loads each kernel's 16-bit instantiation does its float32 one's arithmetic: the output is the float32
+    op's on the widened cache, bit for bit, through segment blocks and a shared node's pieces (the tile kernel
+    or attend()), with head dims that fill whole vectors and one that leaves a tail.
+
+    On every CPU, because the ops are compiled with -ffp-contract=off (native/build.py): with GCC's default,
+    a product and an add that the inliner put in one basic block were fused, and where depended on the
+    instantiation and on -march=native. Tuned for Sapphire Rapids, attend<float, float> fused the running sum
+    `l * alpha + sum` into one FMA and attend<float, Half> did not: on a Xeon with AVX512-FP16 this test's
+    four cases of then (segments only) failed, 3.6-6.3 % of the outputs 1 ulp apart (up to 1.19e-7). Built
+    here with -mtune=sapphirerapids, every case fails without the flag and passes with it."""
     _cpp_or_skip()
+    monkeypatch.setattr(step_work, "TILE_MIN_ROWS", 0 if tile else -1)
+    monkeypatch.setattr(step_work, "TILE_MIN_KEYS", 0)
     gen = torch.Generator().manual_seed(11)
     pages = Pages(200, 16, gen)
     lengths = torch.randint(1, 300, (5,), generator=gen).tolist()
     segments = [(r, r + 1, pages.runs(n), 1000) for r, n in enumerate(lengths)]
     segments.append((5, 17, pages.runs(40), 29))
+    units = [(*pages.contiguous(90), 0, 12, 0)]  # a shared node over tokens 0-11: 36 rows a KV head
     q, k, v = make_qkv(17, 200 * 16, 9, 3, d, torch.float32, seed=12)
     k16, v16 = k.to(cache), v.to(cache)
-    meta = StepAttentionMeta.build([], segments, 17, "cpu")
+    meta = StepAttentionMeta.build(units, segments, 17, "cpu")
     narrow = step_attention(q, k16, v16, meta, d**-0.5, impl="cpp")
     wide = step_attention(q, k16.float(), v16.float(), meta, d**-0.5, impl="cpp")
     assert torch.equal(narrow, wide)
 
 
-def test_query_heads_sharing_v_rows_give_the_per_row_bits():
+@pytest.mark.parametrize("d", [32, 64])
+def test_query_heads_sharing_v_rows_give_the_per_row_bits(d):
     """Up to 4 query heads of a KV head take its V rows together; each row's arithmetic is the per-row path's:
-    the same rows computed with 5 query heads per KV head (the per-row path) give the same bits."""
+    the same rows computed with 5 query heads per KV head (the per-row path) give the same bits. Which head
+    dims share V rows depends on the registers (step_attention.cpp's shared_pv): 3 heads x 64 columns fit
+    AVX-512's but not AVX2's, 3 x 32 fit both, so d = 32 keeps the test meaningful on an AVX2 build."""
     _cpp_or_skip()
     gen = torch.Generator().manual_seed(13)
     pages = Pages(200, 16, gen)
     lengths = torch.randint(1, 300, (6,), generator=gen).tolist()
     segments = [(r, r + 1, pages.runs(n), 1000) for r, n in enumerate(lengths)]
-    q5, k, v = make_qkv(6, 200 * 16, 15, 3, 64, torch.float32, seed=14)
+    q5, k, v = make_qkv(6, 200 * 16, 15, 3, d, torch.float32, seed=14)
     meta = StepAttentionMeta.build([], segments, 6, "cpu")
     heads = [h * 5 + j for h in range(3) for j in range(3)]  # 3 of each KV head's 5 query heads
     per_row = step_attention(q5, k, v, meta, 0.125, impl="cpp")[:, heads]

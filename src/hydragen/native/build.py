@@ -34,7 +34,13 @@ _SOURCE_NAMES = (
 )
 SOURCES = tuple(_CSRC / name for name in _SOURCE_NAMES)
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # included by the sources: copied beside them and part of the key
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fvisibility=hidden")
+# -ffp-contract=off: every a * b + c in the sources rounds twice, as written, and only explicit FMAs (ATen's
+# fmadd, the intrinsics) fuse. GCC's default for C++ fuses a product into a following add where its inliner
+# and the -march=native tuning happen to put both in one basic block, and that differs between template
+# instantiations and between CPUs: tuned for Sapphire Rapids, attend<float, float> fused the running sum
+# `l * alpha + sum` and attend<float, Half> did not, so a 16-bit cache no longer read as its float32
+# widening (tests/test_step_attention.py). What it costs: docs/performance.md.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 
 _lock = threading.Lock()
