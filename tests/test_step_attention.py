@@ -7,8 +7,13 @@ pool slots it sees (its segment's visible keys, then every covering unit's keys)
 
 from __future__ import annotations
 
+import io
+import subprocess
+import sys
 import threading
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -519,6 +524,100 @@ def test_stale_build_lock_does_not_hang():
     threading.Thread(target=lambda: (cpp_build._build(), done.set()), daemon=True).start()
     assert done.wait(timeout=60), "loading waited on a stale lock file"
     assert not (where / "lock").exists()
+
+
+_LOCK_HOLDER = """
+import sys
+from pathlib import Path
+from hydragen.native import build
+with build._build_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+class _Stderr(io.StringIO):
+    """A stand-in for sys.stderr that signals its first write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = threading.Event()
+
+    def write(self, text: str) -> int:
+        count = super().write(text)
+        self.written.set()
+        return count
+
+
+def _wait_for_the_lock(where, monkeypatch) -> tuple[subprocess.Popen, _Stderr, threading.Event]:
+    """A child process holds the build lock of `where` (the real lock code); this process then waits for it
+    in a thread, with stderr captured. Returns the child, the captured stderr and an event set once the
+    thread holds the lock."""
+    command = [sys.executable, "-c", _LOCK_HOLDER, str(where)]
+    holder = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    err = _Stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    entered = threading.Event()
+
+    def wait() -> None:
+        with cpp_build._build_lock(where):
+            entered.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    return holder, err, entered
+
+
+def _blocked_on(lock) -> bool:
+    """Whether /proc/locks shows a process blocked on `lock` (a "->" line names the file's inode)."""
+    inode = f":{lock.stat().st_ino} "
+    return any("->" in line and inode in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def _release(holder: subprocess.Popen) -> None:
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    assert holder.wait(timeout=60) == 0
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux's flock and /proc/locks")
+def test_a_load_that_waits_for_another_process_compiling_says_so_once(tmp_path, monkeypatch):
+    """The first load compiles for a minute or more under the build lock, and every other process that
+    loads the ops meanwhile waits for it: each says on stderr, once, before it waits, that it waits for
+    that process to finish compiling, and which lock it waits on (it was silent for 49 s)."""
+    where = tmp_path / "ext" / "hydragen_ops_0123456789abcdef"
+    where.mkdir(parents=True)
+    holder, err, entered = _wait_for_the_lock(where, monkeypatch)
+    try:
+        assert err.written.wait(timeout=60), "waited without a word"
+        assert not entered.is_set()  # said before it had the lock
+        lock = where / "hydragen.lock"
+        waits_for = f"waiting for process {holder.pid} to finish compiling the C++ CPU ops"
+        assert err.getvalue() == f"hydragen: {waits_for} (build lock {lock})\n"
+    finally:
+        _release(holder)
+    assert entered.wait(timeout=60)
+    assert err.getvalue().count("\n") == 1  # once
+    assert lock.read_text() == ""  # released: no holder named
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux's flock and /proc/locks")
+def test_a_load_that_waits_while_another_process_loads_the_library_stays_quiet(tmp_path, monkeypatch):
+    """With the library built, the holder is only loading it (milliseconds): a process that waits for the
+    lock then says nothing."""
+    where = tmp_path / "ext" / "hydragen_ops_0123456789abcdef"
+    where.mkdir(parents=True)
+    (where / f"{where.name}.so").touch()
+    holder, err, entered = _wait_for_the_lock(where, monkeypatch)
+    try:
+        deadline = time.monotonic() + 60
+        while not _blocked_on(where / "hydragen.lock"):  # the thread is past its message, if any
+            assert time.monotonic() < deadline, "the thread never blocked on the lock"
+            time.sleep(0.01)
+    finally:
+        _release(holder)
+    assert entered.wait(timeout=60)
+    assert err.getvalue() == ""
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch):

@@ -78,19 +78,43 @@ def build_key() -> str:
 def _build_lock(where: Path):
     """One build at a time per folder, across processes. torch's own lock is a file that a killed build
     leaves behind, after which every later load would wait forever; ours is an OS lock, released when its
-    holder dies, so a torch lock file found while we hold ours is stale and is removed."""
+    holder dies, so a torch lock file found while we hold ours is stale and is removed. The holder writes its
+    process id into the lock file; a process that must wait while the holder compiles (a minute or more)
+    says on stderr, once, whom and which lock it waits for."""
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's lock alone
         yield
         return
-    with open(where / "hydragen.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    lock = where / "hydragen.lock"
+    with open(lock, "a+") as handle:  # "a+": opening it must not erase the holder's process id
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not (where / f"{where.name}.so").exists():  # the holder is compiling, not loading a library
+                _say_waiting(handle, lock)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
         (where / "lock").unlink(missing_ok=True)
         try:
             yield
         finally:
+            handle.truncate(0)  # the id names the holder only while it holds the lock
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _say_waiting(handle, lock: Path) -> None:
+    handle.seek(0)
+    holder = handle.read().strip()
+    who = f"process {holder}" if holder.isdigit() else "another process"  # empty until the holder writes it
+    print(
+        f"hydragen: waiting for {who} to finish compiling the C++ CPU ops (build lock {lock})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def library_name() -> str:
