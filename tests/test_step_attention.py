@@ -665,6 +665,10 @@ def test_build_key_tracks_source_and_flags(monkeypatch):
     assert key == cpp_build.build_key()
     monkeypatch.setattr(cpp_build, "CFLAGS", (*cpp_build.CFLAGS, "-DHYDRAGEN_TEST"))
     assert cpp_build.build_key() != key
+    flagged = cpp_build.build_key()
+    monkeypatch.setenv("HYDRAGEN_CPP_FLAGS", "-mno-avx512f  -DNAME='a b'")  # another vector width, own build
+    assert cpp_build.cflags() == (*cpp_build.CFLAGS, "-mno-avx512f", "-DNAME=a b")
+    assert cpp_build.build_key() not in (key, flagged)
 
 
 def test_another_checkout_of_the_same_source_loads_the_cached_build(monkeypatch, tmp_path, capsys):

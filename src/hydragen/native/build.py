@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import shlex
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # included by the sources: copied be
 # widening (tests/test_step_attention.py). What it costs: docs/performance.md.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
+EXTRA_FLAGS_ENV = "HYDRAGEN_CPP_FLAGS"  # more compiler flags, after CFLAGS (part of the build key)
 
 _lock = threading.Lock()
 _ops: object | None = None  # the torch.ops.hydragen namespace once loaded
@@ -67,9 +69,16 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))  # every core repeats them: keep one copy
 
 
+def cflags() -> tuple[str, ...]:
+    """CFLAGS, then the flags in ``$HYDRAGEN_CPP_FLAGS`` (split as a shell splits them). The vector width of
+    the ops is fixed at compile time, so ``HYDRAGEN_CPP_FLAGS=-mno-avx512f`` is how an AVX-512 machine builds
+    and tests the AVX2 branches (``-mno-avx2 -mno-avx512f``: the portable ones)."""
+    return CFLAGS + tuple(shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
+
+
 def build_key() -> str:
     parts = [source.read_bytes() for source in SOURCES + HEADERS]
-    parts += [torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode()]
+    parts += [torch.__version__.encode(), " ".join(cflags() + LDFLAGS).encode()]
     parts.append(_cpu_identity().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -146,7 +155,7 @@ def _build() -> object:
         cpp_extension.load(
             name=name,
             sources=[str(copy) for copy in copies],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(cflags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(where),
             is_python_module=False,
@@ -199,6 +208,13 @@ def sample_step_op() -> Callable | None:
     """``torch.ops.hydragen.sample_step``, or None when the ops are unavailable."""
     ops = load_ops()
     return None if ops is None else ops.sample_step
+
+
+def vec_capability() -> str | None:
+    """The vector width the ops were compiled for, in ``torch.backends.cpu.get_cpu_capability()``'s words
+    ("AVX512", "AVX2" or "DEFAULT"); None when the ops are unavailable."""
+    ops = load_ops()
+    return None if ops is None else str(ops.vec_capability())
 
 
 def build_error() -> str | None:

@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -678,4 +679,5 @@ TORCH_LIBRARY(hydragen, m) {
       "Tensor tok_parts, int num_parts, int max_item_tokens, int tile_min_rows, int tile_min_keys, "
       "float scale) -> Tensor");
   m.impl("step_attention", c10::DispatchKey::CPU, &step_attention);
+  m.def("vec_capability() -> str", [] { return std::string(HYDRAGEN_VEC_CAPABILITY); });
 }
