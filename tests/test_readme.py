@@ -63,6 +63,26 @@ def test_python_example_prints_what_it_shows():
         assert form.match(got) and form.match(want), (got, want)
 
 
+def test_the_greedy_reply_shown_is_far_from_a_tie(embedded_llm):
+    """The Python example's greedy line is compared exactly although another CPU rounds the logits
+    differently (its vector width, MKL's code paths, the ops compiled with -march=native): at every step of
+    that reply the token leads the runner-up by more than 0.01 nats (0.08 at its closest step here), over 200
+    times the largest log-probability change that batching and sharing make on one CPU (4.6e-5, `hydragen
+    bench exactness`), which are roundings of the same kind. A README reply close to a tie fails here."""
+    from hydragen import SamplingParams
+
+    example = _block_with("python", "from hydragen import LLM")
+    shown = next(m for m in _blocks("text") if m.start() > example.end()).group(2).splitlines()[-1]
+    question = re.search(r'llm\.chat\(\[\{"role": "user", "content": "([^"]+)"\}\], greedy', example.group(2))
+    max_tokens = re.search(r"SamplingParams\(temperature=0, max_tokens=(\d+)\)", example.group(2))
+    greedy = SamplingParams(temperature=0, max_tokens=int(max_tokens.group(1)), logprobs=2)
+    reply = embedded_llm.chat([{"role": "user", "content": question.group(1)}], greedy, use_tqdm=False)
+    out = reply[0].outputs[0]
+    assert out.text == shown
+    gaps = [sorted(step.values(), reverse=True)[:2] for step in out.logprobs]
+    assert min(best - second for best, second in gaps) > 0.01, gaps
+
+
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory):
     """`hydragen serve` on the embedded model, as the README starts it (on a free port)."""
