@@ -67,6 +67,23 @@ def test_packed_rows_read_back_as_the_gguf_package_dequantizes(qtype) -> None:
     assert torch.equal(got, t.dequantize())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_stacked_parts_pack_as_their_concatenation(qtype) -> None:
+    """A load packs q/k/v or gate/up from where each part lies in the file (no stacked copy first): parts of
+    any row count (a tile shared across their boundary), and a column slice's strided rows, pack as the
+    stacked copy does."""
+    a, b, c = (_tensor(qtype, rows, _cols(qtype), seed=rows) for rows in (21, 6, 37))
+    stacked = quant.pack(torch.cat([a.data, b.data]), qtype)
+    assert torch.equal(quant.pack_stacked([a.data, b.data], qtype), stacked)
+    cols = 2 * _cols(qtype) // 3
+    strided, part = c.col_slice(0, cols).data, a.col_slice(0, cols).data
+    assert not strided.is_contiguous()
+    want = quant.pack(torch.cat([strided.contiguous(), part.contiguous()]), qtype)
+    assert torch.equal(quant.pack_stacked([strided, part], qtype), want)
+    with pytest.raises(RuntimeError, match="cannot be stacked"):
+        quant.pack_stacked([a.data, strided], qtype)
+
+
 @pytest.mark.parametrize("bits", [15, 8])
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: quant.ISA_NAMES[i])
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)

@@ -9,8 +9,8 @@ Five parts, each a table (Markdown + JSON) and where it helps a plot:
   prompt) and 64 (one shared 2,048-token prompt): hydragen as it runs, with its layers run one op at a time
   from Python (``HYDRAGEN_FUSED_LAYERS=0``), on the dequantized float32 weights (what it ran before),
   llama.cpp (its ``batched`` example's scheme: bench/llamacpp_peer.py);
-* ``memory``: resident memory after load against the file's size, in a fresh process per model; the fixed
-  runtime (Python, torch, the ops, a tiny model) measured first and subtracted;
+* ``memory``: resident memory after load, and the peak while loading, against the file's size, in a fresh
+  process per model; the fixed runtime (Python, torch, the ops, a tiny model) measured first and subtracted;
 * ``real``: a random-weights GGUF of a real shape (``--real-size llama-3.1-8b:Q4_K_M``, written once to
   hydragen's cache, never into the repository): its memory and decode at n = 1 and 16 against llama.cpp.
 
@@ -334,7 +334,9 @@ def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
     notes = (
         "Fresh process per model; runtime = resident memory after importing hydragen, loading the C++ ops "
         "and running a tiny one-layer model once; model = resident memory after loading the model (weights "
-        "only, no KV cache) and running it once, minus the runtime."
+        "only, no KV cache) and running it once, minus the runtime. Peak during load = the process's VmHWM "
+        "after the load (file-backed pages included), counted over the resident memory after importing "
+        "hydragen and loading the C++ ops (before the tiny model)."
     )
     return rows, {}, notes
 
@@ -368,7 +370,7 @@ MEASURES = {
         None,
     ),
     "decode": (_decode, "Decode side by side, same GGUF, one run", DECODE_COLUMNS),
-    "memory": (_memory, "Resident memory after load", None),
+    "memory": (_memory, "Resident memory after load, and the peak while loading", None),
     "real": (_real, "A model of real size (random weights), side by side", ["model", *DECODE_COLUMNS]),
 }
 

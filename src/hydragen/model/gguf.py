@@ -4,6 +4,8 @@ The state dict uses HF Llama/Qwen2 names and layouts whatever the file: the mode
 Weights in a type the kernels compute in (model/qtensor.py: the legacy and K-quants, F16, BF16) stay in it
 as ``QuantTensor``s over the file's memory map (``keep=True``, the CPU default); otherwise every tensor is
 dequantized to float32 (``keep=False``: CUDA, no C++ compiler, or ``LLM(..., dequantize=True)``).
+A tensor's file pages leave the process once its bytes are copied out (model/file_pages.py): at once for a
+float or reordered copy, and for a quantized matrix kept as it is, when the model has packed it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import math
 import os
 import struct
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.file_pages import FileMap
 from hydragen.model.qtensor import KEPT_TYPES, PACKED_TYPES, QuantTensor, block_size, row_bytes
 
 # general.architecture -> (HF architecture, model_type, whether llama.cpp permuted attn_q/attn_k)
@@ -329,7 +333,7 @@ def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFT
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
 
-    return config, GGUFTensors(path, tensors, permuted, n_head, n_kv, head_dim, keep)
+    return config, GGUFTensors(path, tensors, permuted, n_head, n_kv, head_dim, keep, FileMap.of(reader.data))
 
 
 # Rows dequantized at a time when only some columns are kept: bounds the transient float32 copy.
@@ -344,9 +348,18 @@ class GGUFTensors:
     """
 
     def __init__(
-        self, path: Path, tensors: dict[str, Any], permuted: bool, n_head: int, n_kv: int, d: int, keep: bool
+        self,
+        path: Path,
+        tensors: dict[str, Any],
+        permuted: bool,
+        n_head: int,
+        n_kv: int,
+        d: int,
+        keep: bool,
+        file_map: FileMap | None = None,
     ):
         self.path, self.permuted, self.keep = path, permuted, keep
+        self._file_map = file_map or FileMap(None)
         self._by_hf = {hf_name(n): t for n, t in tensors.items() if n not in _SKIP}
         self._heads = {"attn_q": n_head, "attn_k": n_kv}
         self.head_dim = d
@@ -360,6 +373,10 @@ class GGUFTensors:
         """Whether any tensor is read in a quantized block format (kept, not dequantized): the model it builds
         then computes from quantized blocks (``model.linear.keeps_quantized_weights``)."""
         return self.keep and any(t.tensor_type in PACKED_TYPES for t in self._by_hf.values())
+
+    def on_demand(self) -> TensorsOnDemand:
+        """The tensors as a state dict that reads each one when the model takes it."""
+        return TensorsOnDemand(self)
 
     def block(self, name: str) -> int:
         """Weights per block along the rows of ``name`` as it is read (1 when it is read as floats)."""
@@ -395,7 +412,12 @@ class GGUFTensors:
                 raise ValueError(f"{name}: llama.cpp's permuted q/k rows can only be sliced by rows")
             heads = self._heads[qk] if dim is None else (hi - lo) // self.head_dim
             w = np.ascontiguousarray(unpermute_qk(w, heads))  # per head: a slice of whole heads is exact
+        self._drop_pages(t)  # w is a float copy
         return torch.from_numpy(np.ascontiguousarray(w))
+
+    def _drop_pages(self, t: Any) -> None:
+        """Tensor ``t``'s pages of the file leave this process (its bytes are copied out, or packed)."""
+        self._file_map.drop(int(t.data_offset), int(t.n_bytes))
 
     def _read_kept(self, t: Any, qk: str | None, dim: int | None, lo: int, hi: int) -> QuantTensor:
         rows, cols = (int(x) for x in reversed(t.shape))
@@ -410,13 +432,36 @@ class GGUFTensors:
                 raise ValueError(f"{t.name}: llama.cpp's permuted q/k rows can only be sliced by rows")
             lo, hi = (0, rows) if dim is None else (lo, hi)
             order = unpermute_qk(np.arange(lo, hi), (hi - lo) // self.head_dim)
-            return whole.take_rows(order)
+            reordered = whole.take_rows(order)  # a copy: the file's pages are read
+            self._drop_pages(t)
+            return reordered
+        whole.drop_source = partial(self._drop_pages, t)
         if dim is None:
             return whole
         try:
             return whole.row_slice(lo, hi) if dim == 0 else whole.col_slice(lo, hi)
         except ValueError as e:
             raise ModelFileError(self.path, f"tensor {t.name!r}: {e}") from None
+
+
+class TensorsOnDemand:
+    """What ``LlamaModel.load_hf_state_dict`` pops by name, each tensor read from the file as it is popped:
+    a load holds one projection's file bytes at a time beside what it has packed, not the whole file."""
+
+    def __init__(self, files: GGUFTensors) -> None:
+        self._files = files
+        self._left = dict.fromkeys(files.names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._left))
+
+    def pop(self, name: str, *default: Any) -> torch.Tensor | QuantTensor:
+        if name in self._left:
+            del self._left[name]
+            return self._files.read(name)
+        if default:
+            return default[0]
+        raise KeyError(name)
 
 
 def _dequantize_rows(t: Any, lo: int, hi: int) -> np.ndarray:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydragen.model.qtensor import PACKED_TYPES, Q, QuantTensor, cat_rows
+from hydragen.model.qtensor import PACKED_TYPES, Q, QuantTensor
 from hydragen.native import quant
 
 # rope: (cos, signed sin) [T, head_dim] tables and how many leading output columns to rotate
@@ -95,15 +95,18 @@ class PackedProjection(nn.Module):
 
     @classmethod
     def from_parts(cls, parts: list[QuantTensor], bias: torch.Tensor | None = None) -> PackedProjection:
-        """Packs the parts (neighbours of one type first become one matrix: fewer, longer runs)."""
-        merged: list[QuantTensor] = []
+        """Packs the parts (neighbours of one type become one matrix: fewer, longer runs), then lets each part
+        drop the file pages it was read from."""
+        groups: list[list[QuantTensor]] = []
         for p in parts:
-            if merged and merged[-1].qtype == p.qtype and merged[-1].cols == p.cols:
-                merged[-1] = cat_rows([merged[-1], p])
+            if groups and groups[-1][0].qtype == p.qtype and groups[-1][0].cols == p.cols:
+                groups[-1].append(p)
             else:
-                merged.append(p)
-        buffers = [packed_bytes(p) for p in merged]
-        return cls([p.qtype for p in merged], [p.rows for p in merged], merged[0].cols, buffers, bias)
+                groups.append([p])
+        buffers = [stacked_bytes(g) for g in groups]
+        _sources_packed(parts, buffers)
+        rows = [sum(p.rows for p in g) for g in groups]
+        return cls([g[0].qtype for g in groups], rows, parts[0].cols, buffers, bias)
 
     @property
     def out_features(self) -> int:
@@ -159,6 +162,7 @@ class PackedEmbedding(nn.Module):
         super().__init__()
         self.qtype, self.cols, self.num_embeddings = table.qtype, table.cols, table.rows
         self.register_buffer("table", packed_bytes(table), persistent=False)
+        _sources_packed([table], [self.table])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qtype in PACKED_TYPES:
@@ -172,7 +176,26 @@ class PackedEmbedding(nn.Module):
 
 def packed_bytes(t: QuantTensor) -> torch.Tensor:
     """What the kernels read: quantized rows repacked into 16-row tiles, 16-bit rows as stored."""
-    return quant.pack(t.data, t.qtype) if t.qtype in PACKED_TYPES else t.data.contiguous()
+    return stacked_bytes([t])
+
+
+def stacked_bytes(parts: list[QuantTensor]) -> torch.Tensor:
+    """What the kernels read of parts of one type stacked by rows: quantized rows packed into 16-row tiles
+    from where they lie (no stacked copy of the file's bytes first), 16-bit rows as stored (one part: its own
+    bytes)."""
+    data = [p.data for p in parts]
+    if parts[0].qtype in PACKED_TYPES:
+        return quant.pack_stacked(data, parts[0].qtype)
+    return data[0].contiguous() if len(data) == 1 else torch.cat(data)
+
+
+def _sources_packed(parts: list[QuantTensor], buffers: list[torch.Tensor]) -> None:
+    """Each part's file pages can go once it is packed, unless a buffer is the part's own bytes (a 16-bit
+    matrix kept as stored, read in place at run time)."""
+    in_place = {b.data_ptr() for b in buffers}
+    for p in parts:
+        if p.data.data_ptr() not in in_place:
+            p.source_packed()
 
 
 def _float(rope: Rope | None) -> Rope | None:

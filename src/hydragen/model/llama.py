@@ -142,6 +142,8 @@ class LlamaModel(nn.Module):
         cast to ``dtype``); ``QuantTensor`` weights stay in their format. A tensor of the wrong shape raises
         RuntimeError, a missing one KeyError.
         """
+        from hydragen.model.loader import release_freed_memory
+
         c = self.cfg
         device = device or self.norm.device
         dtype = dtype or self.norm.dtype
@@ -189,6 +191,10 @@ class LlamaModel(nn.Module):
             layer.down = projection([(p + "mlp.down_proj.weight", h)], inter)
             layer.attn_norm = vector(p + "input_layernorm.weight", h)
             layer.mlp_norm = vector(p + "post_attention_layernorm.weight", h)
+            # The layer's freed copies (q and k put back in HF row order) go back to the OS now: glibc cuts
+            # the next layer's small lasting tensors (its norms) from their chunks, and takes fresh memory
+            # for the next copies, ~1 copy a layer that only the final trim returned (25 MB on a 1B shape).
+            release_freed_memory()
         leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:
             raise ValueError(f"checkpoint has unexpected tensors, e.g. {leftovers[:3]}")

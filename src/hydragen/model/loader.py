@@ -204,9 +204,7 @@ def load_model(
     path = resolve_model_path(model)
     keep = keeps_compact(device, dtype, dequantize)
     if path.suffix == ".gguf":
-        from hydragen.model.gguf import read_gguf
-
-        hf_cfg, sd = read_gguf(path, keep)
+        hf_cfg, sd = _gguf_state(path, keep)
         cfg_file = path
     else:
         hf_cfg, sd = _read_hf_dir(path, keep and dtype == torch.float32)
@@ -218,6 +216,19 @@ def load_model(
     net.setup_rotary(device)
     net.eval()
     return net, cfg, path
+
+
+def _gguf_state(path: Path, keep: bool):
+    """(config, state dict) of a GGUF. Kept in its format, each tensor is read as the model takes it and
+    packed before the next: the load's peak is what it packed plus one projection's bytes. Dequantized, the
+    tensors are read up front by a few threads (the float32 copies dwarf the file anyway)."""
+    from hydragen.model.gguf import open_gguf_tensors, read_gguf
+
+    if not keep:
+        return read_gguf(path, keep)
+    hf_cfg, files = open_gguf_tensors(path, keep)
+    release_freed_memory()  # the header's parse (a vocabulary of Python objects) before the weights
+    return hf_cfg, files.on_demand()
 
 
 def random_gguf_or(model, random_weights: bool):

@@ -8,7 +8,8 @@ when they fall on block boundaries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import gguf
 import numpy as np
@@ -39,11 +40,16 @@ def row_bytes(qtype: int, cols: int) -> int:
 
 @dataclass
 class QuantTensor:
-    """A [rows, cols] matrix as the file stores it: ``data`` is uint8 [rows, row_bytes]."""
+    """A [rows, cols] matrix as the file stores it: ``data`` is uint8 [rows, row_bytes].
+
+    ``drop_source``, when set, takes the file pages ``data`` was read from out of the process: the model calls
+    it (``source_packed``) once the bytes are repacked and the file's are never read again.
+    """
 
     qtype: int
     data: torch.Tensor
     cols: int
+    drop_source: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -63,8 +69,13 @@ class QuantTensor:
         t = t.contiguous()
         return cls(int(TORCH_16BIT[t.dtype]), t.view(torch.uint8).reshape(t.shape[0], -1), int(t.shape[1]))
 
+    def source_packed(self) -> None:
+        """The bytes are packed: the file pages they came from can go (``drop_source``)."""
+        if self.drop_source is not None:
+            self.drop_source()
+
     def row_slice(self, lo: int, hi: int) -> QuantTensor:
-        return QuantTensor(self.qtype, self.data[lo:hi], self.cols)
+        return QuantTensor(self.qtype, self.data[lo:hi], self.cols, self.drop_source)
 
     def col_slice(self, lo: int, hi: int) -> QuantTensor:
         """Columns [lo, hi): whole blocks only (a quantized block cannot be split)."""
@@ -74,18 +85,21 @@ class QuantTensor:
                 f"columns [{lo}, {hi}) do not fall on the {block}-weight blocks of {type_name(self.qtype)}"
             )
         per = row_bytes(self.qtype, block)
-        return QuantTensor(self.qtype, self.data[:, lo // block * per : hi // block * per], hi - lo)
+        return QuantTensor(
+            self.qtype, self.data[:, lo // block * per : hi // block * per], hi - lo, self.drop_source
+        )
 
     def pad_rows(self, rows: int) -> QuantTensor:
         """Zero rows appended up to ``rows``: all-zero blocks (scale 0) dequantize to 0 in every format."""
         if rows <= self.rows:
             return self
         pad = torch.zeros((rows - self.rows, self.data.shape[1]), dtype=torch.uint8)
-        return QuantTensor(self.qtype, torch.cat([self.data, pad]), self.cols)
+        return QuantTensor(self.qtype, torch.cat([self.data, pad]), self.cols, self.drop_source)
 
     def take_rows(self, order: torch.Tensor | np.ndarray) -> QuantTensor:
         """Rows reordered (llama.cpp's permuted q/k rows put back in Hugging Face order): a copy."""
-        return QuantTensor(self.qtype, self.data[torch.as_tensor(order)].contiguous(), self.cols)
+        rows = self.data[torch.as_tensor(order)].contiguous()
+        return QuantTensor(self.qtype, rows, self.cols, self.drop_source)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols] through the gguf package's dequantizer."""
@@ -97,8 +111,3 @@ class QuantTensor:
     def to(self, *args, **kwargs) -> QuantTensor:
         """Unchanged: the file's format is kept whatever dtype the model computes in."""
         return self
-
-
-def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
-    """Parts of one type stacked by rows (q, k and v of one type become one matrix)."""
-    return QuantTensor(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols)

@@ -76,7 +76,14 @@ def huge_pages() -> bool:
 
 def pack(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """The file's rows [rows, row_bytes] (uint8) -> hydragen's 16-row tiles (native/csrc/quant_layout.h)."""
-    return _ops().quant_pack(raw.contiguous(), int(qtype), huge_pages())
+    return pack_stacked([raw], qtype)
+
+
+def pack_stacked(parts: list[torch.Tensor], qtype: int) -> torch.Tensor:
+    """Matrices of one type stacked by rows, packed as one, each read where it lies (no stacked copy first):
+    uint8 [rows_i, row_bytes] parts whose rows are contiguous (a column slice's rows are strided: fine)."""
+    rows_contiguous = [p if p.stride(-1) == 1 else p.contiguous() for p in parts]
+    return _ops().quant_pack(rows_contiguous, int(qtype), huge_pages())
 
 
 def rows(packed: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "quant_decode.h"
 #include "weight_arena.h"
 
@@ -20,27 +22,38 @@ void check_qtype(int64_t qtype) {
               "quant_pack: GGML type ", qtype, " has no packed layout");
 }
 
-// raw: [rows, row_bytes] uint8, the file's rows -> [ceil(rows / 16), row_bytes_packed] uint8, on 2 MiB pages
-// when huge_pages (weight_arena.h).
-at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, bool huge_pages) {
+// parts: [rows_i, row_bytes] uint8 each, the file's rows of matrices stacked one after the other ->
+// [ceil(sum rows_i / 16), row_bytes_packed] uint8, on 2 MiB pages when huge_pages (weight_arena.h). The parts
+// are read where they lie (views of the file's memory map, a column slice's strided rows): the rows they
+// stack into are never copied together first, so a load holds no copy of them beside the packed tiles.
+at::Tensor quant_pack(const std::vector<at::Tensor>& parts, int64_t qtype, bool huge_pages) {
   check_qtype(qtype);
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(),
-              "quant_pack: raw must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(!parts.empty(), "quant_pack: no parts");
   const Format f = format_of(static_cast<int>(qtype));
-  const int64_t rows = raw.size(0), row_bytes = raw.size(1);
+  const int64_t row_bytes = parts[0].dim() == 2 ? parts[0].size(1) : -1;
+  std::vector<const uint8_t*> rows_at;
+  for (const at::Tensor& raw : parts) {
+    TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.device().is_cpu() &&
+                    (raw.size(1) <= 1 || raw.stride(1) == 1),
+                "quant_pack: each part must be a 2-D uint8 CPU tensor whose rows are contiguous");
+    TORCH_CHECK(raw.size(1) == row_bytes, "quant_pack: parts of ", row_bytes, " and ", raw.size(1),
+                " bytes a row cannot be stacked");
+    const uint8_t* base = raw.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < raw.size(0); ++r) rows_at.push_back(base + r * raw.stride(0));
+  }
   TORCH_CHECK(row_bytes % f.file_bytes == 0, "quant_pack: a row of ", row_bytes,
               " bytes is not a whole number of ", f.file_bytes, "-byte blocks");
+  const int64_t rows = static_cast<int64_t>(rows_at.size());
   const int64_t blocks = row_bytes / f.file_bytes, tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t tb_bytes = tile_block_bytes(static_cast<int>(qtype));
   at::Tensor out = huge_pages ? WeightArena::instance().zeros(tiles, blocks * tb_bytes)
-                              : at::zeros({tiles, blocks * tb_bytes}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
+                              : at::zeros({tiles, blocks * tb_bytes}, at::TensorOptions().dtype(at::kByte));
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     Block b;
     for (int64_t t = begin; t < end; ++t) {
       for (int r = 0; r < kTileRows && t * kTileRows + r < rows; ++r) {
-        const uint8_t* row = src + (t * kTileRows + r) * row_bytes;
+        const uint8_t* row = rows_at[t * kTileRows + r];
         for (int64_t k = 0; k < blocks; ++k) {
           decode_file_block(static_cast<int>(qtype), row + k * f.file_bytes, b);
           write_tile_row(static_cast<int>(qtype), b, r, dst + t * blocks * tb_bytes + k * tb_bytes);
@@ -84,7 +97,7 @@ at::Tensor quant_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
-  m.def("quant_pack(Tensor raw, int qtype, bool huge_pages) -> Tensor");
+  m.def("quant_pack(Tensor[] parts, int qtype, bool huge_pages) -> Tensor");
   m.impl("quant_pack", c10::DispatchKey::CPU, &quant_pack);
   m.def("quant_rows(Tensor packed, int qtype, int cols, Tensor ids) -> Tensor");
   m.impl("quant_rows", c10::DispatchKey::CPU, &quant_rows);

@@ -1,0 +1,71 @@
+"""Peak memory while a GGUF loads kept in its format. The weights are read one projection at a time from the
+file's memory map and packed, and each projection's file pages leave the process once it is packed
+(model/file_pages.py), so the peak is the packed model plus about one projection, not the file twice.
+The issue's target: peak RSS during load at most 1.15x the file plus the runtime (the RSS after importing
+hydragen and loading the C++ ops)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hydragen.model.config import ModelConfig
+from hydragen.model.gguf_write import random_maker, write_llama_gguf
+from hydragen.model.presets import PRESETS
+from hydragen.native import quant
+
+pytestmark = [
+    pytest.mark.skipif(not quant.available(), reason="hydragen's C++ ops are unavailable"),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status"),
+]
+
+# Llama-3.2-1B's layers (8 of its 16) with a 32,000-token vocabulary and an output head of its own, in
+# llama-quantize's Q4_K_M mix: 366 MiB, most of it in the layers, as in a downloaded model.
+SHAPE = PRESETS["llama-3.2-1b"] | dict(
+    num_hidden_layers=8, vocab_size=32000, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2
+)
+TARGET = 1.15
+
+# In a fresh process: the runtime, then the load, then the peak (VmHWM counts file-backed pages too).
+PROBE = """
+import json, sys
+from pathlib import Path
+import torch
+import hydragen
+from hydragen.model.loader import load_model
+from hydragen.native import quant
+
+def status_kb(key):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
+    return int(line.split()[1])
+
+assert quant.available()
+runtime = status_kb("VmRSS")
+net, cfg, _ = load_model(sys.argv[1], torch.device("cpu"), torch.float32)
+print(json.dumps({"runtime": runtime, "peak": status_kb("VmHWM"), "after": status_kb("VmRSS"),
+                  "layers": len(net.layers)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def real_shape_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("load_memory") / "llama-1b-layers.Q4_K_M.gguf"
+    write_llama_gguf(path, ModelConfig.from_hf(SHAPE), "Q4_K_M", random_maker())
+    yield path
+    path.unlink()
+
+
+def test_the_load_peaks_at_the_packed_model_plus_one_projection(real_shape_gguf) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, str(real_shape_gguf)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    assert probe["layers"] == SHAPE["num_hidden_layers"]
+    file_kb = real_shape_gguf.stat().st_size / 1024
+    peak = (probe["peak"] - probe["runtime"]) / file_kb
+    resident = (probe["after"] - probe["runtime"]) / file_kb
+    assert peak <= TARGET, f"peak {peak:.2f}x the file over the runtime (resident after load {resident:.2f}x)"
