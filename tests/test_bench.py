@@ -59,6 +59,24 @@ def test_e2e_quick(tiny_models, tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == PNG
 
 
+def test_e2e_peers_run_in_their_own_processes_and_a_crash_is_reported(tiny_models, tmp_path, monkeypatch):
+    """transformers runs and times itself in a process of its own; llama.cpp dying of SIGSEGV there (as an
+    AMX build of llama-cpp-python does in llama_decode) is reported, and the run goes on without it."""
+    from crashing_peer import SegfaultingPeer
+
+    from hydragen.bench import llamacpp_peer
+
+    monkeypatch.setattr(llamacpp_peer, "unavailable", lambda model, random: None)
+    monkeypatch.setattr(llamacpp_peer, "Peer", SegfaultingPeer)
+    modes = ["hydragen", "llamacpp", "hf"]
+    rows = run_e2e(tiny_models["llama"], 16, [1, 2], 3, modes, tmp_path)
+    assert [(r["mode"], r["n"]) for r in rows] == [("hydragen", 1), ("hydragen", 2), ("hf", 1), ("hf", 2)]
+    assert all(r["time_T"] > 0 for r in rows)
+    skipped = json.loads((tmp_path / "e2e.json").read_text())["params"]["skipped"]
+    assert list(skipped) == ["llamacpp"]
+    assert skipped["llamacpp"].startswith("llama.cpp crashed (signal 11, SIGSEGV); its last output: ")
+
+
 def test_e2e_cli_random_weights(tmp_path, capsys):
     """--random-weights builds the shape without weights; a bad mode or shape is a clear error."""
     cfg = {
@@ -335,17 +353,19 @@ def test_llamacpp_peer_draws_each_sequence_on_its_own():
 
 
 def test_bench_e2e_gives_its_sampling_to_the_llamacpp_peer(monkeypatch):
-    """e2e's llama.cpp runs sample with the settings its hydragen runs use."""
+    """e2e's llama.cpp runs sample with the settings its hydragen runs use (the peer is built in its own
+    process: what it is built with is what that process is handed)."""
     from hydragen.bench import e2e, llamacpp_peer
 
     class Built(Exception):
         pass
 
-    def peer(*args, sampling=None, **kwargs):
+    def peer_process(name, make, *args, sampling=None, **kwargs):
+        assert (name, make) == ("llama.cpp", llamacpp_peer.Peer)
         raise Built(dict(sampling))
 
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda model, random: None)
-    monkeypatch.setattr(llamacpp_peer, "Peer", peer)
+    monkeypatch.setattr(e2e, "PeerProcess", peer_process)
     monkeypatch.setattr(e2e, "ENGINE_SAMPLING", {"temperature": 0.7, "top_p": 0.9, "top_k": 0})
     with pytest.raises(Built) as built:
         e2e._runner("llamacpp", None, [(32, 2)], 4, False, "cpu", "float32", 4)

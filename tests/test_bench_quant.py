@@ -209,7 +209,8 @@ def test_both_engines_of_the_decode_table_sample_alike(monkeypatch, tmp_path, fl
     class Loaded(Exception):
         pass
 
-    def peer(*args, sampling=None, **kwargs):
+    def peer_process(name, make, *args, sampling=None, **kwargs):  # what the peer's process builds
+        assert make is llamacpp_peer.Peer
         seen.update(peer=dict(sampling), hydragen=dict(e2e.ENGINE_SAMPLING))
         raise Loaded  # stop before any engine runs
 
@@ -217,12 +218,75 @@ def test_both_engines_of_the_decode_table_sample_alike(monkeypatch, tmp_path, fl
     model.write_bytes(b"\0")
     monkeypatch.setattr(e2e, "ENGINE_SAMPLING", dict(e2e.ENGINE_SAMPLING))  # put back afterwards
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: None)
-    monkeypatch.setattr(llamacpp_peer, "Peer", peer)
+    monkeypatch.setattr(bench, "PeerProcess", peer_process)
     monkeypatch.setattr(bench, "_check_memory", lambda *args: None)
     argv = ["--parts", "decode", "--model", str(model), "--engines", "llamacpp", "--out", str(tmp_path)]
     with pytest.raises(Loaded):
         bench.main(argv + flags)
     assert seen == {"peer": settings, "hydragen": settings}
+
+
+@pytest.fixture
+def segfaulting_llamacpp(monkeypatch):
+    """llama.cpp as a peer that builds and then dies of SIGSEGV in its own process (as llama-cpp-python built
+    with the AMX path does in llama_decode), after $CRASHING_PEER_CALLS calls; no llama.cpp needed."""
+    from crashing_peer import SegfaultingPeer
+
+    from hydragen.bench import llamacpp_peer, quant_accuracy
+
+    monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: None)
+    monkeypatch.setattr(llamacpp_peer, "Peer", SegfaultingPeer)
+    monkeypatch.setattr(quant_accuracy, "LlamaCppLogits", SegfaultingPeer)
+    return monkeypatch
+
+
+def test_a_llamacpp_crash_in_a_later_round_leaves_its_rounds_out(segfaulting_llamacpp):
+    """The peer crashes in the second round, after a warm-up and a round that answered: the rounds go on for
+    hydragen, llama.cpp has no row (nor a ratio), and the reason names the peer, the signal and where."""
+    import math
+
+    from hydragen.bench import quant as bench
+
+    segfaulting_llamacpp.setenv("CRASHING_PEER_CALLS", "3")  # the warm-up, then t(1) and t(T) of round 1
+    skipped: dict[str, str] = {}
+    rows = bench.decode_rows(None, [(1, 8)], 3, 2, ("llamacpp", "hydragen"), {"temperature": 0}, skipped)
+    assert [r["mode"] for r in rows] == ["hydragen"] and math.isnan(rows[0]["vs llama.cpp"])
+    assert skipped["llamacpp"].startswith("llama.cpp crashed (signal 11, SIGSEGV); its last output: ")
+    assert "generate: about to crash" in skipped["llamacpp"]
+
+
+def test_bench_quant_goes_on_when_llamacpp_crashes(segfaulting_llamacpp, tmp_path):
+    """The decode part reports the crash in its table and finishes without llama.cpp's rows."""
+    from hydragen import cli
+
+    out = tmp_path / "out"
+    argv = ["bench", "quant", "--quick", "--parts", "decode", "--engines", "hydragen,llamacpp"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert {r["mode"] for r in json.loads((out / "quant.json").read_text())["decode"]} == {"hydragen"}
+    decode = (out / "quant-decode.md").read_text()
+    assert "llama.cpp did not run here (llama.cpp crashed (signal 11, SIGSEGV); its last output: " in decode
+    assert "generate: about to crash" in decode and "'vs llama.cpp' is n/a" in decode
+
+
+def test_the_accuracy_part_goes_on_when_llamacpp_crashes(segfaulting_llamacpp):
+    """The accuracy part always runs llama.cpp (--engines cannot keep it out): a crash gives no llama.cpp
+    outputs and the reason, which its table's notes give."""
+    from hydragen.bench import quant as bench
+    from hydragen.bench import quant_accuracy
+    from hydragen.model.default_model import default_model_path
+
+    said = []
+    got, why = quant_accuracy.llamacpp_reference(default_model_path(), [[1, 2, 3]], 2, said.append)
+    assert got is None and why.startswith("llama.cpp crashed (signal 11, SIGSEGV); its last output: ")
+    assert "logits: about to crash" in why and said[-1].endswith("the rows against llama.cpp are left out")
+
+    def run(model, count, tokens, progress, skipped):  # the part, its llama.cpp step as above
+        skipped["llamacpp"] = why
+        return []
+
+    segfaulting_llamacpp.setattr(quant_accuracy, "run", run)
+    _, _, notes = bench._accuracy(bench.argparse.Namespace(model=None, prompts=2), quick=True)
+    assert f"llama.cpp did not run here ({why}): no rows against it." in notes
 
 
 def test_the_memory_check_reads_the_models_shape_from_its_gguf():

@@ -5,7 +5,8 @@ so prefill is excluded; end-to-end wall time is reported as well.
 Modes: hydragen (prefix sharing), nosharing (same engine, every sequence its own KV copy), noattn (the
 engine with attention skipped: the ceiling), and peers when installed: hf (transformers generate with
 num_return_sequences) and llamacpp (llama-cpp-python, the prompt evaluated once and its KV cells shared
-by every sequence, as llama.cpp's batched example does; GGUF models only).
+by every sequence, as llama.cpp's batched example does; GGUF models only). Each peer runs in a process of its
+own (bench/peer_process.py), timing itself there: a peer that crashes is reported and the run goes on.
 
 Two sweeps, as the paper's figures: throughput vs n at one prompt length (Figure 1) and throughput vs
 prompt length at one n (Figure 4). ``--random-weights CONFIG`` measures any Llama shape (a preset such as
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from hydragen.bench.common import machine_description, matmul_rate, say_quick, touch_kv_pool, write_table
+from hydragen.bench.peer_process import PeerCrashed, PeerProcess, in_peer
 from hydragen.bench.plots import Missing, label, plot_lines
 
 RESULT_NAME = "e2e"  # e2e.json, e2e.md
@@ -168,9 +170,13 @@ def run(
     skipped: dict[str, str] = {}  # mode -> why it did not run
     cfg = None
     for mode in modes:
-        runner, timer, vocab, why = _runner(
-            mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n, page_size
-        )
+        try:
+            runner, timer, vocab, why = _runner(
+                mode, model, points, new_tokens, random_weights, device, dtype, peer_max_n, page_size
+            )
+        except PeerCrashed as e:
+            runner, why = None, str(e)
+            print(f"[e2e] {e}; the run goes on without it", file=sys.stderr)
         if runner is None:
             skipped[mode] = why
             continue
@@ -180,8 +186,14 @@ def run(
             if mode in ("hf", "llamacpp") and n > peer_max_n:
                 continue  # peers are slow here: measured up to --peer-max-n
             prompt = synthetic_prompt(vocab, p)
-            t1 = timer(runner, prompt, n, 1)
-            tt = timer(runner, prompt, n, new_tokens)
+            try:
+                t1 = timer(runner, prompt, n, 1)
+                tt = timer(runner, prompt, n, new_tokens)
+            except PeerCrashed as e:
+                skipped[mode] = str(e)
+                print(f"[e2e] {e}; the run goes on without it", file=sys.stderr)
+                rows = [r for r in rows if r["mode"] != mode]  # none of its points are reported
+                break
             decode_tps = decode_rate(n, new_tokens, t1, tt)
             if decode_tps != decode_tps:
                 print(
@@ -207,6 +219,8 @@ def run(
                 f"[e2e] {mode:9s} n={n:4d} P={p:6d}: decode {decode_tps:8.1f} tok/s, end-to-end {tt:7.2f} s",
                 file=sys.stderr,
             )
+        if isinstance(runner, PeerProcess):
+            runner.close()
         del runner
         gc.collect()
     for r in rows:  # ratios against the engine's own baselines at the same point
@@ -261,8 +275,8 @@ def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer
     if mode == "hf":
         if random_weights or importlib.util.find_spec("transformers") is None:
             return skip("needs transformers and real weights")
-        hf = _hf_model(model, device, dtype)
-        return hf, time_hf, hf.config.vocab_size, ""
+        hf = PeerProcess("transformers", _hf_model, model, device, dtype)
+        return hf, in_peer(time_hf), hf.call(_vocab_size), ""
     if mode == "llamacpp":
         if device != "cpu":
             return skip("measured on CPU only")
@@ -272,9 +286,12 @@ def _runner(mode, model, points, new_tokens, random_weights, device, dtype, peer
         if why:
             return skip(why)
         longest, most = max(p for p, _ in points), min(max(n for _, n in points), peer_max_n)
-        peer = llamacpp_peer.Peer(model, longest, new_tokens, most, sampling=ENGINE_SAMPLING)
-        llamacpp_peer.timer(peer, synthetic_prompt(peer.vocab, 64), 2, 2)  # warm-up
-        return peer, llamacpp_peer.timer, peer.vocab, ""
+        peer = PeerProcess(
+            "llama.cpp", llamacpp_peer.Peer, model, longest, new_tokens, most, sampling=ENGINE_SAMPLING
+        )
+        timer, vocab = in_peer(llamacpp_peer.timer), peer.call(getattr, "vocab")
+        timer(peer, synthetic_prompt(vocab, 64), 2, 2)  # warm-up
+        return peer, timer, vocab, ""
     longest = max(max(p for p, _ in points), 64)  # the warm-up prompt is 64 tokens
     kv = max(max(n for _, n in points), 2) * (longest + new_tokens + 2) + longest + 64
     llm = _engine_llm(model, mode, kv, random_weights, device, dtype, page_size)
@@ -357,6 +374,10 @@ def plots(data: dict, out: Path) -> list[Path]:
             )
         )
     return paths
+
+
+def _vocab_size(hf) -> int:
+    return hf.config.vocab_size
 
 
 def _hf_model(model, device: str, dtype: str):

@@ -8,7 +8,8 @@ Five parts, each a table (Markdown + JSON) and where it helps a plot:
 * ``decode``: side by side in one run on the same GGUF, decode tokens/s at n = 1 and 8 (one 512-token
   prompt) and 64 (one shared 2,048-token prompt): hydragen as it runs, with its layers run one op at a time
   from Python (``HYDRAGEN_FUSED_LAYERS=0``), on the dequantized float32 weights (what it ran before),
-  llama.cpp (its ``batched`` example's scheme: bench/llamacpp_peer.py);
+  llama.cpp (its ``batched`` example's scheme: bench/llamacpp_peer.py, in a process of its own:
+  bench/peer_process.py; a llama.cpp that crashes is reported in the table, and the run goes on);
 * ``memory``: resident memory after load, and the peak while loading, against the file's size, in a fresh
   process per model; the fixed runtime (Python, torch, the ops, a tiny model) measured first and subtracted;
 * ``real``: a random-weights GGUF of a real shape (``--real-size llama-3.1-8b:Q4_K_M``, written once to
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from hydragen.bench import quant_accuracy, quant_kernels, quant_memory
 from hydragen.bench.common import code_commit, machine_description, matmul_rate, say_quick, write_table
+from hydragen.bench.peer_process import PeerCrashed, PeerProcess, in_peer
 from hydragen.bench.plots import Panel, plot, plot_lines
 
 RESULT_NAME = "quant"
@@ -149,9 +151,13 @@ def _check_memory(path: Path, modes, kv_tokens: int, peer_cells: int) -> None:
         )
 
 
-def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES, sampling=None) -> list[dict]:
+def decode_rows(
+    model, points, new_tokens: int, rounds: int, modes=MODES, sampling=None, skipped: dict | None = None
+) -> list[dict]:
     """Decode tok/s per (mode, point), the best of ``rounds`` alternating rounds; every engine samples with
-    ``sampling`` (SamplingParams' names; default SAMPLING)."""
+    ``sampling`` (SamplingParams' names; default SAMPLING). llama.cpp runs in a process of its own: if it
+    crashes, its rows are left out and the rounds go on. ``skipped`` gets why each asked-for peer did not
+    run (not installed, or crashed)."""
     from hydragen.bench import e2e, llamacpp_peer
     from hydragen.model.loader import resolve_model_path
 
@@ -164,17 +170,38 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES, sampli
     cells = max((n if distinct else 1) * p + n * new_tokens for n, p, distinct in points)
     _check_memory(path, modes, cells + 64 * new_tokens, cells + 64)
     vocab = None
+    skipped = {} if skipped is None else skipped
     runners = {}  # mode -> (runner, timer for one prompt's n completions, timer for distinct prompts)
+
+    def crashed(mode: str, e: PeerCrashed) -> None:
+        skipped[mode] = str(e)
+        _say(f"{e}; the run goes on without it")
+        runners.pop(mode, None)
+
     for mode in modes:
         if mode == "llamacpp":
             why = llamacpp_peer.unavailable(path, False)
             if why:
+                skipped[mode] = why
                 _say(f"llama.cpp skipped: {why}")
                 continue
             longest, most = max(p for _, p, _ in points), max(n for n, _, _ in points)
-            peer = llamacpp_peer.Peer(path, longest, new_tokens, most, cells=cells + 64, sampling=sampling)
-            vocab = vocab or peer.vocab
-            runners[mode] = (peer, llamacpp_peer.timer, llamacpp_peer.timer_prompts)
+            try:
+                peer = PeerProcess(
+                    "llama.cpp",
+                    llamacpp_peer.Peer,
+                    path,
+                    longest,
+                    new_tokens,
+                    most,
+                    cells=cells + 64,
+                    sampling=sampling,
+                )
+                vocab = vocab or peer.call(getattr, "vocab")
+            except PeerCrashed as e:
+                crashed(mode, e)
+                continue
+            runners[mode] = (peer, in_peer(llamacpp_peer.timer), in_peer(llamacpp_peer.timer_prompts))
         else:
             llm = _engine(path, mode, cells + 64 * new_tokens)
             vocab = llm.config.vocab_size
@@ -189,21 +216,32 @@ def decode_rows(model, points, new_tokens: int, rounds: int, modes=MODES, sampli
 
     best: dict[tuple, tuple[float, float]] = {}
     per_round: dict[tuple, list[float]] = {}  # each round's rate, in round order
-    for runner, *timers in runners.values():  # untimed: first touches of the KV pool's pages, lazy set-up
-        for point in points:
-            run(runner, *timers, *point, 2)
+    for mode, (runner, *timers) in list(runners.items()):  # untimed: first touches, lazy set-up
+        try:
+            for point in points:
+                run(runner, *timers, *point, 2)
+        except PeerCrashed as e:
+            crashed(mode, e)
     for r in range(rounds):
-        for mode, (runner, *timers) in runners.items():
-            for n, p, distinct in points:
-                t1, tt = (run(runner, *timers, n, p, distinct, t) for t in (1, new_tokens))
-                key = (mode, n, p, distinct)
-                old = best.get(key, (float("inf"), float("inf")))
-                best[key] = (min(old[0], t1), min(old[1], tt))
-                per_round.setdefault(key, []).append(e2e.decode_rate(n, new_tokens, t1, tt))
-                what = f"n={n:3d} P={p}" + (" distinct" if distinct else "")
-                _say(f"round {r + 1}: {mode:13s} {what}: decode {per_round[key][-1]:7.1f} tok/s")
+        for mode, (runner, *timers) in list(runners.items()):
+            try:
+                for n, p, distinct in points:
+                    t1, tt = (run(runner, *timers, n, p, distinct, t) for t in (1, new_tokens))
+                    key = (mode, n, p, distinct)
+                    old = best.get(key, (float("inf"), float("inf")))
+                    best[key] = (min(old[0], t1), min(old[1], tt))
+                    per_round.setdefault(key, []).append(e2e.decode_rate(n, new_tokens, t1, tt))
+                    what = f"n={n:3d} P={p}" + (" distinct" if distinct else "")
+                    _say(f"round {r + 1}: {mode:13s} {what}: decode {per_round[key][-1]:7.1f} tok/s")
+            except PeerCrashed as e:
+                crashed(mode, e)
+    for runner, *_ in runners.values():
+        if isinstance(runner, PeerProcess):
+            runner.close()
     rows = []
     for (mode, n, p, distinct), (t1, tt) in best.items():
+        if mode in skipped:  # crashed in a later round: none of its rounds are reported
+            continue
         rows.append(
             {
                 "engine": MODE_LABELS[mode],
@@ -266,12 +304,15 @@ def _kernels(a, quick: bool) -> tuple[list[dict], dict, str]:
 
 def _accuracy(a, quick: bool) -> tuple[list[dict], dict, str]:
     tokens = 8 if quick else 32
-    rows = quant_accuracy.run(a.model, 8 if quick else a.prompts, tokens, _say)
+    skipped: dict[str, str] = {}
+    rows = quant_accuracy.run(a.model, 8 if quick else a.prompts, tokens, _say, skipped)
     notes = (
         "Each model is fed the reference's tokens (teacher forcing); KL(reference || model) of the "
         f"next-token distribution, top-1 agreement, then {tokens} greedy tokens each. Reference: the same "
         "file dequantized to float32 and run by hydragen (float64 KL), or llama.cpp's logits where named."
     )
+    if "llamacpp" in skipped:
+        notes += f" llama.cpp did not run here ({skipped['llamacpp']}): no rows against it."
     return rows, {"greedy tokens": tokens}, notes
 
 
@@ -280,13 +321,14 @@ def _decode(a, quick: bool) -> tuple[list[dict], dict, str]:
     new_tokens = 4 if quick else a.new_tokens
     rounds = 1 if quick else a.rounds
     sampling = _sampling(a)
-    rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES, sampling)
+    skipped: dict[str, str] = {}
+    rows = decode_rows(a.model, points, new_tokens, rounds, a.engines or MODES, sampling, skipped)
     notes = (
         "n completions of one prompt (its KV shared by every engine), or, where 'prompts' is n, n distinct "
         f"prompts of that length, one completion each; {_sampling_words(sampling)}. Decode-only "
         f"rate n (T - 1) / (t(T) - t(1)); best of {rounds} alternating rounds. 'vs llama.cpp' divides the "
         "two best rates; 'paired' is the median over rounds of the ratio within a round (the engines run "
-        "back to back in each round)." + _skipped_peer(a.model, rows)
+        "back to back in each round)." + _skipped_peer(a.model, rows, skipped)
     )
     extra = {"points": points, "new_tokens": new_tokens, "engines": _engines_run(rows)}
     return rows, {**extra, "sampling": sampling}, notes
@@ -296,14 +338,17 @@ def _engines_run(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["mode"] for r in rows))
 
 
-def _skipped_peer(model, rows: list[dict]) -> str:
-    """A table's word on a llama.cpp peer that was asked for and did not run (its ratios then read n/a)."""
+def _skipped_peer(model, rows: list[dict], skipped: dict[str, str]) -> str:
+    """A table's word on a llama.cpp peer that did not run (its ratios then read n/a): not installed, not
+    asked for, or crashed (``skipped``: decode_rows' reasons)."""
     from hydragen.bench import llamacpp_peer
     from hydragen.model.loader import resolve_model_path
 
     if any(r["mode"] == "llamacpp" for r in rows):
         return ""
-    why = llamacpp_peer.unavailable(model if isinstance(model, Path) else resolve_model_path(model), False)
+    why = skipped.get("llamacpp") or llamacpp_peer.unavailable(
+        model if isinstance(model, Path) else resolve_model_path(model), False
+    )
     return f" llama.cpp did not run here ({why or 'not asked for'}): 'vs llama.cpp' is n/a."
 
 
@@ -346,16 +391,19 @@ def _real(a, quick: bool) -> tuple[list[dict], dict, str]:
     new_tokens = 4 if quick else a.real_tokens
     rows = []
     sampling, engines, specs = _sampling(a), a.engines or REAL_MODES, _specs(a.real_size)
+    peer_notes = []
     for spec in specs:
         rounds = 1 if quick else a.rounds
-        for row in decode_rows(_real_file(spec), points, new_tokens, rounds, engines, sampling):
-            rows.append({"model": spec, **row})
+        skipped: dict[str, str] = {}
+        spec_rows = decode_rows(_real_file(spec), points, new_tokens, rounds, engines, sampling, skipped)
+        rows += [{"model": spec, **row} for row in spec_rows]
+        if spec_rows:
+            peer_notes.append(_skipped_peer(_real_file(spec), spec_rows, skipped))
     notes = (
         "Random-weights GGUFs (model/gguf_write.py: llama-quantize's type mix), the same file for both "
         f"engines; one 256-token prompt, n completions, as the decode table; {_sampling_words(sampling)}."
     )
-    if rows:
-        notes += _skipped_peer(_real_file(specs[0]), rows)
+    notes += "".join(dict.fromkeys(peer_notes))  # once for every model it did not run on for one reason
     extra = {"points": points, "new_tokens": new_tokens, "engines": _engines_run(rows)}
     return rows, {**extra, "sampling": sampling}, notes
 

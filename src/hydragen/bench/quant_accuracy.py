@@ -4,9 +4,10 @@ from the same file dequantized to float32, over 128 chat prompts.
 Compared: hydragen as it runs by default (15-bit activations, a float16 KV cache), with a float32 KV cache,
 and with int8 activations (llama.cpp's choice), each against the float32-dequantized model
 (``LLM(dequantize=True)``, float32 K/V) and, where ``llama-cpp-python`` is installed, against llama.cpp's
-logits on the same file; and llama.cpp against the float32-dequantized model. The logits of every prompt
-position come from one forward without the engine's cache, with K/V rounded to the engine's cache dtype,
-as the cache would hold them.
+logits on the same file; and llama.cpp against the float32-dequantized model. llama.cpp runs in a process of
+its own (bench/peer_process.py): if it crashes, its rows are left out and the part goes on. The logits of
+every prompt position come from one forward without the engine's cache, with K/V rounded to the engine's
+cache dtype, as the cache would hold them.
 
 Per prompt, every model fed the same prompt tokens: KL(reference || model) of the
 next-token distribution at every prompt position and at the last one (the first generated token), and
@@ -17,7 +18,6 @@ whole continuation is the reference's, and how many leading tokens agree on aver
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from collections.abc import Callable
 
@@ -123,21 +123,46 @@ def model_logits(llm) -> Callable[[list[int]], torch.Tensor]:
     return run
 
 
-def llamacpp_logits(path) -> Callable[[list[int]], torch.Tensor] | None:
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    import llama_cpp
+class LlamaCppLogits:
+    """llama.cpp's logits at every position of a prompt (llama-cpp-python's ``Llama``, every row kept), built
+    in the peer's process."""
 
-    model = llama_cpp.Llama(
-        str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=torch.get_num_threads()
-    )
+    def __init__(self, path) -> None:
+        import llama_cpp
 
-    def run(ids: list[int]) -> torch.Tensor:
-        model.reset()
-        model.eval(ids)
-        return torch.from_numpy(np.array(model.scores[: len(ids)], dtype=np.float32))
+        self.path = path
+        self.model = llama_cpp.Llama(
+            str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=torch.get_num_threads()
+        )
 
-    return run
+    def __call__(self, ids: list[int]) -> np.ndarray:
+        self.model.reset()
+        self.model.eval(ids)
+        return np.array(self.model.scores[: len(ids)], dtype=np.float32)
+
+
+def llamacpp_outputs(logits: LlamaCppLogits, prompts: list[list[int]], tokens: int):
+    """(llama.cpp's logits of each prompt, its greedy continuations), in the peer's process."""
+    return [logits(p) for p in prompts], greedy_llamacpp(logits.path, prompts, tokens)
+
+
+def llamacpp_reference(path, prompts: list[list[int]], tokens: int, progress: Callable[[str], None]):
+    """(llama.cpp's (logits of each prompt, greedy continuations), None), or (None, why it did not run): not
+    installed, or crashed (it runs in a process of its own, so the part goes on without it)."""
+    from hydragen.bench import llamacpp_peer
+    from hydragen.bench.peer_process import PeerCrashed, PeerProcess
+
+    why = llamacpp_peer.unavailable(path, False)
+    if why is not None:
+        return None, why
+    progress("accuracy: llama.cpp")
+    try:
+        with PeerProcess("llama.cpp", LlamaCppLogits, path) as peer:
+            logits, greedy = peer.call(llamacpp_outputs, prompts, tokens)
+    except PeerCrashed as e:
+        progress(f"accuracy: {e}; the rows against llama.cpp are left out")
+        return None, str(e)
+    return ([torch.from_numpy(x) for x in logits], greedy), None
 
 
 def greedy_llm(llm, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -177,9 +202,12 @@ def continuation_agreement(reference: list[list[int]], other: list[list[int]]) -
     return same / len(reference), float(np.mean(lead))
 
 
-def run(model, count: int, tokens: int, progress: Callable[[str], None]) -> list[dict]:
+def run(
+    model, count: int, tokens: int, progress: Callable[[str], None], skipped: dict | None = None
+) -> list[dict]:
     """Rows: each hydragen engine (activation width, KV cache) against the float32 reference and llama.cpp,
-    and llama.cpp against the float32 reference (see the module docstring)."""
+    and llama.cpp against the float32 reference (see the module docstring). ``skipped`` gets why llama.cpp
+    did not run (not installed, or crashed)."""
     from hydragen import LLM
 
     reference = LLM(model, dequantize=True, kv_cache_tokens=16384)
@@ -188,11 +216,9 @@ def run(model, count: int, tokens: int, progress: Callable[[str], None]) -> list
     float32 = ([model_logits(reference)(p) for p in prompts], greedy_llm(reference, prompts, tokens))
     path = reference.model_path
     del reference
-    peer = llamacpp_logits(path)
-    llamacpp = None
-    if peer is not None:
-        progress("accuracy: llama.cpp")
-        llamacpp = ([peer(p) for p in prompts], greedy_llamacpp(path, prompts, tokens))
+    llamacpp, why = llamacpp_reference(path, prompts, tokens, progress)
+    if why is not None and skipped is not None:
+        skipped["llamacpp"] = why
     rows = []
     engines = (
         (15, "auto", "hydragen, 15-bit activations, float16 KV cache (default)"),
