@@ -6,12 +6,11 @@ hydragen and loading the C++ ops)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import pytest
 
+from hydragen.bench.quant_memory import in_fresh_process
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf_write import random_maker, write_llama_gguf
 from hydragen.model.presets import PRESETS
@@ -29,26 +28,6 @@ SHAPE = PRESETS["llama-3.2-1b"] | dict(
 )
 TARGET = 1.15
 
-# In a fresh process: the runtime, then the load, then the peak (VmHWM counts file-backed pages too).
-PROBE = """
-import json, sys
-from pathlib import Path
-import torch
-import hydragen
-from hydragen.model.loader import load_model
-from hydragen.native import quant
-
-def status_kb(key):
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
-    return int(line.split()[1])
-
-assert quant.available()
-runtime = status_kb("VmRSS")
-net, cfg, _ = load_model(sys.argv[1], torch.device("cpu"), torch.float32)
-print(json.dumps({"runtime": runtime, "peak": status_kb("VmHWM"), "after": status_kb("VmRSS"),
-                  "layers": len(net.layers)}))
-"""
-
 
 @pytest.fixture(scope="module")
 def real_shape_gguf(tmp_path_factory):
@@ -59,13 +38,9 @@ def real_shape_gguf(tmp_path_factory):
 
 
 def test_the_load_peaks_at_the_packed_model_plus_one_projection(real_shape_gguf) -> None:
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE, str(real_shape_gguf)], capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    probe = in_fresh_process(f"q.peak_probe({str(real_shape_gguf)!r})")  # the runtime, then the load
     assert probe["layers"] == SHAPE["num_hidden_layers"]
-    file_kb = real_shape_gguf.stat().st_size / 1024
-    peak = (probe["peak"] - probe["runtime"]) / file_kb
-    resident = (probe["after"] - probe["runtime"]) / file_kb
+    file_mb = real_shape_gguf.stat().st_size / 2**20
+    peak = (probe["peak MB"] - probe["imported MB"]) / file_mb
+    resident = (probe["after load MB"] - probe["imported MB"]) / file_mb
     assert peak <= TARGET, f"peak {peak:.2f}x the file over the runtime (resident after load {resident:.2f}x)"

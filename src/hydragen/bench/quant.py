@@ -379,9 +379,10 @@ def _memory(a, quick: bool) -> tuple[list[dict], dict, str]:
     notes = (
         "Fresh process per model; runtime = resident memory after importing hydragen, loading the C++ ops "
         "and running a tiny one-layer model once; model = resident memory after loading the model (weights "
-        "only, no KV cache) and running it once, minus the runtime. Peak during load = the process's VmHWM "
-        "after the load (file-backed pages included), counted over the resident memory after importing "
-        "hydragen and loading the C++ ops (before the tiny model)."
+        "only, no KV cache) and running it once, minus the runtime. Peak during load: in another fresh "
+        "process that loads the model alone, its VmHWM after the load (the file's mapped pages included); "
+        "peak / file counts it over 'imported', the resident memory after importing hydragen and loading "
+        "the C++ ops."
     )
     return rows, {}, notes
 
