@@ -3,7 +3,8 @@
 Each tree runs the same measurements in its own process (``PYTHONPATH=<tree>/src``), alternating old and
 new for ``--rounds`` rounds; each number is the best of its rounds, so a noisy neighbour hurts both trees
 alike. The measuring code below the ``worker`` line is executed as a script inside the other tree's
-process, so it uses only the public API both trees have (``LLM``, ``SamplingParams``, ``Engine.step``).
+process, so it uses only the public API both trees have (``LLM``, ``SamplingParams``): an engine redesign
+cannot break the comparison.
 
 Measured:
 * e2e: one P-token prompt, n samples of T tokens, default sampling (temperature 1) and temperature 0.8 /
@@ -11,8 +12,9 @@ Measured:
 * prefill: 64 requests, each a cached S-token system prompt plus a distinct 16-token question, against one
   uncached S-token prompt (``max_tokens=1``: the time to first token).
 * tree step: the tree benchmark's batch (a 1,024-token few-shot block, 4 problems of 512 tokens, 16 samples
-  each): mean decode step time, aten ops per step and the dispatch share (the step's time outside GEMMs and
-  attention kernels, from ``torch.profiler``).
+  each), prompts cached: mean decode step time, aten ops per step and the dispatch share (the step's time
+  outside GEMMs and attention kernels, from ``torch.profiler``), each as the difference between a call of
+  1 + s tokens and a call of 1 token.
 """
 
 from __future__ import annotations
@@ -68,35 +70,39 @@ def _worker(args: dict) -> dict:
     timed([system], first)  # caches the system prompt
     out["prefill/cached_64"] = timed([system + ids(16) for _ in range(64)], first)
 
+    # The tree step through generate alone: with every prompt cached, a call of 1 + s tokens differs from a
+    # call of 1 token by s decode steps of the whole tree (same seeds, same path), so their difference is the
+    # steps' time, their ops and their compute (the public API is all both trees must have).
     llm.reset_prefix_cache()
     shots = ids(1024)
     problems = [shots + ids(512) for _ in range(4)]
-    engine = llm.engine
-    p = SamplingParams(n=16, max_tokens=args["tree_steps"] + 8, ignore_eos=True, seed=0)
-    for prob in problems:
-        engine.add_request(prob, p)
-    first_tokens = engine.stats.generated_tokens + 16 * len(problems)
-    while engine.stats.generated_tokens < first_tokens:  # prefill, first token of every sample
-        engine.step()
+
+    def tree(steps: int) -> SamplingParams:
+        return SamplingParams(n=16, max_tokens=1 + steps, ignore_eos=True, seed=0)
+
+    timed(problems, tree(0))  # caches every prompt
     steps = args["tree_steps"]
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    out["tree/step_s"] = (time.perf_counter() - t0) / steps
+    out["tree/step_s"] = (timed(problems, tree(steps)) - timed(problems, tree(0))) / steps
     prof_steps = 3
+    profiles = [_profiled(lambda n=n: timed(problems, tree(n))) for n in (0, prof_steps)]
+    (ops0, compute0, wall0), (ops1, compute1, wall1) = profiles
+    out["tree/ops_per_step"] = (ops1 - ops0) / prof_steps
+    out["tree/dispatch_share"] = max(0.0, 1.0 - (compute1 - compute0) / max(wall1 - wall0, 1e-9))
+    return out
+
+
+def _profiled(run) -> tuple[int, float, float]:
+    """Top-level aten/hydragen ops of ``run()``, the seconds they spent computing, and its wall seconds."""
+    import torch
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(prof_steps):
-            engine.step()
-        wall = time.perf_counter() - t0
+        wall = run()
     events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "hydragen::"))]
     compute_us = sum(e.self_cpu_time_total for e in events if _is_compute(e.key))
     top_level = [
         e for e in prof.events() if e.cpu_parent is None and e.name.startswith(("aten::", "hydragen::"))
     ]
-    out["tree/ops_per_step"] = len(top_level) / prof_steps
-    out["tree/dispatch_share"] = max(0.0, 1.0 - compute_us / 1e6 / wall)
-    return out
+    return len(top_level), compute_us / 1e6, wall
 
 
 def _is_compute(op: str) -> bool:
