@@ -646,6 +646,7 @@ def test_the_command_serves_through_n_replicas_and_stops_them_on_sigterm(model_d
 
 
 def test_restarts_back_off_and_are_bounded_per_minute(monkeypatch):
+    from hydragen import restart_backoff
     from hydragen.dp import replicas as mod
 
     async def nothing(_):
@@ -654,14 +655,14 @@ def test_restarts_back_off_and_are_bounded_per_minute(monkeypatch):
     replica_set = mod.ReplicaSet([], [[0]], on_up=nothing, on_down=nothing, max_restarts_per_minute=3)
     replica = replica_set.replicas[0]
     now = [1000.0]
-    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(restart_backoff.time, "monotonic", lambda: now[0])
     delays = []
     for failures in (1, 2, 3, 4, 10):
-        replica.failures = failures
+        replica.backoff.failures = failures
         delays.append(replica_set._next_delay(replica))
-    assert delays == [0.5, 1.0, 2.0, 4.0, mod.BACKOFF_MAX_S]
-    replica.failures = 1
-    replica.recent_restarts.extend([990.0, 995.0, 999.0])  # 3 restarts in the last minute: the most allowed
+    assert delays == [0.5, 1.0, 2.0, 4.0, restart_backoff.BACKOFF_MAX_S]
+    replica.backoff.failures = 1
+    replica.backoff.recent.extend([990.0, 995.0, 999.0])  # 3 restarts in the last minute: the most allowed
     assert replica_set._next_delay(replica) == pytest.approx(50.0)  # until the first of them is a minute old
     now[0] = 1051.0
-    assert replica_set._next_delay(replica) == 0.5 and list(replica.recent_restarts) == [995.0, 999.0]
+    assert replica_set._next_delay(replica) == 0.5 and list(replica.backoff.recent) == [995.0, 999.0]

@@ -8,8 +8,8 @@ front, which decides) and set to die with the front (Linux parent-death signal).
 port it bound, its KV cache size and its KV-event addresses.
 
 A replica that exits is reported (a log line naming it and its exit code or signal, ``exits`` counted) and
-started again after a backoff that doubles from ``BACKOFF_S`` up to ``BACKOFF_MAX_S``; no more than
-``max_restarts_per_minute`` restarts happen in any minute (the wait is said in the log). ``replace`` stops a
+started again after a backoff that doubles from 0.5 s up to 30 s; no more than ``max_restarts_per_minute``
+restarts happen in any minute (the wait is said in the log; ``restart_backoff``). ``replace`` stops a
 replica whose process runs on but cannot serve (its engine failed or is stuck: ``dp.health``), and it is
 then started again the same way. A replica that cannot start at all when the set starts is an error for
 the whole command (``ReplicaStartError``): a bad model option fails once, it does not loop.
@@ -26,15 +26,13 @@ import re
 import signal
 import sys
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from hydragen.restart_backoff import DEFAULT_MAX_PER_MINUTE, RestartBackoff
+
 log = logging.getLogger("hydragen.dp")
 
-BACKOFF_S = 0.5  # first wait before starting a dead replica again
-BACKOFF_MAX_S = 30.0
-STABLE_S = 60.0  # a replica that ran this long starts its backoff afresh when it dies
 START_TIMEOUT_S = float(os.environ.get("HYDRAGEN_DP_START_TIMEOUT", "600"))  # model load included
 LOG_LINE = re.compile(r"^(CRITICAL|ERROR|WARNING|INFO|DEBUG):\s+(.*)$")
 
@@ -76,10 +74,13 @@ class Replica:
     ready: ReadyLine | None = None
     exits: int = 0  # times its process ended while the set was running, unasked
     replacing: str | None = None  # why ``replace`` stopped the running process (until it is down)
-    restarts: int = 0  # times it was started again
     started_at: float = 0.0
-    failures: int = 0  # deaths in a row without a stable run between (sets the backoff)
-    recent_restarts: deque = field(default_factory=deque)  # monotonic times of restarts in the last minute
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)  # its deaths and restarts so far
+
+    @property
+    def restarts(self) -> int:
+        """Times it was started again."""
+        return self.backoff.restarts
 
     @property
     def url(self) -> str | None:
@@ -147,15 +148,16 @@ class ReplicaSet:
         on_down: Listener,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
-        max_restarts_per_minute: int = 6,
+        max_restarts_per_minute: int = DEFAULT_MAX_PER_MINUTE,
         start_timeout: float = START_TIMEOUT_S,
     ):
         self.serve_args = list(serve_args)
-        self.replicas = [Replica(i, c) for i, c in enumerate(cores)]
+        self.replicas = [
+            Replica(i, c, backoff=RestartBackoff(max_restarts_per_minute)) for i, c in enumerate(cores)
+        ]
         self.on_up, self.on_down = on_up, on_down
         self.command = command or [sys.executable, "-m", "hydragen"]
         self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        self.max_restarts_per_minute = max_restarts_per_minute
         self.start_timeout = start_timeout
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
@@ -260,7 +262,7 @@ class ReplicaSet:
             if self._stopping:
                 return
             ran = time.monotonic() - replica.started_at
-            replica.failures = 0 if ran >= STABLE_S else replica.failures + 1
+            replica.backoff.ended(ran)
             if replica.replacing is None:
                 replica.exits += 1
                 log.error(
@@ -289,13 +291,12 @@ class ReplicaSet:
             await asyncio.sleep(delay)
             if self._stopping:
                 return
-            replica.recent_restarts.append(time.monotonic())
-            replica.restarts += 1
+            replica.backoff.restarting()
             try:
                 await self._launch(replica)
             except ReplicaStartError as e:
                 replica.exits += 1
-                replica.failures += 1
+                replica.backoff.start_failed()
                 log.error("replica %d could not start again: %s", replica.index, e)
                 continue
             await self.on_up(replica)
@@ -303,20 +304,15 @@ class ReplicaSet:
 
     def _next_delay(self, replica: Replica) -> float:
         """The backoff, stretched so that at most ``max_restarts_per_minute`` restarts fall in a minute."""
-        delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** max(0, replica.failures - 1))
-        now, recent = time.monotonic(), replica.recent_restarts
-        while recent and now - recent[0] >= 60:
-            recent.popleft()
-        if len(recent) >= self.max_restarts_per_minute:
-            wait = recent[0] + 60 - now
-            if wait > delay:
-                log.error(
-                    "replica %d restarted %d times in the last minute (the most allowed); next try in %.0f s",
-                    replica.index,
-                    len(recent),
-                    wait,
-                )
-                delay = wait
+        delay, wait = replica.backoff.delay(), replica.backoff.cap_wait()
+        if wait > delay:
+            log.error(
+                "replica %d restarted %d times in the last minute (the most allowed); next try in %.0f s",
+                replica.index,
+                len(replica.backoff.recent),
+                wait,
+            )
+            delay = wait
         return delay
 
     # ---- stopping -------------------------------------------------------------------------------------
