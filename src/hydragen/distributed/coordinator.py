@@ -47,6 +47,7 @@ class Coordinator:
         self.stopped = False
         self.last_sent = time.monotonic()
         self.heartbeat_s = max(0.05, min(10.0, collective_timeout() / 4))
+        self._halt = threading.Event()  # ends the heartbeat at once (see stop)
         self._heartbeat = threading.Thread(target=self._beat, name="hydragen-tp-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -60,6 +61,15 @@ class Coordinator:
                 self.broken = "; ".join(dead)
         if self.broken is not None:
             raise TPGroupBroken(f"tensor-parallel group is down: {self.broken}")
+
+    def failure(self) -> str | None:
+        """Why the group cannot run a step, or None: ``check`` without raising. A server asks it while idle,
+        so a worker that died between requests is seen before the next request comes."""
+        try:
+            self.check()
+        except TPGroupBroken as e:
+            return str(e)
+        return None
 
     def fail(self, why: BaseException | str) -> None:
         """Mark the group broken, naming a dead worker if there is one: a collective with a killed peer
@@ -104,11 +114,16 @@ class Coordinator:
                 except Exception:  # noqa: BLE001  the launcher kills what is left
                     ok = False
             self.stopped = True
-            return ok
+        # The heartbeat thread holds this coordinator, and through ``dead_workers`` the group's handle and
+        # its model: it ends now, not after its sleep, so that a closed LLM's memory is free once closed.
+        self._halt.set()
+        self._heartbeat.join(timeout=1.0)
+        return ok
 
     def _beat(self) -> None:
-        while not self.stopped and self.broken is None:
-            time.sleep(self.heartbeat_s / 2)
+        while not self._halt.wait(self.heartbeat_s / 2):
+            if self.stopped or self.broken is not None:
+                return
             if time.monotonic() - self.last_sent < self.heartbeat_s:
                 continue
             if not self.lock.acquire(timeout=0.1):

@@ -70,6 +70,10 @@ class TensorParallel:
     def world(self) -> int:
         return self.group.world
 
+    def failure(self) -> str | None:
+        """Why the group cannot run a step (a worker died, hung or fell out of step), or None."""
+        return self.coordinator.failure()
+
     def dead_workers(self) -> list[str]:
         return [_exit_text(rank, p) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
 

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hydragen.engine.engine import Engine
+from hydragen.engine.isolation import EngineBroken
 from hydragen.engine.loop import EngineLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
@@ -180,7 +181,8 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1); generating after
-        closing a tensor-parallel LLM raises."""
+        closing a tensor-parallel LLM raises, as it does once its group broke (a worker died or hung): such
+        an LLM is done, and a new one starts a new group."""
         if self.parallel is not None:
             self.parallel.close()
 
@@ -308,6 +310,12 @@ class LLM:
 
         try:
             results = loop.run(reqs, on_step=progress if use_tqdm else None)
+        except EngineBroken as e:
+            if self.parallel is None:
+                raise
+            raise type(e)(  # the group cannot be mended in place: its processes are gone or out of step
+                f"{e}. This LLM cannot generate again: close it and create a new LLM"
+            ) from e
         finally:
             bar.close()
         errors = [r.error for r in results if r is not None and r.error]
