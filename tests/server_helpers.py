@@ -45,16 +45,18 @@ def tiny_chat_model(tiny_dir: str, dest: Path) -> str:
 
 
 class LiveServer:
-    """``create_app(llm, name, options)`` served on 127.0.0.1 by HydragenServer in a thread."""
+    """``create_app(llm, name, options, rebuild)`` served on 127.0.0.1 by HydragenServer in a thread. With
+    ``rebuild``, the server owns the LLM (a restart replaces and frees it): ``self.llm`` is then None."""
 
-    def __init__(self, llm, name: str = "tiny", options=None):
+    def __init__(self, llm, name: str = "tiny", options=None, rebuild=None):
         from hydragen.server.app import create_app
         from hydragen.server.launch import bind_socket, make_server
         from hydragen.server.options import ServerOptions
 
-        self.llm, self.name = llm, name
+        self.llm, self.name = (llm if rebuild is None else None), name
         self.options = options or ServerOptions()
-        self.app = create_app(llm, name, self.options)
+        self.app = create_app(llm, name, self.options, rebuild=rebuild)
+        del llm
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -68,7 +70,8 @@ class LiveServer:
 
     @property
     def engine(self):
-        return self.llm.engine
+        """The engine being served now."""
+        return self.app.state.engine.engine
 
     def headers(self) -> dict[str, str]:
         key = self.options.api_key

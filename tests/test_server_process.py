@@ -71,6 +71,7 @@ def test_bad_options_are_one_line_errors_before_the_model_loads(model_dir):
         "port": (["--port", "70000"], "--port must be in [0, 65535]"),
         "busy": (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
         "level": (["--log-level", "loud"], "--log-level must be one of"),
+        "restarts": (["--max-restarts-per-minute", "-1"], "--max-restarts-per-minute must be an integer"),
         "events": (["--kv-events-endpoint", "localhost:5557"], "--kv-events-endpoint must be a ZMQ address"),
         "events-busy": (
             ["--port", "0", "--kv-events-endpoint", f"tcp://127.0.0.1:{port}"],

@@ -1,13 +1,15 @@
 """The server under tensor parallelism, as processes: `hydragen serve --tensor-parallel-size 2` answers as
 TP = 1 does, a request whose forward fails (on every rank, or on the worker only) gets its error while the
 others complete, a worker killed during requests turns every one in flight into an OpenAI-shaped error
-(never a hang), and nothing outlives it; and `torchrun --nproc-per-node 2 -m hydragen serve` on localhost
-with TCP rendezvous (the README's command)."""
+(never a hang) and the server rebuilds the group and serves again, a group that keeps dying is rebuilt at
+most --max-restarts-per-minute times, and nothing outlives it; and `torchrun --nproc-per-node 2 -m hydragen
+serve` on localhost with TCP rendezvous (the README's command)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import all_gone, free_port, tiny_chat_model
+from server_helpers import all_gone, free_port, metric, process_alive, tiny_chat_model
 from test_server_process import Lines
 from tp_faults import ENV as FAULTS_ENV
 from tp_faults import SITE as FAULTS_SITE
@@ -109,26 +111,56 @@ def _stream_events(url: str, started: threading.Event) -> list[str]:
 
 
 def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, whichever of their parent's threads started them (a rebuilt group's
+    workers are the server's engine thread's children)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        kids = []
         try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(x) for x in f.read().split()]
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids += [int(x) for x in f.read().split()]
         except OSError:
-            kids = []
+            pass
         out += kids
         todo += kids
     return out
 
 
-def test_serve_tp2_fails_a_request_alone_and_a_killed_worker_is_an_error(chat_model, expected_text) -> None:
+def _error_code(response: httpx.Response) -> tuple[int, str]:
+    return response.status_code, response.json()["error"]["code"] if response.status_code != 200 else "ok"
+
+
+def _wait_for_health(url: str, code: str, timeout: float = 180) -> httpx.Response:
+    """Until /health answers with ``code`` ("ok" for 200); fails the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{url}/health", timeout=10)
+        if _error_code(health)[1] == code:
+            return health
+        assert time.monotonic() < deadline, f"/health still answers {health.text}"
+        time.sleep(0.05)
+
+
+def _wait_for_metric(url: str, name: str, value: float, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := metric(url, name)) != value:
+        assert time.monotonic() < deadline, f"{name} is {seen}, not {value}"
+        time.sleep(0.05)
+
+
+def test_serve_tp2_fails_a_request_alone_and_restarts_the_group_a_killed_worker_broke(
+    chat_model, expected_text, tmp_path
+) -> None:
+    held = tmp_path / "hold-the-rebuilt-worker"  # while it exists, a rebuilt worker waits at its load
+    faults = [*FAULTS, {"at": "load", "ranks": [1], "action": "stall", "while_exists": str(held)}]
     proc = subprocess.Popen(
         [sys.executable, SLOWED, str(STEP_DELAY), *_serve_args(chat_model), "--tensor-parallel-size", "2"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(FAULTS),
+        env=_env(faults),
     )
     lines = Lines(proc)
     try:
@@ -163,22 +195,85 @@ def test_serve_tp2_fails_a_request_alone_and_a_killed_worker_is_an_error(chat_mo
         streams = threading.Thread(target=lambda: replies.update(_concurrently(calls)))
         streams.start()
         assert all(e.wait(60) for e in started)
+        held.touch()
         os.kill(workers[0], signal.SIGKILL)
         start = time.monotonic()
         streams.join(timeout=120)
-        assert all_gone(workers)
+        assert all_gone(workers)  # the dead worker is reaped
         for i in range(3):
             events = replies[i]
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
             assert error["code"] == "engine_failed", error
             assert "worker rank 1" in error["message"] and "SIGKILL" in error["message"]
-        later = _complete(url)
-        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_failed"
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+            assert "the server restarts the group" in error["message"]
         assert time.monotonic() - start < TP_TIMEOUT / 4  # seen, not waited out (a hang lasts all of it)
+
+        # While the group is rebuilt (held at its new worker's load): 503 engine_restarting, naming why.
+        later = _complete(url)
+        assert _error_code(later) == (503, "engine_restarting"), later.text
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert _error_code(health) == (503, "engine_restarting")
+        assert f"worker rank 1 (pid {workers[0]}) was killed by SIGKILL" in health.json()["error"]["message"]
+        assert metric(url, "hydragen_engine_restarting") == 1
+        _wait_for_metric(url, "hydragen_engine_restarts_total", 1)  # counted once its backoff is over
+        held.unlink()
+        _wait_for_health(url, "ok")
+        again = _complete(url)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected_text
+        rebuilt = _descendants(proc.pid)
+        assert len(rebuilt) == 1 and rebuilt[0] != workers[0]
+        assert metric(url, "hydragen_engine_restarting") == 0
+        assert metric(url, "hydragen_engine_restarts_total") == 1
+        lines.wait_for(r"the tensor-parallel group was restarted \(restart 1\): serving again")
+        assert not any("still referenced" in line for line in lines.lines)  # the old model was freed first
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert all_gone(workers + rebuilt)
+
+
+def test_a_group_that_keeps_dying_is_rebuilt_at_most_the_cap_then_the_engine_failed(
+    chat_model, tmp_path
+) -> None:
+    """A worker killed between requests is seen without a request; every rebuilt worker then dies as it
+    starts: the server tries --max-restarts-per-minute times (1 here, for time: tests/test_server_restarts.py
+    has 2, and the backoff between), then answers 503 engine_failed for good, with every worker it started
+    gone."""
+    doomed = tmp_path / "rebuilt-workers-die"  # while it exists, a worker dies as it loads its shard
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hydragen", *_serve_args(chat_model), "--tensor-parallel-size", "2"]
+        + ["--max-restarts-per-minute", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env([{"at": "load", "ranks": [1], "action": "kill", "while_exists": str(doomed)}]),
+    )
+    lines = Lines(proc)
+    workers: list[int] = []
+    try:
+        url = lines.wait_for(READY).group(1)
+        workers = _descendants(proc.pid)
+        assert len(workers) == 1
+        doomed.touch()
+        os.kill(workers[0], signal.SIGKILL)
+        health = _wait_for_health(url, "engine_failed")
+        message = health.json()["error"]["message"]
+        assert f"worker rank 1 (pid {workers[0]}) was killed by SIGKILL" in message  # the first cause
+        capped = "not restarted again after 1 restart in the last minute (--max-restarts-per-minute 1)"
+        assert capped in message
+        assert "killed by SIGKILL while starting" in message  # why the last rebuild failed
+        assert metric(url, "hydragen_engine_restarts_total") == 1
+        failed = [re.search(r"restart (\d) of the tensor-parallel group failed", x) for x in lines.lines]
+        assert [m.group(1) for m in failed if m] == ["1"]
+        started = [int(p) for x in lines.lines for p in re.findall(r"worker rank 1 \(pid (\d+)\)", x)]
+        assert len(set(started) - set(workers)) == 1  # the rebuild's worker, reaped
+        assert not any(process_alive(p) for p in [*started, *_descendants(proc.pid)])
+        later = _complete(url)
+        assert _error_code(later) == (503, "engine_failed")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
     assert all_gone(workers)

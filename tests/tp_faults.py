@@ -12,12 +12,18 @@ layers in one C++ call, so there every fault fires at the start. ``action``: ``"
 ``"stall"`` (sleeps ``seconds``, a hung rank), ``"interrupt"`` (KeyboardInterrupt, as Ctrl-C) or ``"nan"``
 (no error: the poison token's attention output at layer ``at`` becomes NaN, and with it the request's
 logits, as a model that overflows computes them).
+
+A fault at a worker's start, for a group the server rebuilds: ``{"at": "load", "ranks": [1], "action":
+"kill", "while_exists": PATH}``. While PATH exists, a listed rank that reaches its shard's load (after it
+joined the group) SIGKILLs itself (``"kill"``: a group that keeps dying at start) or waits there until
+PATH is gone (``"stall"``: the test sees the rebuild in progress for as long as it looks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -45,6 +51,8 @@ def install(faults: list[dict], set_attribute=setattr) -> None:
     a MonkeyPatch's ``setattr``, so the patch ends with them."""
     from hydragen.model.llama import LlamaModel
 
+    _install_load_faults([f for f in faults if f["at"] == "load"], set_attribute)
+    faults = [f for f in faults if f["at"] != "load"]
     real_forward, real_logits = LlamaModel.forward, LlamaModel.logits
 
     def forward(self, input_ids, positions, attention, layers=None, final_norm=True):
@@ -69,6 +77,27 @@ def install(faults: list[dict], set_attribute=setattr) -> None:
 
     set_attribute(LlamaModel, "forward", forward)
     set_attribute(LlamaModel, "logits", logits)
+
+
+def _install_load_faults(faults: list[dict], set_attribute) -> None:
+    if not faults:
+        return
+    from hydragen.distributed import checkpoint
+
+    real_load = checkpoint.load_shard
+
+    def load_shard(model, rank, *args, **kwargs):
+        for f in faults:
+            if rank not in f["ranks"] or not os.path.exists(f["while_exists"]):
+                continue
+            if f["action"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            deadline = time.monotonic() + 600
+            while os.path.exists(f["while_exists"]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return real_load(model, rank, *args, **kwargs)
+
+    set_attribute(checkpoint, "load_shard", load_shard)
 
 
 def _failing_at(attention, fault: dict, rank: int):

@@ -7,6 +7,7 @@ import argparse
 from hydragen.cli.bench import BENCHMARKS, EXTRA_BENCHMARKS, run_bench
 from hydragen.cli.generate import run_chat, run_generate
 from hydragen.cli.serve import run_serve
+from hydragen.restart_backoff import DEFAULT_MAX_PER_MINUTE
 from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 
 
@@ -312,6 +313,16 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_STEP_TIMEOUT_S:g}, room for a full 2,048-token prefill step of an 8B model on one core)",
     )
     _add_tp_arg(v)
+    v.add_argument(
+        "--max-restarts-per-minute",
+        type=int,
+        default=DEFAULT_MAX_PER_MINUTE,
+        metavar="N",
+        help="with --tensor-parallel-size: when the group breaks (a worker died, e.g. killed for memory, or "
+        "hung), the server fails the requests in flight and rebuilds it (new workers, the model loaded "
+        "again), at most N times in any minute; past that its engine counts as failed (503 engine_failed) "
+        f"for a supervisor to restart the process; 0: never rebuild (default {DEFAULT_MAX_PER_MINUTE})",
+    )
     v.add_argument(
         "--data-parallel-size",
         type=int,

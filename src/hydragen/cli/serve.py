@@ -25,6 +25,7 @@ def run_serve(args: argparse.Namespace) -> int:
         read_timeout=args.read_timeout,
         shutdown_timeout=args.shutdown_timeout,
         step_timeout=args.step_timeout,
+        max_restarts_per_minute=args.max_restarts_per_minute,
     )
     problems = []
     if not 0 <= args.port <= 65535:
@@ -90,11 +91,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(log_level)
 
-    from hydragen import LLM
+    from hydragen.distributed.group import torchrun_env
     from hydragen.server.app import create_app
     from hydragen.server.launch import run
 
-    try:
+    def build_llm():
+        """The LLM with the serve flags, set up to serve (built again on every restart of its group)."""
+        from hydragen import LLM
+
         llm = LLM(
             args.model,
             device=args.device,
@@ -111,6 +115,20 @@ def run_serve(args: argparse.Namespace) -> int:
             literal_json_schema=args.literal_json_schema,
             tool_format=args.tool_format,
         )
+        governor = llm.engine.threads
+        if governor is not None:  # said once, if --threads is too many
+            governor.on_busy = logging.getLogger("hydragen.server").warning
+        if events is not None:
+            llm.engine.publish_kv_events(events.publish)
+        return llm
+
+    def rebuild_llm():
+        if events is not None:
+            events.clear_all()  # the new engine's prefix cache starts empty
+        return build_llm()
+
+    try:
+        llm = build_llm()
     except BaseException:
         sock.close()
         if events is not None:
@@ -121,22 +139,24 @@ def run_serve(args: argparse.Namespace) -> int:
     mib = kv * llm.engine.pool.bytes_per_token / 2**20
     host = f"[{args.host}]" if ":" in args.host else args.host
     governor = llm.engine.threads
-    if governor is not None:
-        governor.on_busy = logging.getLogger("hydragen.server").warning  # said once, if --threads is too many
     ready = (
         f"ready: serving {name!r} on http://{host}:{{port}}/v1 | KV cache {kv} tokens ({mib:.0f} MiB)"
         f" | API key {'required' if api_key else 'not required'}"
         + (f" | {governor.describe()}" if governor is not None else "")
     )
     if events is not None:
-        llm.engine.publish_kv_events(events.publish)
         ready += f" | KV events {events.endpoint}" + (
             f" (replay {events.replay_endpoint})" if events.replay_endpoint else ""
         )
+    # A group this process spawned can be rebuilt in place; torchrun's ranks are torchrun's to restart.
+    restartable = tp > 1 and torchrun_env() is None
+    app = create_app(llm, name, options, rebuild=rebuild_llm if restartable else None)
+    del llm, governor  # the app owns the LLM now: a restart must be able to free it
+    engine = app.state.engine
     try:
-        run(create_app(llm, name, options), sock, options, log_level, ready)
+        run(app, sock, options, log_level, ready)
     finally:
-        llm.close()
+        engine.close_llm()
         if events is not None:
             events.close()
     return 0

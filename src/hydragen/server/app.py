@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -60,12 +61,23 @@ def openai_app(engine, options: ServerOptions, on_shutdown=None, health_body=Non
     return app
 
 
-def create_app(llm, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+def create_app(
+    llm, model_name: str, options: ServerOptions | None = None, rebuild: Callable[[], Any] | None = None
+) -> FastAPI:
+    """The server's app for ``llm``. ``rebuild()`` makes a new LLM with the same options: given, the server
+    rebuilds its engine when the tensor-parallel group breaks (``engine_restarts``), at most
+    ``options.max_restarts_per_minute`` times a minute. The app then owns ``llm``: it reaches the engine
+    through ``app.state.engine`` only, and the caller should keep no reference (a restart frees it)."""
     options = options or ServerOptions()
     options.check()
     metrics = LatencyMetrics()
-    engine = AsyncEngine(llm, metrics, options.step_timeout)
-    tok = llm.tokenizer
+    restarts = None
+    if rebuild is not None:
+        from hydragen.server.engine_restarts import GroupRestarts
+
+        restarts = GroupRestarts(rebuild, options.max_restarts_per_minute)
+    engine = AsyncEngine(llm, metrics, options.step_timeout, restarts)
+    tok, tool_format = llm.tokenizer, llm.tool_format  # the same for every rebuild: the same model files
     encoder = PromptEncoder(tok, llm.config.max_position_embeddings, llm.config.vocab_size)
 
     app = openai_app(engine, options, on_shutdown=engine.shutdown)
@@ -79,12 +91,12 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
             ],
         }
 
-    add_loads_route(app, llm, engine)  # what model gateways (smg) poll
+    add_loads_route(app, engine)  # what model gateways (smg) poll
 
     @app.get("/metrics")
     async def prometheus():
-        snap = llm.engine.snapshot  # published by the engine thread after every step; never the live state
-        st = snap.stats
+        snap = engine.snapshot  # published by the engine thread after every step; never the live state
+        st, unavailable = snap.stats, engine.unavailable()
         rows = [
             (
                 "hydragen_requests_running",
@@ -119,7 +131,19 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
                 "hydragen_engine_healthy",
                 "gauge",
                 "1 while the engine takes requests",
-                engine.unavailable() is None,
+                unavailable is None,
+            ),
+            (
+                "hydragen_engine_restarting",
+                "gauge",
+                "1 while the engine is rebuilt after its tensor-parallel group broke",
+                unavailable is not None and unavailable.code == "engine_restarting",
+            ),
+            (
+                "hydragen_engine_restarts_total",
+                "counter",
+                "tries to rebuild the engine after its tensor-parallel group broke (failed ones included)",
+                restarts.count if restarts is not None else 0,
             ),
             (
                 "hydragen_prompt_tokens_total",
@@ -162,7 +186,7 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         logprobs = body.logprobs_count()
         requested = body.requested_max_tokens()
         body.sampling_params(1 if requested is None else requested, logprobs)  # every value checked up front
-        prompts, tools = await encoder.request_prompts(body, chat, llm.tool_format)
+        prompts, tools = await encoder.request_prompts(body, chat, tool_format)
         if len(prompts) * body.n > MAX_N:
             raise APIError(
                 400,
@@ -202,14 +226,14 @@ def create_app(llm, model_name: str, options: ServerOptions | None = None) -> Fa
         if constraint is None:
             return
         try:
-            await asyncio.to_thread(llm.engine.structured.compile, constraint)
+            await asyncio.to_thread(engine.structured.compile, constraint)
         except ParamError as e:
             raise APIError(400, str(e), field, code="invalid_value") from None
 
     async def tool_params(tools, params, literal: bool | None):
         """The request's params with its tool-call grammar, built and compiled on a worker thread (errors
         name the tool whose schema is at fault)."""
-        structured = llm.engine.structured
+        structured = engine.structured
         literal = structured.literal_json_schema if literal is None else literal
 
         def build():

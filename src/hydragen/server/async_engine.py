@@ -9,6 +9,11 @@ error), and building one request's update is guarded here the same way. An excep
 attribute ends every request in flight with a 500, marks the engine failed (``/health`` answers 503, new
 requests 503), and leaves the thread answering commands, so no client ever waits on a dead engine.
 
+When the engine's tensor-parallel group broke (a worker died or hung) and the server can rebuild it
+(``engine_restarts``), the requests in flight end with that 500 as well, then the engine is rebuilt on this
+thread while ``/health`` and new requests get a 503 ``engine_restarting``; it serves again once rebuilt, or
+fails for good when it cannot be.
+
 A step that runs past ``step_timeout`` seconds is stalled (``step_watchdog``): while it runs on, ``/health``
 and new requests get a 503 ``engine_stalled`` (they would only queue behind it), and the log names the
 step's requests. Its requests in flight keep waiting for it: a thread cannot be stopped from outside, and
@@ -25,6 +30,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hydragen.engine.isolation import failure_message
 from hydragen.engine.sampling_params import SamplingParams
@@ -32,6 +38,9 @@ from hydragen.engine.sequence import Request
 from hydragen.server.errors import APIError
 from hydragen.server.metrics import LatencyMetrics, RequestTimes
 from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S, StepWatchdog
+
+if TYPE_CHECKING:
+    from hydragen.server.engine_restarts import GroupRestarts
 
 log = logging.getLogger("hydragen.server")
 
@@ -72,12 +81,24 @@ def request_failed(message: str) -> APIError:
 
 class AsyncEngine:
     def __init__(
-        self, llm, metrics: LatencyMetrics | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT_S
+        self,
+        llm,
+        metrics: LatencyMetrics | None = None,
+        step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
+        restarts: GroupRestarts | None = None,
     ):
-        """``step_timeout``: seconds after which a running step counts as stalled (0: never)."""
+        """``step_timeout``: seconds after which a running step counts as stalled (0: never). ``restarts``:
+        how to rebuild ``llm`` when its tensor-parallel group breaks (None: such a failure is final). The
+        LLM can change then: read it through ``self.llm`` (None while it is rebuilt), never keep it."""
         self.llm = llm
         self.engine = llm.engine
         self.loop = llm.loop
+        self.max_num_seqs = llm.engine.scheduler.max_num_seqs
+        self._last_snapshot = llm.engine.snapshot
+        self.restarts = restarts
+        self.restarting: str | None = None  # why the engine is being rebuilt (its group broke)
+        self._built_here = False  # the running LLM was rebuilt by the engine thread (its workers are its own)
+        self._stopping = threading.Event()  # cuts a restart's backoff short on shutdown
         self.metrics = metrics or LatencyMetrics()
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -94,7 +115,22 @@ class AsyncEngine:
 
     @property
     def tokens_per_second(self) -> float:
-        return 0.0 if self.failure is not None or self.loop.idle else self.loop.tokens_per_second
+        loop = self.loop
+        return 0.0 if self.failure is not None or loop is None or loop.idle else loop.tokens_per_second
+
+    @property
+    def snapshot(self):
+        """The engine's state after its last step (the broken engine's last one while it is rebuilt)."""
+        engine = self.engine
+        return engine.snapshot if engine is not None else self._last_snapshot
+
+    @property
+    def structured(self):
+        """The running engine's structured-output compiler (a 503 while there is none)."""
+        engine = self.engine
+        if engine is None:
+            raise self.unavailable() or APIError(503, "the engine is being rebuilt", code="engine_restarting")
+        return engine.structured
 
     # ---- called from the event loop ---------------------------------------------------------------
     def unavailable(self) -> APIError | None:
@@ -103,6 +139,14 @@ class AsyncEngine:
             reason = self.failure or "the engine thread stopped"
             return APIError(
                 503, f"the engine failed and takes no more requests: {reason}", code="engine_failed"
+            )
+        if (broken := self.restarting or self._group_failure()) is not None:
+            self._wake.set()  # a worker just died: the engine thread sees it now, not after its idle wait
+            return APIError(
+                503,
+                f"the engine is restarting its tensor-parallel group, which broke: {broken}; "
+                "it takes requests again once the group is rebuilt",
+                code="engine_restarting",
             )
         if (ran := self.watchdog.stalled()) is not None:
             return APIError(
@@ -135,6 +179,8 @@ class AsyncEngine:
         self._wake.set()
         if not self._thread.is_alive():  # nobody else will ever answer the command
             self._reject_queued()
+        elif self.restarting is not None and (err := self.unavailable()) is not None:
+            _set_exception(accepted, err)  # a restart began meanwhile: the engine thread answers after it
         return await accepted, out
 
     def abort(self, request_id: str) -> None:
@@ -152,8 +198,15 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self.watchdog.close()
         self._stop = True
+        self._stopping.set()
         self._wake.set()
         self._thread.join(timeout=10)
+
+    def close_llm(self) -> None:
+        """Close the LLM being served (the server owns it, as restarts replace it)."""
+        llm = self.llm
+        if llm is not None:
+            llm.close()
 
     # ---- worker thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -164,9 +217,15 @@ class AsyncEngine:
             self._die(f"engine loop stopped: {type(e).__name__}: {e}")
         finally:
             self._reject_queued()
+            if self._built_here:  # its workers die with this thread: stop them in order first
+                self.close_llm()
 
     def _loop(self) -> None:
         while not self._stop:
+            broken = self._group_failure()
+            if broken is not None:
+                self._restart(broken)
+                continue
             self._drain_commands()
             if self.failure is not None or self.loop.idle:
                 self._wake.wait(timeout=0.5)
@@ -174,13 +233,27 @@ class AsyncEngine:
                 continue
             self._plan_before_step = self.engine.last_plan
             self.watchdog.begin()
+            broken = None
             try:
                 self.loop.step()  # every tracked request's update goes out through _updated
             except Exception as e:  # not attributable to a request: the engine's state is suspect
                 traceback.print_exc()
-                self._die(failure_message("engine step", e))
+                if self.restarts is not None and self.restarts.broke_group(e):
+                    broken = failure_message("engine step", e)
+                else:
+                    self._die(failure_message("engine step", e))
             finally:
                 self.watchdog.end()
+            if broken is not None:  # out of the handler: its traceback holds the old engine
+                self._restart(broken)
+
+    def _group_failure(self) -> str | None:
+        """Why the tensor-parallel group is down, when it can be rebuilt (its workers' processes checked):
+        asked between steps, and by ``/health`` and each new request, so that a worker that died between
+        requests is seen then, not by a request that would fail on it."""
+        if self.failure is not None or self.restarts is None:
+            return None
+        return self.restarts.group_failure(self.llm)
 
     def _stalled_requests(self) -> str:
         """The stalled step's requests, for the log (on the watchdog's thread, while this thread is stuck in
@@ -199,7 +272,31 @@ class AsyncEngine:
     def _die(self, message: str) -> None:
         log.error("engine failed, ending %d request(s) in flight: %s", len(self._tracked), message)
         self.failure = message
-        error = APIError(500, f"engine failed: {message}", code="engine_failed")
+        self._end_in_flight(APIError(500, f"engine failed: {message}", code="engine_failed"))
+
+    def _restart(self, cause: str) -> None:
+        """The tensor-parallel group broke: end the requests in flight, rebuild the engine, serve again; or
+        fail for good when it cannot be rebuilt (``engine_restarts``)."""
+        assert self.restarts is not None
+        log.error("engine failed, ending %d request(s) in flight: %s", len(self._tracked), cause)
+        self.restarting = cause
+        error = APIError(500, f"engine failed: {cause}; the server restarts the group", code="engine_failed")
+        self._end_in_flight(error)
+        self._drain_commands()  # requests queued meanwhile get the 503 engine_restarting
+        llm, why = self.restarts.restart(self._detach_llm, cause, self._stopping)
+        if llm is None:
+            self.failure = why
+        else:
+            self.llm, self.engine, self.loop, self._built_here = llm, llm.engine, llm.loop, True
+        self.restarting = None
+
+    def _detach_llm(self):
+        """Hand over the LLM, keeping no reference to it or its engine (so a restart can free them)."""
+        llm, self._last_snapshot = self.llm, self.engine.snapshot
+        self.llm = self.engine = self.loop = self._plan_before_step = None
+        return llm
+
+    def _end_in_flight(self, error: APIError) -> None:
         for rid, tr in list(self._tracked.items()):
             tr.times.finished = time.monotonic()
             self._send(tr, Update([], True, error))
@@ -226,7 +323,7 @@ class AsyncEngine:
 
     def _abort_in_engine(self, request_id: str) -> None:
         """Abort in the engine unless it has already failed; a failing abort fails the engine."""
-        if self.failure is None:
+        if self.failure is None and self.restarting is None:
             try:
                 self.loop.abort(request_id)
             except Exception as e:
@@ -234,6 +331,8 @@ class AsyncEngine:
                 self._die(failure_message("abort", e))
 
     def _add(self, prompt_ids, params, prompt, loop, out, accepted, times, label) -> None:
+        if accepted.done():  # answered already (a restart began after it was queued)
+            return
         if (err := self.unavailable()) is not None:
             loop.call_soon_threadsafe(_set_exception, accepted, err)
             return

@@ -14,10 +14,12 @@ import time
 from fastapi import FastAPI
 
 
-def add_loads_route(app: FastAPI, llm, engine) -> None:
+def add_loads_route(app: FastAPI, engine) -> None:
+    """``engine``: the server's AsyncEngine."""
+
     @app.get("/v1/loads")
     async def loads():
-        snap = llm.engine.snapshot
+        snap = engine.snapshot
         used, total = snap.pages_used * snap.page_size, snap.pages_total * snap.page_size
         return {
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -33,7 +35,7 @@ def add_loads_route(app: FastAPI, llm, engine) -> None:
                     "token_usage": used / total if total else 0.0,
                     "gen_throughput": engine.tokens_per_second,
                     "cache_hit_rate": snap.stats.hit_rate,
-                    "max_running_requests": llm.engine.scheduler.max_num_seqs,
+                    "max_running_requests": engine.max_num_seqs,
                 }
             ],
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hydragen.restart_backoff import DEFAULT_MAX_PER_MINUTE
 from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -18,6 +19,7 @@ class ServerOptions:
     shutdown_timeout: float = 10.0  # grace for in-flight requests after SIGTERM, then they are aborted
     keep_alive_timeout: float = 5.0  # idle keep-alive connections are closed after this
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # an engine step running longer is stalled (0: never)
+    max_restarts_per_minute: int = DEFAULT_MAX_PER_MINUTE  # rebuilds of a broken tensor-parallel group
 
     def check(self) -> None:
         """ValueError naming the first bad option."""
@@ -27,6 +29,9 @@ class ServerOptions:
             value = getattr(self, name)
             if not value >= 0 or value == float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        restarts = self.max_restarts_per_minute
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ValueError(f"--max-restarts-per-minute must be an integer >= 0, got {restarts}")
         if self.read_timeout <= 0:
             raise ValueError(f"--read-timeout must be > 0, got {self.read_timeout}")
         if self.allowed_hosts is not None and not all(h.strip() for h in self.allowed_hosts):
