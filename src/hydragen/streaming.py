@@ -1,14 +1,16 @@
 """Run one request through the engine's step API and hand out its text as it grows.
 
 `hydragen generate` (n = 1) and `hydragen chat` print tokens as they come. It runs on the engine's one
-step loop (``engine/loop.py``) and reads only each sequence's final ``text`` and ``generated`` tokens, so
-it does not depend on how the engine batches or stores KV. Ctrl-C is turned into a flag checked between
-steps (``interrupt_flag``), so stopping a reply never leaves the engine half-way through a step.
+step loop (``engine/loop.py``) and reads only the engine's reports (the whole output so far after every
+step that changed it), so it does not depend on how the engine batches or stores KV. Ctrl-C is turned
+into a flag checked between steps (``interrupt_flag``), so stopping a reply never leaves the engine
+half-way through a step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import threading
 import time
@@ -16,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hydragen.engine.loop import EngineLoop
-from hydragen.engine.outputs import RequestOutput
+from hydragen.engine.outputs import RequestOutput, RequestOutputKind
 from hydragen.engine.sampling_params import SamplingParams
 
 TextSink = Callable[[int, str], None]  # (completion index, new text)
@@ -68,25 +70,26 @@ def stream_request(
     shown = [""] * params.n
     started = time.perf_counter()
     first: list[float | int] = []  # (time, tokens) of the step that produced the first tokens
+    tokens = 0
 
-    def update(req, output: RequestOutput | None) -> None:
-        tokens = sum(len(s.generated) for s in req.seqs)
+    def report(output: RequestOutput) -> None:  # the whole output so far, after each step that changed it
+        nonlocal tokens
+        tokens = sum(len(c.token_ids) for c in output.outputs)
         if not first and tokens:
             first.extend((time.perf_counter(), tokens))
         if on_text is not None:
-            for i, s in enumerate(req.seqs):
-                text = output.outputs[i].text if output is not None and output.outputs else s.text
-                if len(text) > len(shown[i]) and text.startswith(shown[i]):
-                    on_text(i, text[len(shown[i]) :])
-                    shown[i] = text
+            for c in output.outputs:
+                if len(c.text) > len(shown[c.index]) and c.text.startswith(shown[c.index]):
+                    on_text(c.index, c.text[len(shown[c.index]) :])
+                    shown[c.index] = c.text
         if on_step is not None:
             on_step(tokens, time.perf_counter() - started)
 
-    req = loop.add(prompt_ids, params, prompt=prompt, on_update=update)
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+    req = loop.add(prompt_ids, params, prompt=prompt, on_report=report)
     (output,) = loop.run([req], should_stop=should_stop)
     if output is not None and output.error:
         raise RuntimeError(output.error)
-    tokens = sum(len(s.generated) for s in req.seqs)
     texts = [c.text for c in output.outputs] if output is not None else shown
     first_token, first_step_tokens = (first[0], first[1]) if first else (None, 0)
     return StreamResult(

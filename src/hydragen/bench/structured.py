@@ -200,12 +200,11 @@ def timed(llm, requests: list[tuple[list[int], object]], batch: int) -> dict:
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
 
-        def done(_req, out, t0=t0) -> None:
-            if out is not None:
-                latencies.append(time.perf_counter() - t0)
+        def done(out, t0=t0) -> None:  # the one report of a request (output_kind FINAL_ONLY)
+            latencies.append(time.perf_counter() - t0)
 
         wave = range(lo, min(lo + batch, len(requests)))
-        reqs = [llm.loop.add(requests[i][0], requests[i][1], on_update=done) for i in wave]
+        reqs = [llm.loop.add(requests[i][0], requests[i][1], on_report=done) for i in wave]
         for i, out in zip(wave, llm.loop.run(reqs), strict=True):
             if out.error:
                 raise RuntimeError(out.error)

@@ -26,7 +26,7 @@ import torch
 from hydragen.engine.isolation import EngineBroken, failure_message, forward_each_request_alone
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
-from hydragen.engine.outputs import RequestOutput
+from hydragen.engine.outputs import RequestOutput, RequestOutputKind
 from hydragen.engine.request_checks import check_fits, check_request, first_bad_token
 from hydragen.engine.sampler import derive_seed
 from hydragen.engine.sampling_params import SamplingParams
@@ -42,6 +42,7 @@ from hydragen.structured.controller import StructuredOutputs
 from hydragen.structured.matcher import GrammarViolation
 
 DEFAULT_PAGE_SIZE = 16
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 log = logging.getLogger("hydragen.engine")
 
 
@@ -184,10 +185,6 @@ class Engine:
         """KV pages in use, held by the prefix cache, and in all: after every request ends, used == cached."""
         return self.kv.usage()
 
-    def text_of(self, s: Sequence) -> str:
-        """The sequence's final text so far: stable (no later token changes it) and stop-safe."""
-        return self.outputs.text_of(s)
-
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""
         self.kv.evict_idle()
@@ -283,7 +280,8 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan, run one packed forward, commit, sample; returns the requests finished in this step.
+        """Plan, run one packed forward, commit, sample; returns the reports of the requests this step
+        changed, as each one's ``output_kind`` asks (by default: the requests finished in this step).
 
         A failure that belongs to one request (its prefill, sampling, logprobs, stop check,
         detokenization or output) ends that request with ``RequestOutput.error`` set; the others go on
@@ -292,9 +290,9 @@ class Engine:
         if self.threads is not None:
             self.threads.check()  # cheap: measures the other load every few seconds at most
         t0 = time.perf_counter()
-        done: list[RequestOutput] = []
+        changed: dict[str, Request] = {}
         if self.ended:
-            done += self._release_ended(self.ended)
+            changed.update(self._release_ended(self.ended))
             self.ended = []
         try:
             plan = self.scheduler.schedule()
@@ -316,15 +314,15 @@ class Engine:
             for s, e in self.scheduler.failures:  # a fork that could not copy its leader's KV
                 self.fail(s.request, failure_message("fork", e))
             if plan.samplers and logits is not None:
-                done += self._sample(plan, logits)
+                changed.update(self._sample(plan, logits))
             self.stats.count_step(plan, time.perf_counter() - t0)
         self.stats.preemptions = self.scheduler.preemptions
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self.pool.used_pages * self.pool.page_size)
-        failed = [o for r in self.failed if (o := self._finish_request(r)) is not None]
-        self.failed = []
+        failed, self.failed = self.failed, []
+        outputs = self._report([*failed, *changed.values()])
         self.kv.flush_events()
         self.snapshot = EngineSnapshot.of(self)
-        return failed + done
+        return outputs
 
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:
         """The step's packed forward; the logits of its sampling items. If it raises, each request's work
@@ -355,8 +353,9 @@ class Engine:
                 self.stats.prompt_tokens += len(s.prompt_ids)
                 s.request.cached_tokens = max(s.request.cached_tokens, hit)
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample, append, check stops; per-request work is guarded so a failure ends its request alone."""
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> dict[str, Request]:
+        """Sample, append, check stops; per-request work is guarded so a failure ends its request alone.
+        Returns the requests it changed."""
         rows = {}  # work index -> its row of ``logits`` (one per sampling work item, in plan order)
         for i, w in enumerate(plan.work):
             if w.sample:
@@ -364,7 +363,7 @@ class Engine:
         # Forks sample from their leader's row; a request failed after the forward (a fork) samples nothing.
         samplers = [(s, i) for s, i in plan.samplers if s.request.error is None]
         if not samplers:
-            return []
+            return {}
         index = [rows[i] for _, i in samplers]
         if index != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
@@ -395,10 +394,11 @@ class Engine:
                 errors.setdefault(id(s.request), (s.request, failure_message("stop check", e)))
         for req, message in errors.values():
             self.fail(req, message)
-        return self._release_ended([s for s in finished if id(s.request) not in errors])
+        self._release_ended([s for s in finished if id(s.request) not in errors])
+        return {s.request.request_id: s.request for s in seqs if s.request.error is None}
 
-    def _release_ended(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Flush the ended sequences' text, give their pages back, and return the requests now finished."""
+    def _release_ended(self, seqs: list[Sequence]) -> dict[str, Request]:
+        """Flush the ended sequences' text and give their pages back; returns their requests."""
         ok = []
         for s in seqs:
             if s.request.error is not None:
@@ -412,8 +412,7 @@ class Engine:
             except Exception as e:
                 self.fail(s.request, failure_message("detokenization", e))
         self.scheduler.remove(ok)
-        reqs = {id(s.request): s.request for s in ok if s.request.finished}
-        return [o for r in reqs.values() if (o := self._finish_request(r)) is not None]
+        return {s.request.request_id: s.request for s in ok}
 
     def _append_structured(self, s: Sequence, token: int, logprobs: dict | None) -> bool:
         """Append a constrained sequence's sampled token and what jump-forward adds after it; returns
@@ -445,14 +444,22 @@ class Engine:
         self.stats.forced_tokens += kept
         return s.finished
 
-    def _finish_request(self, req: Request) -> RequestOutput | None:
-        if self.requests.pop(req.request_id, None) is None:
-            return None
-        self.stats.requests_finished += 1
-        try:
-            return self.outputs.output(req)
-        except Exception as e:
-            req.error = req.error or failure_message("output building", e)
-            return RequestOutput(
-                req.request_id, req.prompt, req.prompt_ids, [], True, req.cached_tokens, req.error
-            )
+    def _report(self, reqs: list[Request]) -> list[RequestOutput]:
+        """The reports of requests this step changed, each as its ``output_kind`` asks; a finished request
+        leaves the engine with its last report (reported once, even if it changed twice)."""
+        reports = []
+        for req in dict.fromkeys(reqs):
+            if req.finished:
+                if self.requests.pop(req.request_id, None) is None:
+                    continue  # reported already, or aborted
+                self.stats.requests_finished += 1
+            elif req.params.output_kind is FINAL_ONLY or req.request_id not in self.requests:
+                continue
+            try:
+                reports.append(self.outputs.output(req))
+            except Exception as e:
+                self.fail(req, failure_message("output building", e))
+                self.failed.remove(req)  # reported here, now
+                self.requests.pop(req.request_id, None)
+                reports.append(self.outputs.failed_output(req))
+        return reports

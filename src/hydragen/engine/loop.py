@@ -1,10 +1,10 @@
 """The one loop that steps an engine, for every caller: ``LLM.generate``, streaming (``generate`` with n = 1,
 ``chat``), the server's engine thread and the benchmarks.
 
-Requests are added through it with an optional ``on_update(request, output)`` callback, called after every
-step that changed the request (``output`` is the finished ``RequestOutput``, or None while it runs); it
-keeps the recent decode rate. ``run`` steps until given requests finish; the server calls ``step`` from
-its own thread, between the commands it receives.
+Requests are added through it with an optional ``on_report(output)`` callback, called with each report the
+engine gives for the request (which ones: its ``SamplingParams.output_kind``; the last one has
+``finished`` set); it keeps the recent decode rate. ``run`` steps until given requests finish; the server
+calls ``step`` from its own thread, between the commands it receives.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.sequence import Request
 
-OnUpdate = Callable[[Request, RequestOutput | None], None]
+OnReport = Callable[[RequestOutput], None]
 RATE_WINDOW_S = 5.0
 
 
 @dataclass
 class _Tracked:
     request: Request
-    on_update: OnUpdate | None
-    output: RequestOutput | None = None
-    delivered: bool = False  # on_update has had the final output
+    on_report: OnReport | None
+    output: RequestOutput | None = None  # the final report, once finished
 
 
 class EngineLoop:
@@ -45,11 +44,11 @@ class EngineLoop:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
-        on_update: OnUpdate | None = None,
+        on_report: OnReport | None = None,
     ) -> Request:
         """Queue a request (``Engine.add_request``'s errors propagate)."""
         req = self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=request_id)
-        self._tracked[req.request_id] = _Tracked(req, on_update)
+        self._tracked[req.request_id] = _Tracked(req, on_report)
         return req
 
     def abort(self, request_id: str) -> None:
@@ -71,17 +70,17 @@ class EngineLoop:
         return not self.engine.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; hands each tracked request its progress, and finished ones their output."""
+        """One engine step; hands each tracked request's reports to its callback."""
         before = self.engine.stats.generated_tokens
         outs = self.engine.step()
         for out in outs:
             tr = self._tracked.get(out.request_id)
-            if tr is not None:
+            if tr is None:
+                continue
+            if out.finished:
                 tr.output = out
-        for tr in list(self._tracked.values()):
-            if tr.on_update is not None and not tr.delivered:
-                tr.delivered = tr.output is not None
-                tr.on_update(tr.request, tr.output)
+            if tr.on_report is not None:
+                tr.on_report(out)
         now = time.monotonic()
         made = self.engine.stats.generated_tokens - before
         self._window.append((now, made))
@@ -99,8 +98,9 @@ class EngineLoop:
         on_step: Callable[[], None] | None = None,
     ) -> list[RequestOutput | None]:
         """Step until every one of ``requests`` has finished, or ``should_stop()`` turns true between steps;
-        returns their outputs in order (None for one that did not finish) and stops tracking them. If the
-        loop ends early by an exception (Ctrl-C, an engine failure), the unfinished ones are aborted."""
+        returns their final reports in order (None for one that did not finish; the whole output unless the
+        request asked for DELTA reports) and stops tracking them. If the loop ends early by an exception
+        (Ctrl-C, an engine failure), the unfinished ones are aborted."""
         ids = [r.request_id for r in requests]
         try:
             while any(self.output(i) is None for i in ids):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hydragen.engine.detokenizer import IncrementalDetokenizer
-from hydragen.engine.outputs import CompletionOutput, RequestOutput
+from hydragen.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from hydragen.engine.sequence import Request, Sequence
 from hydragen.engine.stop_strings import StopChecker
 
@@ -135,14 +135,29 @@ class OutputProcessor:
             if state.stops is not None:
                 out.text += state.stops.flush()
 
-    def text_of(self, s: Sequence) -> str:
-        """The completion text so far: final text only (stop strings cut, a final EOS/stop token left out)."""
-        return s.out.text
+    @staticmethod
+    def failed_output(r: Request) -> RequestOutput:
+        """The report of a request whose own report could not be built: its error, no completions."""
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [], True, r.cached_tokens, r.error)
 
     @staticmethod
     def output(r: Request) -> RequestOutput:
-        outs = [
-            CompletionOutput(s.index, s.text, list(s.generated), s.finish_reason, s.logprobs, s.stop_reason)
-            for s in r.seqs
-        ]
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, outs, True, r.cached_tokens, r.error)
+        """The request's report, as its ``output_kind`` asks: everything so far, or (DELTA) what is new
+        since the last report, for the samples that changed. Marks what it reports as reported."""
+        delta = r.params.output_kind is RequestOutputKind.DELTA
+        outs = []
+        for s in r.seqs:
+            o = s.out
+            tokens, text, lps = o.generated, o.text, o.logprobs
+            if delta:
+                new = len(tokens) > o.reported_tokens or len(text) > o.reported_text
+                if not new and o.reported_finish == s.finished:
+                    continue
+                tokens, text = tokens[o.reported_tokens :], text[o.reported_text :]
+                lps = lps[o.reported_tokens :] if lps is not None else None
+            o.reported_tokens, o.reported_text, o.reported_finish = len(o.generated), len(o.text), s.finished
+            outs.append(CompletionOutput(s.index, text, list(tokens), s.finish_reason, lps, s.stop_reason))
+        return RequestOutput(
+            r.request_id, r.prompt, r.prompt_ids, outs, r.finished, r.cached_tokens, r.error,
+            r.first_scheduled,
+        )  # fmt: skip

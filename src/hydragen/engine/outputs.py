@@ -1,12 +1,28 @@
-"""What generate() returns: one RequestOutput per prompt, each with n CompletionOutputs."""
+"""What the engine reports: one RequestOutput per request, each with its n CompletionOutputs.
+
+``generate()`` returns each request's final output. ``Engine.step()`` reports, per request, what its
+``SamplingParams.output_kind`` asks for (vLLM's ``RequestOutputKind``): the final output only, the whole
+output after every step that changed it, or only what is new since the last report (streaming: the server
+sends exactly these pieces, it never compares sequences itself).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0  # after every step that changed the request: everything so far
+    DELTA = 1  # after every step that changed the request: the new tokens, text and logprobs only
+    FINAL_ONLY = 2  # once, when the request has finished (LLM.generate)
 
 
 @dataclass
 class CompletionOutput:
+    """One sample. Reported as a DELTA, ``text``, ``token_ids`` and ``logprobs`` hold only what is new since
+    the sample's last report (``finish_reason`` is set in the report that ends it)."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -29,3 +45,4 @@ class RequestOutput:
     finished: bool = False
     cached_prompt_tokens: int = 0  # prompt tokens on shared pages: cached, or computed by another request
     error: str | None = None  # set when the request could not be completed (e.g. out of KV memory)
+    first_scheduled_time: float | None = None  # time.monotonic() when it first got a seat (queueing time)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hydragen.engine.outputs import RequestOutputKind
+
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 FLOAT32_MAX = 3.4028234663852886e38
@@ -48,6 +50,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     structured_outputs: object | None = None  # a hydragen.StructuredOutputsParams: constrain the output
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY  # Engine.step's reports (streaming: DELTA)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -92,6 +95,8 @@ class SamplingParams:
             bad("seed", "must be None or an integer that fits in int64")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", "must be a RequestOutputKind")
         if self.structured_outputs is not None:
             from hydragen.structured.params import StructuredOutputsParams
 

@@ -46,6 +46,9 @@ class OutputState:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None
     detok: object | None = None  # incremental detokenizer and stop checker
+    reported_tokens: int = 0  # generated tokens, text characters and finish already reported (DELTA)
+    reported_text: int = 0
+    reported_finish: bool = False
 
 
 class Status(Enum):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hydragen.engine.isolation import failure_message
+from hydragen.engine.outputs import RequestOutput, RequestOutputKind
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.sequence import Request
 from hydragen.server.errors import APIError
@@ -70,9 +72,7 @@ class _Tracked:
     out: asyncio.Queue
     times: RequestTimes
     label: str  # what the server's log calls it (the HTTP request's id), for the stall log
-    sent_text: list[str] = field(default_factory=list)
-    sent_tokens: list[int] = field(default_factory=list)
-    finished_sent: list[bool] = field(default_factory=list)
+    tokens_out: list[int] = field(default_factory=list)  # tokens sent, per sample
 
 
 def request_failed(message: str) -> APIError:
@@ -339,7 +339,8 @@ class AsyncEngine:
         self._ids += 1
         rid = f"req-{self._ids}"
         try:
-            req = self.loop.add(prompt_ids, params, prompt=prompt, request_id=rid, on_update=self._updated)
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # only what is new
+            req = self.loop.add(prompt_ids, params, prompt=prompt, request_id=rid, on_report=self._updated)
         except (ValueError, TypeError) as e:
             loop.call_soon_threadsafe(_set_exception, accepted, e)
             return
@@ -350,7 +351,7 @@ class AsyncEngine:
             )
             return
         n = len(req.seqs)
-        self._tracked[rid] = _Tracked(req, loop, out, times, label, [""] * n, [0] * n, [False] * n)
+        self._tracked[rid] = _Tracked(req, loop, out, times, label, [0] * n)
         loop.call_soon_threadsafe(_set_result, accepted, rid)
 
     def _reject_queued(self) -> None:
@@ -366,64 +367,45 @@ class AsyncEngine:
                 with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                     loop.call_soon_threadsafe(_set_exception, accepted, error)
 
-    def _updated(self, req: Request, output) -> None:
-        """The step loop's callback after each step: send the request's new text and tokens."""
-        rid = req.request_id
+    def _updated(self, report: RequestOutput) -> None:
+        """The step loop's callback with each report of a request (DELTA: what is new): send it on."""
+        rid = report.request_id
         tr = self._tracked.get(rid)
         if tr is None:
             return
         now = time.monotonic()
         try:
-            upd = self._update_for(tr, now)
+            upd = self._update_for(tr, report, now)
         except Exception as e:  # building this request's update failed: it alone ends
             traceback.print_exc()
             upd = Update([], True, request_failed(failure_message("output building", e)))
             tr.times.finished = now
             self._abort_in_engine(rid)
-        if upd is not None:
-            self._send(tr, upd)
-        if upd is not None and upd.finished:
+        self._send(tr, upd)
+        if upd.finished:
             self._tracked.pop(rid, None)
             self.loop.forget(rid)
             if upd.error is not None:
                 self.metrics.failed += 1
             self.metrics.observe(tr.times)
 
-    def _update_for(self, tr: _Tracked, now: float) -> Update | None:
-        req = tr.request
-        if tr.times.scheduled is None and req.first_scheduled is not None:
-            tr.times.scheduled = req.first_scheduled
-        if req.error is not None:
+    @staticmethod
+    def _update_for(tr: _Tracked, report: RequestOutput, now: float) -> Update:
+        if tr.times.scheduled is None:
+            tr.times.scheduled = report.first_scheduled_time
+        prompt, cached = len(report.prompt_token_ids), report.cached_prompt_tokens
+        if report.error is not None:
             tr.times.finished = now
-            return Update([], True, request_failed(req.error), len(req.prompt_ids), req.cached_tokens)
-        deltas = []
-        for i, s in enumerate(req.seqs):
-            if tr.finished_sent[i]:
-                continue
-            new_tokens = s.generated[tr.sent_tokens[i] :]
-            if not new_tokens and not s.finished:
-                continue
-            text = self._stable_text(s)
-            delta_text = text[len(tr.sent_text[i]) :] if text.startswith(tr.sent_text[i]) else ""
-            lp = s.logprobs[tr.sent_tokens[i] :] if s.logprobs is not None else None
-            tr.sent_tokens[i] = len(s.generated)
-            tr.sent_text[i] = text if text.startswith(tr.sent_text[i]) else tr.sent_text[i]
-            tr.finished_sent[i] = s.finished
-            deltas.append(SeqDelta(s.index, delta_text, new_tokens, lp, s.finish_reason))
+            return Update([], True, request_failed(report.error), prompt, cached)
+        deltas = [SeqDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in report.outputs]
+        for d in deltas:
+            tr.tokens_out[d.index] += len(d.token_ids)
         if tr.times.first_token is None and any(d.token_ids for d in deltas):
             tr.times.first_token = now
-        finished = all(tr.finished_sent)
-        if finished:
+        if report.finished:
             tr.times.finished = now
-            tr.times.max_tokens_out = max(len(s.generated) for s in req.seqs)
-        if not deltas and not finished:
-            return None
-        return Update(deltas, finished, None, len(req.prompt_ids), req.cached_tokens)
-
-    def _stable_text(self, s) -> str:
-        """Text safe to send now: the engine keeps only final text (no unfinished UTF-8 character, nothing
-        that could still start a stop string), so it can be sent as it grows."""
-        return s.text if s.finished else self.engine.text_of(s)
+            tr.times.max_tokens_out = max(tr.tokens_out)
+        return Update(deltas, report.finished, None, prompt, cached)
 
     @staticmethod
     def _send(tr: _Tracked, upd: Update) -> None:
