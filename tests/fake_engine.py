@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
+from hydragen.engine.config import EngineConfig
 from hydragen.engine.engine import Engine
 from hydragen.engine.packing import pack
 from hydragen.engine.step_plan import StepPlan
@@ -197,18 +198,10 @@ def fake_engine(pages: int, page_size: int, *, sharing: bool = True, context: in
         max_position_embeddings=context,
         eos_token_ids=[EOS],
     )
-    return Engine(
-        None,
-        cfg,
-        None,
-        "cpu",
-        torch.float32,
-        prefix_sharing=sharing,
-        kv_cache_tokens=pages * page_size,
-        page_size=page_size,
-        parallel=FakeParallel(),
-        **options,
+    config = EngineConfig(
+        prefix_sharing=sharing, kv_cache_tokens=pages * page_size, page_size=page_size, **options
     )
+    return Engine(None, cfg, None, config, parallel=FakeParallel())
 
 
 def expected_output(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hydragen.engine.engine import DEFAULT_PAGE_SIZE
+from hydragen.engine.config import DEFAULT_PAGE_SIZE
 
 pty = pytest.importorskip("pty")  # POSIX only
 

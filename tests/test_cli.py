@@ -78,7 +78,7 @@ def test_version(capsys):
         (["--top-k", "-3"], "--top-k must be"),
         (["--min-p", "2"], "--min-p must be"),
         (["--stop", ""], "--stop must be"),
-        (["--threads", "0"], "--threads must be at least 1"),
+        (["--threads", "0"], "--threads must be a positive integer or 'auto', got 0"),
         (["--max-model-len", "1"], "--max-model-len must be at least 2"),
     ],
 )

@@ -26,6 +26,7 @@ import httpx
 import pytest
 from test_server_process import Lines, spawn
 
+from hydragen.cli.common import engine_config_of
 from hydragen.cli.parser import build_parser
 from hydragen.dp.launch import build_front, ready_line, serve_front
 from hydragen.server.launch import bind_socket, make_server
@@ -46,7 +47,7 @@ class LiveFront:
     def __init__(self, argv: list[str], step_delay: float, env: dict[str, str] | None = None):
         self.args = args = build_parser().parse_args(["serve", *argv])
         command = [sys.executable, SLOWED, str(step_delay)]
-        self.front, path = build_front(args, None, "warning", command=command)
+        self.front, path = build_front(args, engine_config_of(args), None, "warning", command=command)
         self.front.replicas.env.update(env or {})
         from hydragen.dp.front import create_front_app
 
@@ -603,8 +604,8 @@ def test_bad_data_parallel_options_are_one_line_errors(model_dir, capsys, hydrag
         ([*dp2, "--tensor-parallel-size", "2"], 2, "cannot be combined"),
         ([*dp2, "--router-balance-bound", "-1"], 2, "--router-balance-bound must be >= 0"),
         ([*dp2, "--kv-events-endpoint", "tcp://127.0.0.1:0"], 2, "sets each replica's KV-event addresses"),
-        # The front resolves the replicas' KV cache dtype, so a bad dtype stops it before any replica starts.
-        ([*dp2, "--kv-cache-tokens", "4096", "--dtype", "float7"], 2, "dtype must be one of"),
+        # The front resolves the replicas' KV cache dtype, so a bad one stops it before any replica starts.
+        ([*dp2, "--dtype", "bfloat16", "--kv-cache-dtype", "float16"], 2, "needs float32 compute"),
     ]
     # Only the replicas find this one out (the front reads no weights): it ends the command, once.
     broken = Path(shutil.copytree(model_dir, tmp_path / "broken"))

@@ -117,10 +117,9 @@ def test_logprobs_agree_with_sharing_on_and_off_alone_batched_and_warm(request, 
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
     off = copy.copy(llm)  # the same weights, an engine with sharing off
     e = llm.engine
-    off.engine = Engine(
-        e.model, e.cfg, e.tokenizer, e.device, torch.float32, prefix_sharing=False, kv_cache_tokens=8192,
-        kv_dtype=e.pool.k.dtype,
-    )
+    kv_dtype = str(e.pool.k.dtype).removeprefix("torch.")
+    config = e.config.replace(prefix_sharing=False, kv_cache_tokens=8192, kv_cache_dtype=kv_dtype)
+    off.engine = Engine(e.model, e.cfg, e.tokenizer, config)
     reference = run_mode(off, prompts, "off-alone", params)
     runs = {
         "off-batched": run_mode(off, prompts, "off-batched", params),

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from hydragen import LLM, SamplingParams
+from hydragen.cli.engine_flags import engine_config
 from hydragen.cli.parser import build_parser
-from hydragen.engine.llm import resolve_kv_dtype
+from hydragen.model.loader import resolve_kv_dtype
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land of shared prefixes,"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
@@ -56,14 +57,14 @@ def test_one_call_layers_equal_the_per_op_path_with_a_float16_cache(embedded_llm
 def test_the_kv_cache_dtype_is_checked_before_anything_loads():
     assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype("float16", torch.float32) == torch.float16
-    with pytest.raises(ValueError, match="must be 'auto' or one of float32, bfloat16, float16, got 'int8'"):
+    with pytest.raises(ValueError, match="must be one of auto, float32, bfloat16, float16, got 'int8'"):
         LLM(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="needs float32 compute"):
         LLM(dtype="bfloat16", kv_cache_dtype="float16")
     for command in (["generate", "x"], ["serve"], ["chat"]):
         args = build_parser().parse_args([*command, "--kv-cache-dtype", "bfloat16"])
         assert args.kv_cache_dtype == "bfloat16"
-        assert build_parser().parse_args(command).kv_cache_dtype == "auto"
+        assert engine_config(build_parser().parse_args(command)).kv_cache_dtype == "auto"
 
 
 @pytest.mark.parametrize(
@@ -82,6 +83,7 @@ def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(
     GGUF header it resolves "auto" as a replica would (float16 for blocks kept quantized) and hands the
     replicas that dtype by name, so a replica's cache is the one its budget was sized for (a float32 cache
     would take twice the memory planned)."""
+    from hydragen.cli.common import engine_config_of
     from hydragen.distributed.checkpoint import read_config
     from hydragen.dp import launch
     from hydragen.engine import llm as llm_module
@@ -89,10 +91,11 @@ def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(
     seen = []
     monkeypatch.setattr(llm_module, "default_kv_cache_tokens", lambda b, *a, **k: seen.append(b) or 1024)
     args = build_parser().parse_args(["serve", "--data-parallel-size", "2", *flags])
-    config, _, _ = read_config(args.model)
-    kv_cache = launch.replica_kv_cache(args, config)
+    engine = engine_config_of(args)
+    config, _, _ = read_config(engine.model)
+    kv_cache = launch.replica_kv_cache(engine, config, args.data_parallel_size)
     assert kv_cache == (1024, kv_dtype)
-    replica = launch.replica_args(args, 1, kv_cache, "info")
+    replica = launch.replica_args(args, engine, 1, kv_cache, "info")
     assert replica.count("--kv-cache-dtype") == 1
     assert replica[replica.index("--kv-cache-dtype") + 1] == kv_dtype
     assert replica[replica.index("--kv-cache-tokens") + 1] == "1024"

@@ -275,9 +275,9 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
 
 
 def test_triton_missing_is_a_clear_error(tiny_models, monkeypatch):
-    import hydragen.engine.engine as engine_mod
+    import hydragen.engine.config as config_mod
 
-    monkeypatch.setattr(engine_mod, "triton_available", lambda: False)
+    monkeypatch.setattr(config_mod, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="needs the triton package"):
         LLM(tiny_models["llama"], attention="triton", kv_cache_tokens=1024)
 

@@ -100,41 +100,32 @@ def resolve_random_weights(args: argparse.Namespace) -> None:
 
 def apply_machine_flags(args: argparse.Namespace) -> None:
     """Flags checked before the (slow) model load."""
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be at least 2 tokens, got {args.max_model_len}")
 
 
-def threads_option(args: argparse.Namespace) -> int | str:
-    """LLM(threads=...) for --threads: a fixed count, or by default the cores other programs leave free."""
-    return args.threads if args.threads is not None else "auto"
+def engine_config_of(args: argparse.Namespace, **overrides):
+    """The engine settings the flags give (``EngineConfig``), checked before anything loads: a bad value is
+    a usage error naming its flag. The CLI's own defaults: the cores other programs leave free (threads
+    "auto"), and torchrun's number of ranks under torchrun (--random-weights has become --model already)."""
+    from hydragen.cli.engine_flags import EngineFlagError, engine_config
+
+    cli_defaults = {"tensor_parallel_size": tp_size(args)}
+    if args.threads is None:
+        cli_defaults["threads"] = "auto"
+    try:
+        return engine_config(args, **cli_defaults, **overrides)
+    except EngineFlagError as e:
+        raise UsageError(str(e)) from None
 
 
-def load_llm(
-    args: argparse.Namespace,
-    kv_cache_tokens: int | None = None,
-    prefix_sharing: bool = True,
-    jump_forward: bool = True,
-    literal_json_schema: bool = False,
-):
-    """(LLM, seconds it took, context length in force): the model plus --max-model-len checked against it."""
+def load_llm(args: argparse.Namespace, config):
+    """(LLM, seconds it took, context length in force): the model of ``config`` plus --max-model-len checked
+    against it."""
     from hydragen import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        prefix_sharing=prefix_sharing,
-        kv_cache_tokens=kv_cache_tokens,
-        tensor_parallel_size=tp_size(args),
-        jump_forward=jump_forward,
-        dequantize=args.dequantize,
-        threads=threads_option(args),
-        literal_json_schema=literal_json_schema,
-    )
+    llm = LLM(**config.options())
     load_s = time.perf_counter() - t0
     context = llm.config.max_position_embeddings
     if args.max_model_len is not None:
@@ -171,12 +162,12 @@ def torchrun_worker(args: argparse.Namespace) -> int | None:
     env = torchrun_env()
     if env is None or env.rank == 0 or args.command not in ("generate", "serve", "chat"):
         return None
-    tp_size(args)
+    config = engine_config_of(args)
     from hydragen.distributed.launcher import run_torchrun_worker
     from hydragen.model.loader import resolve_device, resolve_dtype
 
     return run_torchrun_worker(
-        args.model, resolve_device(args.device), resolve_dtype(args.dtype), dequantize=args.dequantize
+        config.model, resolve_device(config.device), resolve_dtype(config.dtype), dequantize=config.dequantize
     )
 
 

@@ -13,6 +13,7 @@ from hydragen.cli.common import (
     UsageError,
     apply_machine_flags,
     constraint,
+    engine_config_of,
     kv_for,
     load_llm,
     sampling_params,
@@ -130,8 +131,14 @@ class RateLine:
             print("\r\x1b[K", end="", file=sys.stderr, flush=True)
 
 
+def _kv_budget(args: argparse.Namespace, n: int) -> dict:
+    """The KV cache --max-model-len calls for, unless --kv-cache-tokens says (``kv_for``)."""
+    if args.kv_cache_tokens is not None or args.max_model_len is None:
+        return {}
+    return {"kv_cache_tokens": kv_for(args.max_model_len, n)}
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from hydragen.model.loader import resolve_dtype
     from hydragen.streaming import interrupt_flag, stream_request
 
     if args.n < 1:  # before SamplingParams, so the summary's arithmetic never sees n < 1
@@ -145,14 +152,9 @@ def run_generate(args: argparse.Namespace) -> int:
         structured_outputs=constraint(args),
     )
     apply_machine_flags(args)
+    config = engine_config_of(args, **_kv_budget(args, args.n))
     text = _read_prompt(args.prompt)
-    llm, load_s, context = load_llm(
-        args,
-        kv_for(args.max_model_len, args.n),
-        prefix_sharing=not args.no_sharing,
-        jump_forward=not args.no_jump_forward,
-        literal_json_schema=args.literal_json_schema,
-    )
+    llm, load_s, context = load_llm(args, config)
     ids = _prompt_ids(llm, args, text)
     if len(ids) >= context:
         flag = "--max-model-len" if args.max_model_len is not None else "the model's context"
@@ -202,8 +204,8 @@ def run_generate(args: argparse.Namespace) -> int:
             reused=prompt_tokens - computed,
             peak_kv_tokens=st.peak_kv_tokens,
             copies_kv_tokens=st.per_sequence_kv_tokens - before.per_sequence_kv_tokens,
-            bytes_per_token=llm.config.kv_bytes_per_token_per_elem * resolve_dtype(args.dtype).itemsize,
-            sharing=not args.no_sharing,
+            bytes_per_token=llm.config.kv_bytes_per_token_per_elem * engine.pool.k.element_size(),
+            sharing=config.prefix_sharing,
             threads=engine.threads,
         )
         print("\n".join(f"--- {line}" for line in lines), file=sys.stderr)
@@ -224,7 +226,7 @@ def run_chat(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     params = sampling_params(args, max_tokens=args.max_tokens or 1)
     apply_machine_flags(args)
-    llm, load_s, context = load_llm(args, kv_for(args.max_model_len, 1))
+    llm, load_s, context = load_llm(args, engine_config_of(args, **_kv_budget(args, 1)))
     if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         raise UsageError(f"{llm.model_path} has no chat template; use `hydragen generate --raw` instead")
     tools = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hydragen.cli.bench import BENCHMARKS, EXTRA_BENCHMARKS, run_bench
+from hydragen.cli.engine_flags import add_engine_flags
 from hydragen.cli.generate import run_chat, run_generate
 from hydragen.cli.serve import run_serve
 from hydragen.restart_backoff import DEFAULT_MAX_PER_MINUTE
@@ -37,22 +38,9 @@ class _VersionAction(argparse.Action):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)",
-    )
+    """The flags of generate and chat: the engine's settings, and the CLI's own."""
     _add_random_weights_arg(p)
     p.add_argument("--system", default=None, help="system prompt (the chat template's system message)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    _add_kv_dtype_arg(p)
-    _add_threads_arg(p)
-    p.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="convert GGUF quantized and 16-bit weights to --dtype at load (default: keep them compact)",
-    )
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -61,7 +49,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="context limit, prompt and output together; also sizes the KV cache (default: the model's)",
     )
     p.add_argument("--version", action=_VersionAction, help="print the version and exit")
-    _add_tp_arg(p)
+    add_engine_flags(p)
 
 
 def _add_random_weights_arg(p: argparse.ArgumentParser) -> None:
@@ -72,38 +60,6 @@ def _add_random_weights_arg(p: argparse.ArgumentParser) -> None:
         help="instead of --model: a random-weights GGUF of a real shape and quantization (e.g. "
         "llama-3.1-8b:Q4_K_M, llama-3.2-1b:Q4_K_M, or a config.json and a scheme), written once into the "
         "cache in llama-quantize's type mix: try or measure a model size without downloading it",
-    )
-
-
-def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="the KV cache's dtype (default auto: float16 for a GGUF model kept quantized, as llama.cpp "
-        "caches it, else --dtype). float16 or bfloat16 under float32 compute halves the cache's bytes per "
-        "token: twice the cached prefixes in the same memory, half the K/V read a step; float32 keeps a "
-        "quantized model's cache in float32",
-    )
-
-
-def _add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: the cores other programs leave free, re-checked as it runs)",
-    )
-
-
-def _add_tp_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="split the model over N processes (attention heads, MLP columns, vocabulary); hydragen starts "
-        "them itself, or, under torchrun, uses its ranks (default 1, or torchrun's number of ranks)",
     )
 
 
@@ -145,22 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--regex", default=None, help="output must match this regular expression")
     g.add_argument("--choice", action="append", help="output must be one of these strings (repeatable)")
-    g.add_argument(
-        "--no-jump-forward",
-        action="store_true",
-        help="with a constraint: sample forced text token by token instead of jumping over it",
-    )
-    g.add_argument(
-        "--literal-json-schema",
-        action="store_true",
-        help="read JSON Schemas literally: an object without additionalProperties may get any extra keys "
-        "(default: only the properties it names, as vLLM/SGLang with XGrammar)",
-    )
-    g.add_argument(
-        "--no-sharing",
-        action="store_true",
-        help="baseline: every sequence keeps its own full copy of the prompt's KV",
-    )
     _add_model_args(g)
     g.add_argument("-q", "--quiet", action="store_true", help="no live rate line and no summary")
     g.set_defaults(func=run_generate)
@@ -202,54 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
         "/metrics. Requests that share prefixes share KV, across time.",
     )
-    v.add_argument(
-        "--model", default=None, help="a .gguf file or Hugging Face model directory (default: embedded)"
-    )
     _add_random_weights_arg(v)
+    add_engine_flags(v)
     v.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     v.add_argument(
         "--served-model-name", default=None, help="model name clients send (default: file/dir name)"
-    )
-    v.add_argument(
-        "--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens (default: 1/4 of RAM)"
-    )
-    v.add_argument(
-        "--max-num-seqs", type=int, default=256, help="most sequences decoded at once (default 256)"
-    )
-    v.add_argument(
-        "--page-size",
-        type=int,
-        default=16,
-        help="KV page size in tokens: the unit of allocation, sharing and caching (default 16)",
-    )
-    v.add_argument("--no-sharing", action="store_true", help="baseline: no prefix cache, no shared attention")
-    v.add_argument(
-        "--no-jump-forward",
-        action="store_true",
-        help="structured outputs: sample forced text token by token instead of jumping over it (measurement)",
-    )
-    v.add_argument(
-        "--tool-format",
-        choices=["hermes", "llama3_json", "generic"],
-        default=None,
-        help="how tool calls are written (default: detected from the chat template; generic for a "
-        "template without tools)",
-    )
-    v.add_argument(
-        "--literal-json-schema",
-        action="store_true",
-        help="read JSON Schemas literally: an object without additionalProperties may get any extra keys "
-        "(default: only the properties it names, as vLLM/SGLang with XGrammar)",
-    )
-    v.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    v.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    _add_kv_dtype_arg(v)
-    _add_threads_arg(v)
-    v.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="convert GGUF quantized and 16-bit weights to --dtype at load (default: keep them compact)",
     )
     v.add_argument(
         "--kv-events-endpoint",
@@ -312,7 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
         "away from that replica and restarts it if it stays stuck as long again; 0: off (default "
         f"{DEFAULT_STEP_TIMEOUT_S:g}, room for a full 2,048-token prefill step of an 8B model on one core)",
     )
-    _add_tp_arg(v)
     v.add_argument(
         "--max-restarts-per-minute",
         type=int,

@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from hydragen.cli.common import UsageError, threads_option, tp_size
+from hydragen.cli.common import UsageError, engine_config_of
+from hydragen.engine.config import EngineConfig
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -34,27 +35,20 @@ def run_serve(args: argparse.Namespace) -> int:
         problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
     if args.api_key is not None and not args.api_key.strip():
         problems.append("--api-key must not be empty")
-    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
-        problems.append(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
-    if args.max_num_seqs < 1:
-        problems.append(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    if args.page_size < 1:
-        problems.append(f"--page-size must be >= 1, got {args.page_size}")
-    if args.threads is not None and args.threads < 1:
-        problems.append(f"--threads must be at least 1, got {args.threads}")
     try:
-        tp = tp_size(args)
+        config = engine_config_of(args)
     except UsageError as e:
         problems.append(str(e))
-        tp = 1
+        config = EngineConfig(model=args.model)
+    tp = config.tensor_parallel_size
     from hydragen.dp import ray_launch  # imports Ray only when asked to run on it
 
     if args.ray:
         problems += ray_launch.check(args, tp)
     else:
         problems += data_parallel_problems(args, tp) + ray_launch.flags_without_ray(args)
-    if args.model is not None and not os.path.exists(args.model):
-        problems.append(f"--model {args.model!r} does not exist")
+    if config.model is not None and not os.path.exists(config.model):
+        problems.append(f"--model {config.model!r} does not exist")
     try:
         options.check()
     except ValueError as e:
@@ -72,7 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log_level = args.log_level.lower()
     if args.ray:  # Ray Serve's proxy binds the port
         configure_logging(log_level)
-        return ray_launch.run(args, options, api_key)
+        return ray_launch.run(args, config, options, api_key)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -82,9 +76,9 @@ def run_serve(args: argparse.Namespace) -> int:
         from hydragen.dp.launch import run_data_parallel
 
         configure_logging(log_level)
-        return run_data_parallel(args, options, sock, log_level, api_key)
+        return run_data_parallel(args, config, options, sock, log_level, api_key)
     try:
-        events = kv_event_publisher(args)  # bound before the model loads, like the port
+        events = kv_event_publisher(args, config.page_size)  # bound before the model loads, like the port
     except Exception as e:
         sock.close()
         print(f"error: cannot publish KV events: {e}", file=sys.stderr)
@@ -99,22 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         """The LLM with the serve flags, set up to serve (built again on every restart of its group)."""
         from hydragen import LLM
 
-        llm = LLM(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_cache_tokens=args.kv_cache_tokens,
-            max_num_seqs=args.max_num_seqs,
-            page_size=args.page_size,
-            prefix_sharing=not args.no_sharing,
-            tensor_parallel_size=tp,
-            jump_forward=not args.no_jump_forward,
-            dequantize=args.dequantize,
-            threads=threads_option(args),
-            literal_json_schema=args.literal_json_schema,
-            tool_format=args.tool_format,
-        )
+        llm = LLM.from_config(config)
         governor = llm.engine.threads
         if governor is not None:  # said once, if --threads is too many
             governor.on_busy = logging.getLogger("hydragen.server").warning
@@ -162,14 +141,14 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def kv_event_publisher(args: argparse.Namespace):
+def kv_event_publisher(args: argparse.Namespace, page_size: int):
     """The KV event publisher ``--kv-events-endpoint`` asks for, or None."""
     if not args.kv_events_endpoint:
         return None
     from hydragen.dp.kv_events import KVEventPublisher
 
     return KVEventPublisher(
-        args.kv_events_endpoint, args.page_size, args.kv_events_replay_endpoint, topic=args.kv_events_topic
+        args.kv_events_endpoint, page_size, args.kv_events_replay_endpoint, topic=args.kv_events_topic
     )
 
 

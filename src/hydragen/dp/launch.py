@@ -16,24 +16,16 @@ import sys
 
 from hydragen.dp.replicas import split_cores
 
-# serve flags every replica gets as the user gave them: (attribute, flag, takes a value)
-PASSED_FLAGS = (
-    ("model", "--model", True),
-    ("served_model_name", "--served-model-name", True),
-    ("max_num_seqs", "--max-num-seqs", True),
-    ("page_size", "--page-size", True),
-    ("no_sharing", "--no-sharing", False),
-    ("no_jump_forward", "--no-jump-forward", False),
-    ("tool_format", "--tool-format", True),
-    ("literal_json_schema", "--literal-json-schema", False),
-    ("device", "--device", True),
-    ("dtype", "--dtype", True),
-    ("dequantize", "--dequantize", False),
-    ("max_request_bytes", "--max-request-bytes", True),
-    ("read_timeout", "--read-timeout", True),
-    ("shutdown_timeout", "--shutdown-timeout", True),
-    ("step_timeout", "--step-timeout", True),
+# server flags every replica gets as the user gave them (the engine's settings come from its config)
+SERVER_FLAGS = (
+    ("served_model_name", "--served-model-name"),
+    ("max_request_bytes", "--max-request-bytes"),
+    ("read_timeout", "--read-timeout"),
+    ("shutdown_timeout", "--shutdown-timeout"),
+    ("step_timeout", "--step-timeout"),
 )
+# engine settings the front decides for each replica instead of passing the user's
+DECIDED_BY_THE_FRONT = ("threads", "kv_cache_tokens", "kv_cache_dtype")
 
 
 def check(args: argparse.Namespace, cores: int, tensor_parallel: int) -> list[str]:
@@ -56,64 +48,73 @@ def check(args: argparse.Namespace, cores: int, tensor_parallel: int) -> list[st
 
 
 def replica_threads(args: argparse.Namespace, cores: list[list[int] | None]) -> int:
-    """Threads of each replica: --threads, else the cores it is pinned to (``check`` made sure that
+    """Threads of each replica: --threads N, else the cores it is pinned to (``check`` made sure that
     without --threads every replica is pinned)."""
-    if args.threads is not None:
+    if isinstance(args.threads, int):
         return args.threads
     return min(len(c) for c in cores if c is not None)
 
 
-def replica_kv_cache(args: argparse.Namespace, config) -> tuple[int, str]:
+def replica_kv_cache(engine, config, replicas: int) -> tuple[int, str]:
     """(tokens, dtype) of each replica's KV cache: --kv-cache-tokens, else its part of the default budget
     (``default_kv_cache_tokens``), sized for the dtype that --kv-cache-dtype resolves to. The replicas are
-    given that dtype by name, not "auto", so the cache each builds is the one its budget was sized for."""
+    given that dtype by name, not "auto", so the cache each builds is the one its budget was sized for.
+    ``engine``: the user's engine settings; ``config``: the model's."""
     import torch
 
-    from hydragen.engine.llm import default_kv_cache_tokens, resolve_kv_dtype
+    from hydragen.engine.llm import default_kv_cache_tokens
     from hydragen.model.gguf import open_gguf_tensors
-    from hydragen.model.loader import keeps_compact, resolve_device, resolve_dtype, resolve_model_path
+    from hydragen.model.loader import (
+        keeps_compact,
+        resolve_device,
+        resolve_dtype,
+        resolve_kv_dtype,
+        resolve_model_path,
+    )
 
-    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype)
     # "auto" is float16 where the model keeps GGUF quantized blocks: the header's tensor types tell, without
     # reading a weight.
-    path = resolve_model_path(args.model)
+    path = resolve_model_path(engine.model)
     quantized = (
         path.suffix == ".gguf"
-        and open_gguf_tensors(path, keeps_compact(device, dtype, args.dequantize))[1].keeps_quantized()
+        and open_gguf_tensors(path, keeps_compact(device, dtype, engine.dequantize))[1].keeps_quantized()
     )
-    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype, quantized)
+    kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, dtype, quantized)
     name = str(kv_dtype).removeprefix("torch.")
-    if args.kv_cache_tokens is not None:
-        return args.kv_cache_tokens, name
+    if engine.kv_cache_tokens is not None:
+        return engine.kv_cache_tokens, name
     bytes_per_token = config.kv_bytes_per_token_per_elem * torch.finfo(kv_dtype).bits // 8
-    useful = args.max_num_seqs * config.max_position_embeddings
-    return default_kv_cache_tokens(bytes_per_token, device, useful, share=args.data_parallel_size), name
+    useful = engine.max_num_seqs * config.max_position_embeddings
+    return default_kv_cache_tokens(bytes_per_token, device, useful, share=replicas), name
 
 
 def replica_args(
-    args: argparse.Namespace, threads: int, kv_cache: tuple[int, str], log_level: str
+    args: argparse.Namespace, engine, threads: int, kv_cache: tuple[int, str], log_level: str
 ) -> list[str]:
-    """The ``hydragen serve`` arguments of every replica; ``kv_cache`` from ``replica_kv_cache``."""
+    """The ``hydragen serve`` arguments of every replica: ``engine``'s settings (an ``EngineConfig``) as
+    flags, with the threads and ``kv_cache`` (from ``replica_kv_cache``) the front decided."""
+    from hydragen.cli.engine_flags import engine_flags
+
     out = ["--host", "127.0.0.1", "--port", "0", "--threads", str(threads)]
     out += ["--kv-cache-tokens", str(kv_cache[0]), "--kv-cache-dtype", kv_cache[1]]
     out += ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     # Replicas log at info at least: their ready line says where they listen (their request lines are
     # forwarded at debug; the front logs every request itself).
     out += ["--log-level", "debug" if log_level in ("debug", "trace") else "info"]
-    for attr, flag, takes_value in PASSED_FLAGS:
-        value = getattr(args, attr)
-        if takes_value and value is not None:
+    out += engine_flags(engine, skip=DECIDED_BY_THE_FRONT)
+    for attr, flag in SERVER_FLAGS:
+        if (value := getattr(args, attr)) is not None:
             out += [flag, str(value)]
-        elif not takes_value and value:
-            out.append(flag)
     return out
 
 
 def build_front(
-    args: argparse.Namespace, api_key: str | None, log_level: str, command: list[str] | None = None
+    args: argparse.Namespace, engine, api_key: str | None, log_level: str, command: list[str] | None = None
 ):
-    """(Front, resolved model path) for the parsed serve flags; ``command`` starts a replica (default
-    ``python -m hydragen``). Reads the model's config and tokenizer, nothing is started yet."""
+    """(Front, resolved model path) for the parsed serve flags and ``engine``'s settings (``EngineConfig``);
+    ``command`` starts a replica (default ``python -m hydragen``). Reads the model's config and tokenizer,
+    nothing is started yet."""
     from hydragen.cpu_threads import usable_cores
     from hydragen.distributed.checkpoint import read_config
     from hydragen.dp.front import Front
@@ -121,12 +122,12 @@ def build_front(
     from hydragen.dp.router import Router
 
     n = args.data_parallel_size
-    config, path, _ = read_config(args.model)
-    prompts = RequestPrompts.from_files(config, path, args.tool_format, args.router_policy == "approx")
+    config, path, _ = read_config(engine.model)
+    prompts = RequestPrompts.from_files(config, path, engine.tool_format, args.router_policy == "approx")
     cores = split_cores(usable_cores(), n)
     threads = replica_threads(args, cores)
-    serve_args = replica_args(args, threads, replica_kv_cache(args, config), log_level)
-    router = Router(n, args.router_policy, args.router_balance_bound, page_size=args.page_size)
+    serve_args = replica_args(args, engine, threads, replica_kv_cache(engine, config, n), log_level)
+    router = Router(n, args.router_policy, args.router_balance_bound, page_size=engine.page_size)
     env = {"HYDRAGEN_API_KEY": api_key or ""}
     front = Front(
         router, prompts, serve_args, cores, command=command, env=env, restart_after=args.step_timeout
@@ -154,13 +155,15 @@ async def serve_front(front, server, sock, options, ready) -> int:
     return 0
 
 
-def run_data_parallel(args: argparse.Namespace, options, sock, log_level: str, api_key: str | None) -> int:
+def run_data_parallel(
+    args: argparse.Namespace, engine, options, sock, log_level: str, api_key: str | None
+) -> int:
     """``hydragen serve --data-parallel-size N`` after its checks, with its port bound: until a signal."""
     from hydragen.dp.front import create_front_app
     from hydragen.server.launch import make_server
 
     try:
-        front, path = build_front(args, api_key, log_level)
+        front, path = build_front(args, engine, api_key, log_level)
     except BaseException:
         sock.close()
         raise

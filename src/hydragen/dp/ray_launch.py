@@ -46,29 +46,17 @@ def check(args: argparse.Namespace, tensor_parallel: int) -> list[str]:
     return problems
 
 
-def build_from_args(args: argparse.Namespace, options, api_key: str | None):
-    """The Ray Serve application for these serve flags (``dp.ray_serve.build_app``)."""
+def build_from_args(args: argparse.Namespace, engine, options, api_key: str | None):
+    """The Ray Serve app for these serve flags and ``engine``'s settings (``dp.ray_serve.build_app``)."""
     from hydragen.distributed.checkpoint import read_config
     from hydragen.dp.launch import replica_kv_cache
     from hydragen.dp.ray_serve import build_app
 
-    config, _, _ = read_config(args.model)
-    threads = args.threads or 1
-    kv_tokens, kv_dtype = replica_kv_cache(args, config)
-    llm_options = dict(
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=kv_dtype,
-        kv_cache_tokens=kv_tokens,
-        max_num_seqs=args.max_num_seqs,
-        page_size=args.page_size,
-        prefix_sharing=not args.no_sharing,
-        jump_forward=not args.no_jump_forward,
-        dequantize=args.dequantize,
-        threads=threads,
-        literal_json_schema=args.literal_json_schema,
-        tool_format=args.tool_format,
-    )
+    config, _, _ = read_config(engine.model)
+    threads = args.threads if isinstance(args.threads, int) else 1
+    kv_tokens, kv_dtype = replica_kv_cache(engine, config, args.data_parallel_size)
+    settings = engine.replace(threads=threads, kv_cache_tokens=kv_tokens, kv_cache_dtype=kv_dtype)
+    llm_options = {name: value for name, value in settings.options().items() if name != "model"}
     server_options = dict(
         api_key=api_key,
         allowed_hosts=options.allowed_hosts,
@@ -78,7 +66,7 @@ def build_from_args(args: argparse.Namespace, options, api_key: str | None):
         step_timeout=options.step_timeout,
     )
     return build_app(
-        args.model,
+        engine.model,
         data_parallel_size=args.data_parallel_size,
         policy=args.router_policy,
         balance_bound=args.router_balance_bound,
@@ -86,11 +74,11 @@ def build_from_args(args: argparse.Namespace, options, api_key: str | None):
         llm_options=llm_options,
         served_model_name=args.served_model_name,
         server_options=server_options,
-        max_ongoing_requests=args.max_num_seqs,
+        max_ongoing_requests=engine.max_num_seqs,
     )
 
 
-def run(args: argparse.Namespace, options, api_key: str | None) -> int:
+def run(args: argparse.Namespace, engine, options, api_key: str | None) -> int:
     """Join ``--ray-address`` (or start a Ray instance on this machine), serve until SIGINT/SIGTERM."""
     import ray
     from ray import serve
@@ -101,7 +89,7 @@ def run(args: argparse.Namespace, options, api_key: str | None) -> int:
     address = args.ray_address or "local"
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     try:
-        app = build_from_args(args, options, api_key)
+        app = build_from_args(args, engine, options, api_key)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/")
         nodes = sum(1 for n in ray.nodes() if n["Alive"])

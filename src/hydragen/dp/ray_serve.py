@@ -45,7 +45,7 @@ from hydragen.dp.ray_router import (
     live_routers,
 )
 from hydragen.dp.router import POLICIES
-from hydragen.engine.engine import DEFAULT_PAGE_SIZE
+from hydragen.engine.config import DEFAULT_PAGE_SIZE
 from hydragen.server.body import read_body
 from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions

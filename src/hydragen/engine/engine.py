@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import logging
 import secrets
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hydragen.engine.config import EngineConfig
 from hydragen.engine.isolation import EngineBroken, failure_message, forward_each_request_alone
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
@@ -38,20 +38,14 @@ from hydragen.engine.step_plan import StepPlan
 from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import PagePool
 from hydragen.kv.radix import PageEvent
+from hydragen.model.linear import keeps_quantized_weights
+from hydragen.model.loader import resolve_device, resolve_dtype, resolve_kv_dtype
 from hydragen.structured.controller import StructuredOutputs
 from hydragen.structured.matcher import GrammarViolation
 
-DEFAULT_PAGE_SIZE = 16
+DEFAULT_KV_CACHE_TOKENS = 65536
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 log = logging.getLogger("hydragen.engine")
-
-
-def triton_available() -> bool:
-    """Whether the optional Triton kernels can be used (triton importable; imported lazily)."""
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # a broken or blocked install counts as absent
-        return False
 
 
 @dataclass
@@ -64,66 +58,41 @@ class BatchView:
 
 
 class Engine:
-    def __init__(
-        self,
-        model,
-        cfg,
-        tokenizer,
-        device,
-        dtype,
-        *,
-        prefix_sharing: bool = True,
-        attention: str = "auto",
-        kv_cache_tokens: int = 65536,
-        max_num_seqs: int = 256,
-        prefill_chunk: int = 512,
-        prefill_budget: int = 2048,
-        max_wait_steps: int = 64,
-        share_limit: int | None = None,
-        min_shared_reads: int | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        parallel=None,
-        jump_forward: bool = True,
-        literal_json_schema: bool = False,
-        kv_dtype: torch.dtype | None = None,
-    ):
-        """``parallel``: a tensor-parallel group's rank 0 (``hydragen.distributed.launcher.TensorParallel``),
-        which builds the page pool and model runner that drive the other ranks; None runs in-process.
-        ``share_limit`` (benchmarks' one-level ablation): share only the first that many context tokens."""
-        if attention not in ("auto", "fused", "torch", "triton", "none"):
-            raise ValueError(
-                f"attention must be 'auto', 'fused', 'torch', 'triton' or 'none', got {attention!r}"
-            )
-        if attention == "triton" and not triton_available():
-            raise ValueError("attention='triton' needs the triton package (pip install triton)")
-        if min_shared_reads is None:
-            min_shared_reads = DEFAULT_MIN_SHARED_READS
-        if not isinstance(min_shared_reads, int) or min_shared_reads < 0:
-            raise ValueError(f"min_shared_reads must be a non-negative integer, got {min_shared_reads!r}")
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
-        self.cfg, self.device = cfg, device
-        self.prefix_sharing = prefix_sharing
-        num_pages = max(1, kv_cache_tokens // page_size)
+    def __init__(self, model, cfg, tokenizer, config: EngineConfig, *, parallel=None):
+        """``cfg``: the model's configuration; ``config``: the engine's settings (``EngineConfig``; a
+        ``kv_cache_tokens`` of None gets a 65,536-token cache). ``parallel``: a tensor-parallel group's rank 0
+        (``hydragen.distributed.launcher.TensorParallel``), which builds the page pool and model runner that
+        drive the other ranks; None runs in-process."""
+        self.cfg, self.config = cfg, config
+        self.device = device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype)
+        quantized = model is not None and keeps_quantized_weights(model)  # (a test's fake engine has none)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, quantized)
+        self.prefix_sharing = config.prefix_sharing
+        page_size = config.page_size
+        num_pages = max(1, (config.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS) // page_size)
         make_pool = PagePool if parallel is None else parallel.make_pool
-        self.pool = make_pool(  # kv_dtype: a 16-bit cache under float32 compute (None: the model's dtype)
-            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype or dtype, device
+        self.pool = make_pool(
+            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device
         )
         self.kv = KVManager(self.pool)
+        min_shared_reads = config.min_shared_reads
         self.scheduler = Scheduler(
             self.kv,
-            Sharing(enabled=prefix_sharing, limit=share_limit),
-            max_num_seqs=max_num_seqs,
-            prefill_chunk=prefill_chunk,
-            prefill_budget=prefill_budget,
-            max_wait_steps=max_wait_steps,
-            min_shared_reads=min_shared_reads,
+            Sharing(enabled=config.prefix_sharing, limit=config.share_limit),
+            max_num_seqs=config.max_num_seqs,
+            prefill_chunk=config.prefill_chunk,
+            prefill_budget=config.prefill_budget,
+            max_wait_steps=config.max_wait_steps,
+            min_shared_reads=DEFAULT_MIN_SHARED_READS if min_shared_reads is None else min_shared_reads,
         )
         make_runner = ModelRunner if parallel is None else parallel.make_runner
-        self.runner = make_runner(model, cfg, self.pool, device, attention)
+        self.runner = make_runner(model, cfg, self.pool, device, config.attention)
         eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
-        self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, eos, jump_forward, literal_json_schema)
+        self.structured = StructuredOutputs(
+            tokenizer, cfg.vocab_size, eos, config.jump_forward, config.literal_json_schema
+        )
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # requests ended by an error, reported by the next step()
         self.ended: list[Sequence] = []  # sequences ended between steps (a stop inside extended text)

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hydragen.engine.config import EngineConfig
 from hydragen.engine.engine import Engine
 from hydragen.engine.isolation import EngineBroken
 from hydragen.engine.loop import EngineLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.model.linear import keeps_quantized_weights
-from hydragen.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
+from hydragen.model.loader import DTYPES, load_model, resolve_device, resolve_dtype, resolve_kv_dtype
 
 PromptType = str | list[int]
 
@@ -27,11 +28,7 @@ def thread_governor(threads, device: torch.device, tensor_parallel_size: int = 1
 
     if threads is None or device.type != "cpu" or tensor_parallel_size > 1:
         return None  # tensor-parallel ranks get their share of the cores from the launcher
-    if threads == "auto":
-        return ThreadGovernor()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
-    return ThreadGovernor(threads)
+    return ThreadGovernor() if threads == "auto" else ThreadGovernor(threads)  # checked by EngineConfig
 
 
 def default_kv_cache_tokens(
@@ -99,47 +96,39 @@ class LLM:
         literal_json_schema: bool = False,
         tool_format: str | None = None,
         kv_cache_dtype: str = "auto",
+        **engine_options,
     ):
-        dev, dt = resolve_device(device), resolve_dtype(dtype)
-        resolve_kv_dtype(kv_cache_dtype, dt)  # a bad value fails before the model loads
-        if tool_format is not None:
-            from hydragen.tools.formats import FORMATS
-
-            if tool_format not in FORMATS:
-                raise ValueError(f"tool_format must be one of {', '.join(FORMATS)}, got {tool_format!r}")
-        self.tool_format = tool_format  # resolved below, once the tokenizer is loaded
-        governor = thread_governor(threads, dev, tensor_parallel_size)  # before the load: it measures it
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-        if kv_cache_tokens is not None and (not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1):
-            raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
-        tp = tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        """The keyword arguments, and ``engine_options`` (``prefill_chunk``, ``prefill_budget``,
+        ``max_wait_steps``, ``share_limit``), are the fields of ``EngineConfig`` (engine/config.py), checked
+        there; ``engine_config`` holds them (``config`` is the model's configuration)."""
+        options = dict(
+            model=model, device=str(device), dtype=_dtype_name(dtype), prefix_sharing=prefix_sharing,
+            attention=attention, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+            random_weights=random_weights, min_shared_reads=min_shared_reads, page_size=page_size,
+            tensor_parallel_size=tensor_parallel_size, jump_forward=jump_forward, dequantize=dequantize,
+            threads=threads, literal_json_schema=literal_json_schema, tool_format=tool_format,
+            kv_cache_dtype=kv_cache_dtype, **engine_options,
+        )  # fmt: skip
+        self.engine_config = config = EngineConfig.from_options(**options)
+        dev, dt = resolve_device(config.device), resolve_dtype(config.dtype)
+        self.tool_format = config.tool_format  # resolved below, once the tokenizer is loaded
+        governor = thread_governor(config.threads, dev, config.tensor_parallel_size)  # measures the load
         self.parallel = None
-        if tp > 1:
+        if config.tensor_parallel_size > 1:
             from hydragen.distributed.launcher import start
 
-            self.parallel = start(model, tp, dev, dt, attention, random_weights, dequantize)
+            self.parallel = start(
+                config.model, config.tensor_parallel_size, dev, dt, config.attention, config.random_weights,
+                config.dequantize,
+            )  # fmt: skip
             self.model, self.config = self.parallel.model, self.parallel.config
             self.model_path = self.parallel.model_path
         else:
-            self.model, self.config, self.model_path = load_model(model, dev, dt, random_weights, dequantize)
-        kv_dt = resolve_kv_dtype(kv_cache_dtype, dt, keeps_quantized_weights(self.model))
-        try:
-            self._start_engine(
-                dev,
-                dt,
-                kv_cache_tokens,
-                max_num_seqs,
-                prefix_sharing=prefix_sharing,
-                attention=attention,
-                min_shared_reads=min_shared_reads,
-                page_size=page_size,
-                jump_forward=jump_forward,
-                literal_json_schema=literal_json_schema,
-                kv_dtype=kv_dt,
+            self.model, self.config, self.model_path = load_model(
+                config.model, dev, dt, config.random_weights, config.dequantize
             )
+        try:
+            self._start_engine(dev, dt)
         except BaseException:
             self.close()
             raise
@@ -147,8 +136,13 @@ class LLM:
             governor.check(force=True)  # the other load seen while loading decides the first count
         self.engine.threads = governor
 
-    def _start_engine(self, dev, dt, kv_cache_tokens, max_num_seqs, **engine_options) -> None:
-        """The tokenizer, the KV budget and the engine; ``engine_options`` go to ``Engine`` unchanged."""
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM with exactly ``config``'s settings (the CLI builds its config from the flags)."""
+        return cls(**config.options())
+
+    def _start_engine(self, dev: torch.device, dt: torch.dtype) -> None:
+        """The tokenizer, the KV budget and the engine."""
         from hydragen.model.tokenizer import has_tokenizer_files
 
         # A directory without tokenizer files still runs on token-id prompts (texts are then empty).
@@ -160,23 +154,15 @@ class LLM:
             self.tool_format = resolve_format(self.tokenizer, self.tool_format)  # how tool calls are written
         else:
             self.tokenizer = None
-        c = self.config
-        bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(engine_options["kv_dtype"]).bits // 8
-        if kv_cache_tokens is None:
-            kv_cache_tokens = default_kv_cache_tokens(
-                bytes_per_token, dev, max_num_seqs * c.max_position_embeddings
+        c, config = self.config, self.engine_config
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dt, keeps_quantized_weights(self.model))
+        if config.kv_cache_tokens is None:
+            bytes_per_token = c.kv_bytes_per_token_per_elem * torch.finfo(kv_dtype).bits // 8
+            useful = config.max_num_seqs * c.max_position_embeddings
+            config = self.engine_config = config.replace(
+                kv_cache_tokens=default_kv_cache_tokens(bytes_per_token, dev, useful)
             )
-        self.engine = Engine(
-            self.model,
-            c,
-            self.tokenizer,
-            dev,
-            dt,
-            kv_cache_tokens=kv_cache_tokens,
-            max_num_seqs=max_num_seqs,
-            parallel=self.parallel,
-            **engine_options,
-        )
+        self.engine = Engine(self.model, c, self.tokenizer, config, parallel=self.parallel)
         self.loop = EngineLoop(self.engine)
 
     def close(self) -> None:
@@ -324,24 +310,9 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, quantized_weights: bool = False) -> torch.dtype:
-    """The KV cache's dtype. "auto" is float16 for a model computing from GGUF quantized blocks in float32
-    (``quantized_weights``: the cache llama.cpp and Ollama give every GGUF model), else the model's dtype.
-
-    A 16-bit cache under float32 compute holds half the bytes per token (twice the cached prefixes in the
-    same memory, half the K/V a decode step reads); attention then runs in float32 on the cache's rounded
-    values. On the embedded model, against the float32-dequantized model, float16 K/V move the next-token
-    distribution by a KL of ~1.7e-6 (float32 K/V: ~0.7e-6; int8 activations, as llama.cpp computes: ~5e-3):
-    docs/quantization.md. "float32" keeps a quantized model's cache in float32."""
-    if kv_cache_dtype == "auto":
-        return torch.float16 if quantized_weights and dtype == torch.float32 else dtype
-    if kv_cache_dtype not in DTYPES:
-        names = ", ".join(DTYPES)
-        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {names}, got {kv_cache_dtype!r}")
-    kv = DTYPES[kv_cache_dtype]
-    if kv != dtype and dtype != torch.float32:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} needs float32 compute (dtype='float32'); with dtype "
-            f"{str(dtype).removeprefix('torch.')!r} the cache keeps the model's dtype ('auto')"
-        )
-    return kv
+def _dtype_name(dtype) -> object:
+    """A torch dtype the loader knows, by its name (``LLM(dtype=torch.float16)`` works as before)."""
+    for name, known in DTYPES.items():
+        if dtype is known:
+            return name
+    return dtype

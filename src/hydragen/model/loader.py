@@ -24,6 +24,29 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, quantized_weights: bool = False) -> torch.dtype:
+    """The KV cache's dtype. "auto" is float16 for a model computing from GGUF quantized blocks in float32
+    (``quantized_weights``: the cache llama.cpp and Ollama give every GGUF model), else the model's dtype.
+
+    A 16-bit cache under float32 compute holds half the bytes per token (twice the cached prefixes in the
+    same memory, half the K/V a decode step reads); attention then runs in float32 on the cache's rounded
+    values. On the embedded model, against the float32-dequantized model, float16 K/V move the next-token
+    distribution by a KL of ~1.7e-6 (float32 K/V: ~0.7e-6; int8 activations, as llama.cpp computes: ~5e-3):
+    docs/quantization.md. "float32" keeps a quantized model's cache in float32."""
+    if kv_cache_dtype == "auto":
+        return torch.float16 if quantized_weights and dtype == torch.float32 else dtype
+    if kv_cache_dtype not in DTYPES:
+        names = ", ".join(DTYPES)
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {names}, got {kv_cache_dtype!r}")
+    kv = DTYPES[kv_cache_dtype]
+    if kv != dtype and dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs float32 compute (dtype='float32'); with dtype "
+            f"{str(dtype).removeprefix('torch.')!r} the cache keeps the model's dtype ('auto')"
+        )
+    return kv
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
