@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hydragen.engine.sequence import Request
 from hydragen.engine.step_plan import Fork, StepPlan
 
 
@@ -99,46 +100,39 @@ def map_rows(
 class Isolated:
     logits: torch.Tensor | None  # the surviving sampling work's logits, in plan order
     plan: StepPlan  # the step without the failed requests' work and forks
-    failures: dict  # Request -> its error message
+    failed: list[tuple[Request, str]]  # the requests that fail alone, and why
     dropped: list[Fork]  # forks of failed requests (their reserved pages go back)
 
 
 def forward_each_request_alone(runner, plan: StepPlan, error: Exception) -> Isolated:
     """Run ``plan``'s work request by request. Raises ``error`` if every request of several fails alone
     (then it is not one request's fault), and ``EngineBroken`` as it comes."""
-    by_request: dict[int, list[int]] = {}
+    by_request: dict[str, list[int]] = {}
     for i, w in enumerate(plan.work):
-        by_request.setdefault(id(w.seq.request), []).append(i)
+        by_request.setdefault(w.seq.request.request_id, []).append(i)
     rows: dict[int, torch.Tensor] = {}  # work index -> its logits row
-    failures = {}
-    for indices in by_request.values():
+    failed: dict[str, tuple[Request, str]] = {}
+    for rid, indices in by_request.items():
         try:
             logits = runner.forward(runner.pack(StepPlan(tuple(plan.work[i] for i in indices))))
         except EngineBroken:
             raise
         except Exception as e:  # noqa: BLE001  this request's fault: it ends alone
             prefill = any(not plan.work[i].sample or len(plan.work[i].tokens) > 1 for i in indices)
-            failures[plan.work[indices[0]].seq.request] = failure_message(
-                "prefill" if prefill else "decode", e
-            )
+            stage = "prefill" if prefill else "decode"
+            failed[rid] = (plan.work[indices[0]].seq.request, failure_message(stage, e))
             continue
         sampling = [i for i in indices if plan.work[i].sample]
         for i, row in zip(sampling, range(len(sampling)), strict=True):
             rows[i] = logits[row]
-    if len(by_request) > 1 and len(failures) == len(by_request):
+    if len(by_request) > 1 and len(failed) == len(by_request):
         raise error
-    failed = {id(r) for r in failures}
-    keep = [i for i, w in enumerate(plan.work) if id(w.seq.request) not in failed]
-    survivors = StepPlan(
-        tuple(plan.work[i] for i in keep),
-        tuple(f for f in plan.forks if id(f.seq.request) not in failed),
-        (),
-        tuple(plan.cuts[i] for i in keep) if plan.cuts else (),
-    )
-    sampled = [rows[i] for i in keep if plan.work[i].sample]
+    survivors = plan.without(set(failed))
+    kept = (i for i, w in enumerate(plan.work) if w.sample and w.seq.request.request_id not in failed)
+    sampled = [rows[i] for i in kept]
     return Isolated(
         torch.stack(sampled) if sampled else None,
         survivors,
-        failures,
-        [f for f in plan.forks if id(f.seq.request) in failed],
+        list(failed.values()),
+        [f for f in plan.forks if f.seq.request.request_id in failed],
     )

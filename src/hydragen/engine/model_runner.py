@@ -34,7 +34,7 @@ class ModelRunner:
             check_device(torch.device(device))  # fail here, not in the first decode step
         self.scale = cfg.head_dim**-0.5
         self.sampler = Sampler()
-        self._settings: tuple | None = None  # (ids, sequences, tensors) of the last batch sampled
+        self._settings: tuple | None = None  # (sequence ids, tensors) of the last batch sampled
         if torch.device(device).type == "cpu":
             # Compile (once per machine, ~30 s) or load the CPU ops now, not inside the first request: the
             # sampler uses them whatever the attention implementation.
@@ -128,12 +128,12 @@ class ModelRunner:
         """The rows' sampling settings as tensors, and which features any row uses. A decode step usually
         samples the same sequences as the step before, and a request's settings are fixed once it is
         submitted: then the last step's tensors serve again (five tensor builds a step, at batch 1 a few
-        per cent of it). The sequences are kept with them, so their ids cannot be reused meanwhile."""
-        key = tuple(map(id, seqs))
+        per cent of it). Sequence ids are never reused, so the key cannot match another batch."""
+        key = tuple(s.seq_id for s in seqs)
         if self._settings is not None and self._settings[0] == key:
-            return self._settings[2]
+            return self._settings[1]
         built = self._build_sampling_tensors(seqs)
-        self._settings = (key, seqs, built)
+        self._settings = (key, built)
         return built
 
     def _build_sampling_tensors(self, seqs: list[Sequence]) -> tuple:

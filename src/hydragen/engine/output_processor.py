@@ -10,12 +10,15 @@ ends the sequence at the token that completes it: tokens, text, usage and finish
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hydragen.engine.detokenizer import IncrementalDetokenizer
+from hydragen.engine.isolation import failure_message
 from hydragen.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from hydragen.engine.sequence import Request, Sequence
+from hydragen.engine.step_plan import StepResult
 from hydragen.engine.stop_strings import StopChecker
+from hydragen.structured.matcher import GrammarViolation
 
 
 class StageError(RuntimeError):
@@ -32,9 +35,86 @@ class _TextState:
     stops: StopChecker | None
 
 
+@dataclass
+class Appended:
+    """What appending a step's tokens did: the requests it changed, the sequences it ended (their text
+    flushed), the requests that fail (a stage raised for them, named), and the tokens it added."""
+
+    changed: dict[str, Request] = field(default_factory=dict)
+    ended: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+    sampled: int = 0
+    forced: int = 0
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_ids: set[int], max_context: int):
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, eos_ids, max_context
+
+    def append_step(self, result: StepResult, structured) -> Appended:
+        """Append each sampler's token, and what its grammar forces after it (jump-forward), checking stops;
+        a sequence that ends has its held-back text flushed. A failure of one request's stage (stop check,
+        detokenization, structured outputs) fails that request alone."""
+        out = Appended()
+        failing: set[str] = set()
+        for s, token, logprobs in zip(result.samplers, result.tokens, result.logprobs, strict=True):
+            req = s.request
+            if req.request_id in failing or req.error is not None:
+                continue  # failed in this step already (its fork could not copy, a sibling's stage raised)
+            try:
+                out.sampled += 1
+                if s.grammar is not None:
+                    out.forced += self._append_structured(s, token, logprobs, structured)
+                else:
+                    self.append(s, token, logprobs)
+                if s.finished:
+                    self.finish(s)
+                    out.ended.append(s)
+                out.changed[req.request_id] = req
+            except StageError as e:
+                failing.add(req.request_id)
+                out.failed.append((req, failure_message(e.stage, e.cause)))
+            except Exception as e:
+                failing.add(req.request_id)
+                out.failed.append((req, failure_message("stop check", e)))
+        out.ended = [s for s in out.ended if s.request.request_id not in failing]
+        return out
+
+    def _append_structured(self, s: Sequence, token: int, logprobs: dict | None, structured) -> int:
+        """Append a constrained sequence's sampled token and what jump-forward adds after it; returns how
+        many forced tokens it kept. A token that is not the one sampled (a boundary re-split, forced text)
+        gets the logprobs entry ``{token: None}``: no distribution was sampled for it."""
+        try:
+            tokens = structured.after_sample(s, token)
+        except GrammarViolation as e:
+            raise StageError("structured outputs", e) from e
+        first, forced = tokens[0], tokens[1:]
+        if logprobs is not None:  # alternatives the constraint excluded have probability 0: not listed
+            logprobs = {t: lp for t, lp in logprobs.items() if lp != float("-inf")}
+        kept = 0
+        if first != token:
+            kept += self.append_forced(s, [first])
+        else:
+            self.append(s, first, logprobs)
+        if s.finished:
+            return kept
+        room = s.params.max_tokens - len(s.generated)
+        forced = forced[: max(0, min(room, self.max_context - s.context_len))]
+        if forced:
+            kept += self.append_forced(s, forced)
+        if not s.finished and s.grammar.done:  # the output is complete: end here instead of sampling EOS
+            self.end(s, "stop")
+        return kept
+
+    def fail(self, r: Request, message: str) -> bool:
+        """End a request with an error (its unfinished samples with "error"); False if it had failed
+        already (the first error stands)."""
+        if r.error is not None:
+            return False
+        r.error = message
+        for s in r.seqs:
+            self.end(s, "error")
+        return True
 
     def append(self, s: Sequence, token: int, logprobs: dict[int, float] | None = None) -> bool:
         """Add one sampled token; returns True when the sequence is finished."""

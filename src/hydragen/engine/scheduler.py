@@ -26,9 +26,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from hydragen.engine.sequence import Sequence, Status
+from hydragen.engine.isolation import failure_message
+from hydragen.engine.sequence import Request, Sequence, Status
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS, order, plan_sharing
-from hydragen.engine.step_plan import Fork, StepPlan, Work
+from hydragen.engine.step_plan import Admission, Fork, StepPlan, StepResult, Work
 from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import OutOfPages
 
@@ -76,9 +77,10 @@ class Scheduler:
         self.step_count = 0
         self.preemptions = 0
         self._admissions = itertools.count()
-        # (sequence, prompt tokens found cached; None for a fork: what its leader found) admitted this step
-        self.admitted: list[tuple[Sequence, int | None]] = []
-        self.failures: list[tuple[Sequence, Exception]] = []  # sequences the engine must fail
+        # What the step being planned admitted, preempted and failed (handed out in its plan).
+        self._admitted: list[Admission] = []
+        self._preempted: list[Sequence] = []
+        self._failed: list[tuple[Request, str]] = []
         # Forks planned and not carried out yet: their reserved pages belong to the scheduler until commit
         # hands them to the fork's table, or ``abandon`` gives them back (a step that raised before commit).
         self._open_forks: dict[Fork, None] = {}
@@ -99,26 +101,28 @@ class Scheduler:
     def remove(self, seqs: list[Sequence]) -> None:
         """Take sequences out for good (finished, failed or aborted); their pages are released, computed
         full pages kept in the prefix cache."""
-        gone = {id(s) for s in seqs}
+        gone = {s.seq_id for s in seqs}
         held = [s for s in seqs if s.sched.status is Status.RUNNING]
         for s in seqs:  # done before any release: a release preempts the running sequences that wait on it,
             s.sched.status = Status.DONE  # and must not send one of these back to the queue
-        self.running = [s for s in self.running if id(s) not in gone]
-        if any(id(s) in gone for s in self.waiting):
-            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        self.running = [s for s in self.running if s.seq_id not in gone]
+        if any(s.seq_id in gone for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if s.seq_id not in gone)
         for s in sorted(held, key=lambda s: -s.sched.admitted):  # newest first: one that waits on pages
             self._release(s)  # another of them computes is admitted after it and lets go of them first
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """The next step's frozen plan: its work, forks and shared runs, and who was admitted, preempted
+        or failed while it was made (a failed request's sequences are out of the queues already)."""
         self.step_count += 1
-        self.admitted, self.failures = [], []
+        self._admitted, self._preempted, self._failed = [], [], []
         self._budget = self.prefill_budget
         work: list[Work] = []
         forks: list[Fork] = []
         followers = self._sibling_extends()
         for s in list(self.running):  # oldest first; the loop may preempt newer ones
-            if s.sched.status is not Status.RUNNING or id(s) in followers:
+            if s.sched.status is not Status.RUNNING or s.seq_id in followers:
                 continue
             w = self._secure(s, lambda s=s: self._work(s))
             if w is not None:
@@ -134,32 +138,36 @@ class Scheduler:
         shared, cuts = (
             plan_sharing(ordered, self.page_size, self.min_shared_reads) if self.sharing.enabled else ([], [])
         )
-        return StepPlan(tuple(ordered), tuple(forks), tuple(shared), tuple(cuts or [0] * len(ordered)))
+        return StepPlan(
+            tuple(ordered), tuple(forks), tuple(shared), tuple(cuts or [0] * len(ordered)),
+            tuple(self._admitted), tuple(self._preempted), tuple(self._failed),
+        )  # fmt: skip
 
-    def commit(self, plan: StepPlan) -> None:
-        """After the forward: the work is computed; forks take their leader's KV; full pages are published."""
-        kv, sharing = self.kv, self.sharing.enabled
+    def update(self, result: StepResult) -> list[tuple[Request, str]]:
+        """After the forward: the plan that ran is computed; forks take their leader's KV; full pages are
+        published; the forks of requests that failed running give back their pages. Returns the requests
+        whose fork could not copy its leader's KV (they fail alone)."""
+        self.abandon(list(result.dropped_forks))
+        plan, kv = result.plan, self.kv
         for w in plan.work:
-            t = w.seq.kv
-            before = t.computed
-            t.computed = w.end
-            if sharing:
-                kv.mark_computed(t, before)
-        self.failures = []
+            kv.computed_to(w.seq.kv, w.end)
+        failed = []
         for f in plan.forks:
             self._open_forks.pop(f, None)
             try:
                 kv.fork(f.seq.kv, f.leader.kv, f.leader.kv.computed, f.shared_pages, list(f.reserved))
             except Exception as e:  # noqa: BLE001  the forked sequence's request fails alone
                 kv.give_back([p for p in f.reserved if p not in f.seq.kv.pages])
-                self._fail(f.seq, e)
-        if sharing:
+                failed.append((f.seq.request, failure_message("fork", e)))
+                self.remove(f.seq.request.seqs)
+        if self.sharing.enabled:
             limit = self.sharing.max_pages(self.page_size)
             for w in plan.work:
                 self._publish(w.seq, limit)
             for f in plan.forks:
                 if f.seq.sched.status is Status.RUNNING:
                     self._publish(f.seq, limit)
+        return failed
 
     # ---- work for running sequences ------------------------------------------------------------------
     def _work(self, s: Sequence) -> Work | None:
@@ -209,8 +217,8 @@ class Scheduler:
                 return None
 
     def _fail(self, s: Sequence, error: Exception) -> None:
-        """End ``s``'s request now (the engine reports ``failures``); its pages are released at once."""
-        self.failures.append((s, error))
+        """End ``s``'s request now (the plan reports it failed); its pages are released at once."""
+        self._failed.append((s.request, failure_message("scheduling", error)))
         self.remove([x for x in s.request.seqs if x.sched.status is not Status.DONE])
 
     def abandon(self, forks: list[Fork] | None = None) -> None:
@@ -231,27 +239,27 @@ class Scheduler:
     # ---- siblings that share one context --------------------------------------------------------------
     def _sibling_extends(self) -> dict[int, Sequence]:
         """Running samples of one request forced through the same text from the same context: all but the
-        oldest follow it ({id(follower): leader}). Only multi-token extends: that is where it saves work."""
+        oldest follow it ({follower's seq_id: leader}). Only multi-token extends: there it saves work."""
         if not self.sharing.enabled:
             return {}
         groups: dict[tuple, list[Sequence]] = {}
         for s in self.running:
             if s.pending > 1 and s.generated and s.computed >= len(s.prompt_ids):
-                key = (id(s.request), s.computed, tuple(s.generated))
+                key = (s.request.request_id, s.computed, tuple(s.generated))
                 groups.setdefault(key, []).append(s)
         # A sample still writing pages it published in flight (re-admitted mid-extend) computes its own text:
         # a fork would drop those pages, and whoever waits on them would wait for good.
-        return {id(f): g[0] for g in groups.values() for f in g[1:] if not self.kv.in_flight(f.kv)}
+        return {f.seq_id: g[0] for g in groups.values() for f in g[1:] if not self.kv.in_flight(f.kv)}
 
     def _group_followers(self, followers: dict[int, Sequence], work: list[Work]):
         """(leader, followers) for the leaders whose work this step reaches the end of their context; the
         other followers simply wait a step."""
-        sampling = {id(w.seq) for w in work if w.sample}
+        sampling = {w.seq.seq_id for w in work if w.sample}
         groups: dict[int, tuple[Sequence, list[Sequence]]] = {}
         for s in self.running:
-            leader = followers.get(id(s))
-            if leader is not None and id(leader) in sampling:
-                groups.setdefault(id(leader), (leader, []))[1].append(s)
+            leader = followers.get(s.seq_id)
+            if leader is not None and leader.seq_id in sampling:
+                groups.setdefault(leader.seq_id, (leader, []))[1].append(s)
         return list(groups.values())
 
     def _forks(self, leader: Sequence, group: list[Sequence]) -> list[Fork]:
@@ -284,10 +292,10 @@ class Scheduler:
         if seats <= 0 or not self.waiting:
             return
         limit = self.sharing.max_pages(self.page_size)
-        leaders = {id(s.request): s for s in self.running if not s.generated and s.pending > 0}
-        sampling = {id(w.seq) for w in work if w.sample}
+        leaders = {s.request.request_id: s for s in self.running if not s.generated and s.pending > 0}
+        sampling = {w.seq.seq_id for w in work if w.sample}
         window = list(itertools.islice(self.waiting, LPM_WINDOW))
-        key = lambda s: id(s.request) if not s.generated else id(s)  # noqa: E731  (one match per prompt)
+        key = lambda s: s.request.request_id if not s.generated else s.seq_id  # noqa: E731  (one match per prompt)
         matches = {}
         for s in window:
             if key(s) not in matches:
@@ -300,10 +308,10 @@ class Scheduler:
         for s in aged + rest:
             if seats <= 0:
                 break
-            leader = leaders.get(id(s.request)) if not s.generated else None
+            leader = leaders.get(s.request.request_id) if not s.generated else None
             if leader is not None:
-                if id(leader) in sampling:
-                    fork_groups.setdefault(id(leader), [leader]).append(s)
+                if leader.seq_id in sampling:
+                    fork_groups.setdefault(leader.seq_id, [leader]).append(s)
                     seats -= 1
                 continue
             # Matched again now: an earlier admission may have published pages (in flight) it can wait for,
@@ -318,17 +326,17 @@ class Scheduler:
                 self._fail(s, e)
                 continue
             if not s.generated:
-                leaders[id(s.request)] = s
+                leaders[s.request.request_id] = s
             if w is not None:
                 work.append(w)
                 if w.sample:
-                    sampling.add(id(s))
+                    sampling.add(s.seq_id)
         for leader, *group in fork_groups.values():
             for f in self._forks(leader, group):
                 forks.append(f)
-                self.admitted.append((f.seq, None))  # found in the cache what its leader found
-        started = {id(s) for s in self.running}
-        self.waiting = deque(s for s in self.waiting if id(s) not in started)
+                self._admit_record(f.seq, leader.request.cached_tokens)  # found what its leader found
+        started = {s.seq_id for s in self.running}
+        self.waiting = deque(s for s in self.waiting if s.seq_id not in started)
 
     def _admit_one(self, s: Sequence, nodes, limit: int | None) -> Work | None:
         """Start ``s`` on the cached pages it matched plus its own pages for the rest of its context (all
@@ -340,8 +348,16 @@ class Scheduler:
             self._publish(s, limit, upto=s.context_len)
         # Its hit: the prompt tokens on pages it shares, cached or still being computed by another request
         # (it waits for those instead of computing them).
-        self.admitted.append((s, min(s.kv.own_from * self.page_size, len(s.prompt_ids))))
+        self._admit_record(s, min(s.kv.own_from * self.page_size, len(s.prompt_ids)))
         return self._work(s)
+
+    def _admit_record(self, s: Sequence, hit: int) -> None:
+        """Note an admission for the plan; the request's hit is the best of its samples' first admissions."""
+        first = not s.sched.counted
+        s.sched.counted = True
+        if first:
+            s.request.cached_tokens = max(s.request.cached_tokens, hit)
+        self._admitted.append(Admission(s, hit, first))
 
     def _fits(self, s: Sequence, nodes) -> bool:
         """Exactly the pages admitting ``s`` takes: its whole context less the cached pages it shares,
@@ -373,6 +389,7 @@ class Scheduler:
         resumes by recomputing only what was evicted meanwhile."""
         self.preemptions += 1
         s.sched.preemptions += 1
+        self._preempted.append(s)
         self._release(s)
         self.running.remove(s)
         s.sched.status = Status.WAITING

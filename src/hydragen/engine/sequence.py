@@ -1,12 +1,15 @@
 """Requests and their sequences. A sequence's state comes in parts, each written by one module only:
 
-* ``out`` (:class:`OutputState`): generated tokens, text, logprobs, why it ended: the output processor;
+* ``out`` (:class:`OutputState`): generated tokens, text, logprobs, why it ended: the output processor,
+  which alone decides that a sequence (and so a request) is finished;
 * ``kv`` (:class:`hydragen.kv.manager.PageTable`): its pages and how much of its context has KV: the KV
   manager, on the scheduler's request;
 * ``sched`` (:class:`SchedState`): where it is in the queues and when it got there: the scheduler;
 * ``grammar``: its structured-output state: the structured-outputs controller.
 
-Everything else reads them through the read-only properties below.
+A request's ``error`` is the output processor's too; its ``cached_tokens`` and ``first_scheduled`` are the
+scheduler's. A sequence is known by ``seq_id`` (a counter of the engine's), a request by ``request_id``:
+nothing keys on ``id()``. Everything else reads them through the read-only properties below.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class Request:
     arrival_time: float = 0.0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted (the scheduler)
     first_scheduled: float | None = None  # time.monotonic() when it first got a slot (the scheduler)
-    error: str | None = None  # why it failed (the engine)
+    error: str | None = None  # why it failed (the output processor)
 
     @property
     def finished(self) -> bool:
@@ -76,6 +79,7 @@ class Sequence:
     request: Request
     index: int
     seed: int
+    seq_id: int  # unique in its engine, never reused
     out: OutputState = field(default_factory=OutputState)
     kv: PageTable = field(default_factory=PageTable)
     sched: SchedState = field(default_factory=SchedState)

@@ -15,7 +15,7 @@ class EngineStats:
     prompt_tokens: int = 0  # sum over admitted sequences of prompt length
     prefill_tokens: int = 0  # prompt positions actually run through the model
     cache_hit_tokens: int = 0  # prompt tokens on shared pages (cached or in flight) at admission
-    generated_tokens: int = 0  # tokens appended (sampled, and forced ones)
+    generated_tokens: int = 0  # tokens sampled and appended (forced ones are counted in forced_tokens)
     forced_tokens: int = 0  # tokens appended by jump-forward (or extend()) without sampling
     forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decode and extends)
     decode_steps: int = 0  # steps of decode work only
@@ -44,7 +44,19 @@ class EngineStats:
         """Prompt tokens found cached / prompt tokens: the prefix-cache hit rate."""
         return self.cache_hit_tokens / max(self.prompt_tokens, 1)
 
-    def count_step(self, plan, seconds: float) -> None:
+    def count(self, plan, result, appended, seconds: float) -> None:
+        """One step: its admissions (a prompt counts once, at its first admission), the work that ran, the
+        tokens appended."""
+        for a in plan.admitted:
+            if a.first:
+                self.cache_hit_tokens += a.cached_tokens
+                self.prompt_tokens += len(a.seq.prompt_ids)
+        self.generated_tokens += appended.sampled
+        self.forced_tokens += appended.forced
+        if not result.plan.empty:
+            self.count_work(result.plan, seconds)
+
+    def count_work(self, plan, seconds: float) -> None:
         decoding = prefilling = 0
         for w in plan.work:
             prompt = len(w.seq.prompt_ids)

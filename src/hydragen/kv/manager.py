@@ -130,10 +130,12 @@ class KVManager:
             table.published = i + 1
             parent = node
 
-    def mark_computed(self, table: PageTable, before: int) -> None:
-        """After a forward moved ``computed`` from ``before``: its own published pages now full of KV."""
+    def computed_to(self, table: PageTable, end: int) -> None:
+        """A forward wrote the table's KV up to position ``end``: its own published pages below it are now
+        full of KV (whoever waits on them can go on)."""
+        before, table.computed = table.computed, end
         nodes = self.tree.nodes
-        for i in range(before // self.page_size, min(table.published, table.computed // self.page_size)):
+        for i in range(before // self.page_size, min(table.published, end // self.page_size)):
             nodes[table.pages[i]].computed = True
 
     def in_flight(self, table: PageTable) -> list[int]:
