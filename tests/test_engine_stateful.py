@@ -232,7 +232,7 @@ class EngineMachine(RuleBasedStateMachine):
             tree = self.engine.tree
             for node in tree.nodes.values():
                 parent = node.parent.hash if node.parent is not tree.root else None
-                assert node.hash == page_hash(parent, node.key)
+                assert node.hash == page_hash(parent, node.tokens)
             assert self.mirror.cached == {node.hash for node in tree.nodes.values()}, (
                 "KV events lost a change"
             )

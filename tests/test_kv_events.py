@@ -39,7 +39,7 @@ def tree_hashes(engine) -> set[int]:
     for node in engine.tree.nodes.values():
         path = []
         while node.parent is not None:
-            path.append(node.key)
+            path.append(node.tokens)
             node = node.parent
         h = None
         for key in reversed(path):

@@ -145,14 +145,14 @@ def test_4_a_failure_inside_admission_ends_its_request_alone(path):
     the reason, its pages come back, and the request admitted with it finishes."""
     llm = LLM(path, kv_cache_tokens=4096)
     eng = llm.engine
-    inner = eng.kv.hold
+    inner = eng.kv._hold  # inside admission, after its fit was checked
 
     def hold(table, nodes):
-        if any(s.kv is table and s.request.request_id == "bad" for s in eng.scheduler.running):
+        if any(s.kv is table for s in eng.requests["bad"].seqs):
             raise RuntimeError("injected admission failure")
         inner(table, nodes)
 
-    eng.kv.hold = hold
+    eng.kv._hold = hold
     good = eng.add_request(list(range(40, 90)), SamplingParams(n=2, max_tokens=6, **GREEDY))
     bad = eng.add_request(
         list(range(40, 80)) + [7, 7], SamplingParams(n=2, max_tokens=6, **GREEDY), request_id="bad"

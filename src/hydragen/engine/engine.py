@@ -36,7 +36,7 @@ from hydragen.engine.sequence import Request, Sequence
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS
 from hydragen.engine.stats import EngineSnapshot, EngineStats
 from hydragen.engine.step_plan import StepPlan, StepResult
-from hydragen.kv.manager import KVManager
+from hydragen.kv.manager import KVManager, PageTable
 from hydragen.kv.pool import PagePool
 from hydragen.kv.radix import PageEvent
 from hydragen.model.linear import keeps_quantized_weights
@@ -155,9 +155,11 @@ class Engine:
         params: SamplingParams,
         prompt: str | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request. Raises ``ParamError`` (a ValueError naming the parameter) for a request the
-        engine could never finish: bad token ids, too long for the context, or too big for the KV cache."""
+        engine could never finish: bad token ids, too long for the context, or too big for the KV cache.
+        Requests share cached pages only with requests of the same ``cache_salt`` (tenant isolation)."""
         check_request(prompt_ids, params, vocab=self.cfg.vocab_size, context=self.cfg.max_position_embeddings)
         check_fits(
             self.sequence_kv_need(len(prompt_ids), params.max_tokens),
@@ -167,9 +169,14 @@ class Engine:
         rid = str(next(self._request_ids)) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt, list(prompt_ids), params, arrival_time=time.perf_counter())
+        req = Request(
+            rid, prompt, list(prompt_ids), params, arrival_time=time.perf_counter(), cache_salt=cache_salt
+        )
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req.seqs = [Sequence(req, i, derive_seed(base_seed, i), next(self._seq_ids)) for i in range(params.n)]
+        req.seqs = [
+            Sequence(req, i, derive_seed(base_seed, i), next(self._seq_ids), kv=PageTable(salt=cache_salt))
+            for i in range(params.n)
+        ]
         self.structured.attach(params, req.seqs)  # a constraint that cannot compile raises ParamError here
         self.requests[rid] = req
         self.scheduler.add(req.seqs)

@@ -45,9 +45,12 @@ class EngineLoop:
         prompt: str | None = None,
         request_id: str | None = None,
         on_report: OnReport | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request (``Engine.add_request``'s errors propagate)."""
-        req = self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=request_id)
+        req = self.engine.add_request(
+            prompt_ids, params, prompt=prompt, request_id=request_id, cache_salt=cache_salt
+        )
         self._tracked[req.request_id] = _Tracked(req, on_report)
         return req
 

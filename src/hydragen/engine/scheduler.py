@@ -173,8 +173,7 @@ class Scheduler:
     def _work(self, s: Sequence) -> Work | None:
         """The tokens ``s`` computes this step and the pages for them (raises OutOfPages)."""
         t, kv = s.kv, self.kv
-        kv.catch_up(t)
-        if kv.waits(t):
+        if not kv.ready(t):
             return None  # its next page is being computed by another sequence
         start, context_len = t.computed, s.context_len
         pending = context_len - start
@@ -187,7 +186,8 @@ class Scheduler:
             k = min(pending, self.prefill_chunk, self._budget)
             if k <= 0:
                 return None
-        kv.grow(t, start + k)
+        if not kv.allocate(t, start + k):
+            raise OutOfPages(f"no KV pages for {s.request.request_id}'s next {k} tokens")
         if k != pending or not decoding:
             self._budget -= k
         return Work(
@@ -205,7 +205,7 @@ class Scheduler:
                 victim = max(self.running, key=lambda x: x.sched.admitted)
                 if victim is s and len(self.running) == 1:
                     self._fail(s, CannotFit(
-                        f"needs more KV pages than the cache holds ({self.kv.pool.num_pages} pages of "
+                        f"needs more KV pages than the cache holds ({self.kv.capacity} pages of "
                         f"{self.page_size} tokens); lower max_tokens or raise kv_cache_tokens"
                     ))  # fmt: skip
                     return None
@@ -272,10 +272,9 @@ class Scheduler:
         shared = upto // ps if limit is None else min(limit, upto // ps)
         need = self.kv.pages_for(upto) - shared
         for s in group:
-            if need > self.kv.available:
+            reserved = self.kv.reserve(need)
+            if reserved is None:
                 break
-            self.kv.make_room(need)
-            reserved = tuple(self.kv.pool.take(need)) if need else ()
             if s.sched.status is not Status.RUNNING:
                 self._start(s)
             fork = Fork(s, leader, shared, reserved)
@@ -300,10 +299,10 @@ class Scheduler:
         for s in window:
             if key(s) not in matches:
                 # Never the last token: its forward gives the logits to sample from.
-                matches[key(s)] = self.kv.match(s.context[:-1], limit) if limit != 0 else []
+                matches[key(s)] = self.kv.cached_pages(s.kv, s.context, limit) if limit != 0 else 0
         aged = [s for s in window if self.step_count - s.sched.arrival_step >= self.max_wait_steps]
         rest = [s for s in window if self.step_count - s.sched.arrival_step < self.max_wait_steps]
-        rest.sort(key=lambda s: -len(matches[key(s)]))
+        rest.sort(key=lambda s: -matches[key(s)])
         fork_groups: dict[int, list[Sequence]] = {}
         for s in aged + rest:
             if seats <= 0:
@@ -314,17 +313,15 @@ class Scheduler:
                     fork_groups.setdefault(leader.seq_id, [leader]).append(s)
                     seats -= 1
                 continue
-            # Matched again now: an earlier admission may have published pages (in flight) it can wait for,
-            # or evicted pages it matched before.
-            nodes = self.kv.match(s.context[:-1], limit) if limit != 0 else []
-            if not self._fits(s, nodes):
-                break  # keep the order: a later, smaller sequence does not overtake this one
-            seats -= 1
             try:
-                w = self._admit_one(s, nodes, limit)
+                w = self._admit_one(s, limit)
             except Exception as e:  # noqa: BLE001  its request fails alone, its pages freed
+                seats -= 1
                 self._fail(s, e)
                 continue
+            if w is False:
+                break  # keep the order: a later, smaller sequence does not overtake this one
+            seats -= 1
             if not s.generated:
                 leaders[s.request.request_id] = s
             if w is not None:
@@ -338,17 +335,25 @@ class Scheduler:
         started = {s.seq_id for s in self.running}
         self.waiting = deque(s for s in self.waiting if s.seq_id not in started)
 
-    def _admit_one(self, s: Sequence, nodes, limit: int | None) -> Work | None:
-        """Start ``s`` on the cached pages it matched plus its own pages for the rest of its context (all
-        taken now: ``_fits`` counted them); returns its first work."""
-        self._start(s)
-        self.kv.hold(s.kv, nodes)
-        self.kv.grow(s.kv, s.context_len)
+    def _admit_one(self, s: Sequence, limit: int | None) -> Work | None | bool:
+        """Start ``s`` on its cached prefix (matched now: an earlier admission may have published pages in
+        flight it can wait for, or evicted pages) plus its own pages for the rest of its context, all taken
+        now; returns its first work, or False when it does not fit."""
+        context = s.context
+        publish = None
         if self.sharing.enabled:
-            self._publish(s, limit, upto=s.context_len)
+            publish = len(context) if limit is None else min(len(context), limit * self.page_size)
+        try:
+            shared = self.kv.admit(s.kv, context, limit, publish)
+        except Exception:
+            self.kv.release(s.kv, None)  # whatever it took before failing
+            raise
+        if shared is None:
+            return False
+        self._start(s)
         # Its hit: the prompt tokens on pages it shares, cached or still being computed by another request
         # (it waits for those instead of computing them).
-        self._admit_record(s, min(s.kv.own_from * self.page_size, len(s.prompt_ids)))
+        self._admit_record(s, min(shared * self.page_size, len(s.prompt_ids)))
         return self._work(s)
 
     def _admit_record(self, s: Sequence, hit: int) -> None:
@@ -359,13 +364,6 @@ class Scheduler:
             s.request.cached_tokens = max(s.request.cached_tokens, hit)
         self._admitted.append(Admission(s, hit, first))
 
-    def _fits(self, s: Sequence, nodes) -> bool:
-        """Exactly the pages admitting ``s`` takes: its whole context less the cached pages it shares,
-        plus the idle cached pages it revives (they stop being evictable)."""
-        revived = sum(1 for n in nodes if not self.kv.pool.refs[n.page])
-        need = self.kv.pages_for(s.context_len) - len(nodes)
-        return need + revived <= self.kv.available
-
     def _start(self, s: Sequence) -> None:
         """A place among the running (the newest). Its page table is set up by the caller, or by the fork
         in ``commit``."""
@@ -375,9 +373,10 @@ class Scheduler:
         if s.request.first_scheduled is None:
             s.request.first_scheduled = time.monotonic()
 
-    def _publish(self, s: Sequence, limit: int | None, upto: int | None = None) -> None:
+    def _publish(self, s: Sequence, limit: int | None) -> None:
+        """Cache ``s``'s computed full pages (below the sharing limit)."""
         t = s.kv
-        end = t.computed if upto is None else upto
+        end = t.computed
         if limit is not None:
             end = min(end, limit * self.page_size)
         if end // self.page_size > t.published:

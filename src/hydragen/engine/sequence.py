@@ -32,6 +32,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted (the scheduler)
     first_scheduled: float | None = None  # time.monotonic() when it first got a slot (the scheduler)
     error: str | None = None  # why it failed (the output processor)
+    cache_salt: str | None = None  # shares cached pages only with requests of the same salt
 
     @property
     def finished(self) -> bool:

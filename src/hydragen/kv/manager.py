@@ -15,6 +15,26 @@ Pages move between four states, and only through this module:
 The scheduler decides *what* to share (its policy: everything, nothing, or pages below a limit); this
 module only offers the mechanisms, and never changes a table behind the scheduler's back: tables change
 between steps, never between a step's plan and the end of its forward.
+
+**The contract.** The scheduler uses these calls and nothing else of the KV cache (never the pool or the
+tree), as vLLM's scheduler uses ``allocate_slots``:
+
+* ``cached_pages(table, tokens, limit)``: how much of a context is cached (to rank the waiting);
+* ``admit(table, tokens, limit, publish)``: start a table on its cached prefix plus pages of its own for
+  the rest, or ``None`` when that does not fit now (nothing changes);
+* ``allocate(table, upto)``: pages for positions [0, upto), evicting idle cached pages; False if short;
+* ``ready(table)``: whether its next position can be computed (not in a page another table still writes);
+* ``computed_to(table, end)`` after a forward, ``publish(table, tokens, upto)`` to cache full pages;
+* ``truncate(table, length)``: back to a computed length (rejected draft tokens);
+* ``reserve(n)`` / ``give_back(pages)`` / ``fork(dst, src, ...)``: a sibling takes another table's KV;
+* ``in_flight(table)``, ``dependents(table, others)``, ``release(table, tokens)``.
+
+The engine also reads ``usage()``, resets with ``evict_idle()`` and drains KV events.
+
+**Hashes.** A table caches the chained hashes of its context's full pages (``PageTable.hashes``, computed
+once per sequence as its context grows), which key the prefix tree; matching costs a dict lookup and a
+token comparison per page. Only a table's context is ever hashed or published: tokens a forward computes
+past it (drafts being verified) are never cached, and ``truncate`` drops their KV.
 """
 
 from __future__ import annotations
@@ -24,8 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hydragen.kv.page_hash import page_hashes
 from hydragen.kv.pool import OutOfPages, PagePool
-from hydragen.kv.radix import PageEvent, PageNode, PrefixTree
+from hydragen.kv.radix import Location, PageEvent, PageNode, PrefixTree
 
 
 @dataclass(eq=False)
@@ -34,6 +55,8 @@ class PageTable:
     computed: int = 0  # leading positions whose KV is written
     published: int = 0  # leading pages that are prefix-tree nodes on this table's path
     own_from: int = 0  # pages before it came from the tree (others write them); from it on, this table writes
+    salt: str | None = None  # the request's cache salt: seeds the hash chain (tenants never share pages)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the context's first full pages
 
 
 class KVManager:
@@ -54,11 +77,79 @@ class KVManager:
         """Pages in use (held or cached), cached, total: after every request ends, used == cached."""
         return {"used": self.pool.used_pages, "cached": len(self.tree), "total": self.pool.num_pages}
 
+    @property
+    def capacity(self) -> int:
+        """Pages the cache has in all."""
+        return self.pool.num_pages
+
     def pages_for(self, tokens: int) -> int:
         return self.pool.pages_for(tokens)
 
+    # ---- finding and admitting ------------------------------------------------------------------------
+    def cached_pages(self, table: PageTable, tokens: list[int], limit: int | None = None) -> int:
+        """Pages of the longest cached prefix of a context (at most ``limit``; never its last token, whose
+        forward gives the logits to sample from), computed or in flight."""
+        return len(self._match(table, tokens, limit))
+
+    def admit(
+        self, table: PageTable, tokens: list[int], limit: int | None, publish: int | None
+    ) -> int | None:
+        """Start the empty ``table`` for the context ``tokens``: its cached prefix (at most ``limit`` pages)
+        shared, pages of its own for the rest, all taken now; its full pages below position ``publish`` go
+        into the tree (None: none). Returns the pages it shares, or None when that does not fit now (then
+        nothing changed): the pages it takes plus the idle cached ones it revives must be available."""
+        nodes = self._match(table, tokens, limit)
+        revived = sum(1 for n in nodes if not self.pool.refs[n.page])
+        if self.pages_for(len(tokens)) - len(nodes) + revived > self.available:
+            return None
+        self._hold(table, nodes)
+        self._grow(table, len(tokens))
+        if publish is not None:
+            self.publish(table, tokens, publish)
+        return len(nodes)
+
+    def allocate(self, table: PageTable, upto: int) -> bool:
+        """Pages for positions [0, upto) of ``table``, evicting idle cached pages; False (table unchanged)
+        when there are not enough."""
+        if self.pages_for(upto) - len(table.pages) > self.available:
+            return False
+        self._grow(table, upto)
+        return True
+
+    def ready(self, table: PageTable) -> bool:
+        """Whether the table's next position can be computed: not in a page another table is still writing
+        (it moves past the held pages their writers have finished meanwhile)."""
+        ps, nodes = self.page_size, self.tree.nodes
+        while table.computed < table.own_from * ps and nodes[table.pages[table.computed // ps]].computed:
+            table.computed += ps
+        return table.computed >= table.own_from * ps
+
+    def _match(self, table: PageTable, tokens: list[int], limit: int | None) -> list[PageNode]:
+        n = (len(tokens) - 1) // self.page_size
+        if limit is not None:
+            n = min(n, limit)
+        if n <= 0:
+            return []
+        hashes = self._hashes(table, tokens, n)
+        nodes = self.tree.match(tokens, hashes if len(hashes) == n else hashes[:n])
+        if self.tree.outside_pool:  # usable: the prefix whose KV is in the pool
+            for i, node in enumerate(nodes):
+                if node.location is not Location.POOL:
+                    return nodes[:i]
+        return nodes
+
+    def _hashes(self, table: PageTable, tokens: list[int], pages: int) -> list[int]:
+        """The table's cached chain of page hashes, extended to at least ``pages`` pages of ``tokens``."""
+        have = table.hashes
+        if len(have) < pages:
+            have += page_hashes(
+                tokens[: pages * self.page_size], self.page_size,
+                salt=table.salt, parent=have[-1] if have else None, start=len(have),
+            )  # fmt: skip
+        return have
+
     # ---- taking pages -------------------------------------------------------------------------------
-    def make_room(self, pages: int) -> None:
+    def _make_room(self, pages: int) -> None:
         """Evict idle pages until ``pages`` are free; raises OutOfPages (nothing evicted) if it cannot."""
         short = pages - self.pool.free_pages
         if short <= 0:
@@ -71,37 +162,34 @@ class KVManager:
         if self.pool.free_pages < pages:  # the idle count and the tree disagree: a bug, never a silent hang
             raise RuntimeError(f"evicted {len(gone)} of {short} idle KV pages: prefix tree inconsistent")
 
-    def grow(self, table: PageTable, tokens: int) -> None:
+    def _grow(self, table: PageTable, tokens: int) -> None:
         """Pages for positions [0, tokens) of ``table``; raises OutOfPages (table unchanged)."""
         need = self.pages_for(tokens) - len(table.pages)
         if need > 0:
-            self.make_room(need)
+            self._make_room(need)
             table.pages += self.pool.take(need, after=table.pages[-1] if table.pages else None)
 
-    def hold(self, table: PageTable, nodes: list[PageNode]) -> None:
+    def _hold(self, table: PageTable, nodes: list[PageNode]) -> None:
         """Start an empty table on pages of the tree (a prefix match): they stop being idle. Pages still in
-        flight are written by whoever published them; ``catch_up`` moves past them once they are."""
-        assert not table.pages, "hold() starts a table"
+        flight are written by whoever published them; ``ready`` moves past them once they are."""
+        assert not table.pages, "a table starts empty"
         pages = [n.page for n in nodes]
         self._retain(pages)
         self.tree.touch(pages)
         table.pages = pages
         table.published = table.own_from = len(pages)
         table.computed = 0
-        self.catch_up(table)
+        self.ready(table)
 
-    def catch_up(self, table: PageTable) -> None:
-        """Advance ``computed`` over held tree pages that their writers have computed meanwhile."""
-        ps, nodes = self.page_size, self.tree.nodes
-        while table.computed < table.own_from * ps and nodes[table.pages[table.computed // ps]].computed:
-            table.computed += ps
-
-    def waits(self, table: PageTable) -> bool:
-        """Whether the table's next position is in a page another table is still computing."""
-        return table.computed < table.own_from * self.page_size
-
-    def match(self, tokens: list[int], max_pages: int | None = None) -> list[PageNode]:
-        return self.tree.match(tokens, max_pages)
+    def reserve(self, pages: int) -> tuple[int, ...] | None:
+        """``pages`` fresh pages held outside any table (a fork's copy target), or None when there are not
+        enough even after evicting idle ones; ``fork`` hands them to a table, ``give_back`` returns them."""
+        if pages > self.available:
+            return None
+        if pages <= 0:
+            return ()
+        self._make_room(pages)
+        return tuple(self.pool.take(pages))
 
     def _retain(self, pages: list[int]) -> None:
         refs = self.pool.refs
@@ -111,18 +199,23 @@ class KVManager:
     # ---- publishing and releasing --------------------------------------------------------------------
     def publish(self, table: PageTable, tokens: list[int], upto: int) -> None:
         """Put the table's full pages below position ``upto`` into the prefix tree, computed or not (their
-        tokens must be known). A computed page whose tokens are already cached and computed on the same path
-        is swapped for the cached one (same KV), so each prefix is stored once; a collision with a page
-        still in flight stops publishing (this table keeps its own copy, uncached)."""
-        full = min(upto, len(tokens), len(table.pages) * self.page_size) // self.page_size
-        tree = self.tree
+        tokens must be known: ``tokens`` is the table's context). A computed page whose tokens are already
+        cached and computed on the same path is swapped for the cached one (same KV), so each prefix is
+        stored once; meeting a page still in flight, or another page whose hash collides with this one's,
+        stops publishing (this table keeps its own copy, uncached)."""
+        ps = self.page_size
+        full = min(upto, len(tokens), len(table.pages) * ps) // ps
+        if full <= table.published:
+            return
+        tree, hashes = self.tree, self._hashes(table, tokens, full)
         parent = tree.root if table.published == 0 else tree.nodes[table.pages[table.published - 1]]
         for i in range(table.published, full):
             mine = table.pages[i]
-            computed = (i + 1) * self.page_size <= table.computed
-            node = tree.add(parent, mine, tree.key(tokens, i), computed)
+            computed = (i + 1) * ps <= table.computed
+            key = tuple(tokens[i * ps : (i + 1) * ps])
+            node = tree.add(parent, mine, hashes[i], key, computed)
             if node.page != mine:
-                if not (computed and node.computed):
+                if node.tokens != key or not (computed and node.computed):
                     return
                 self._retain([node.page])
                 self._drop([mine])
@@ -155,6 +248,21 @@ class KVManager:
             if o is not table and mine.intersection(o.pages[o.computed // ps : o.own_from])
         ]
 
+    def truncate(self, table: PageTable, length: int) -> None:
+        """Cut the table back to its first ``length`` positions (drafted tokens that were rejected): KV past
+        them is forgotten and the pages wholly past them are released. Only what this table wrote and never
+        published can go: cached pages hold verified context."""
+        if length < table.published * self.page_size or length > table.computed:
+            raise ValueError(
+                f"cannot truncate to {length}: computed {table.computed}, published up to "
+                f"{table.published * self.page_size}"
+            )
+        keep = self.pages_for(length)
+        self._drop(table.pages[keep:])
+        del table.pages[keep:]
+        del table.hashes[length // self.page_size :]
+        table.computed = length
+
     def release(self, table: PageTable, tokens: list[int] | None) -> None:
         """Drop a table: its full computed pages go into the tree first when ``tokens`` is given (sharing
         on), so a later request can reuse them; the pages nobody else holds become idle or free. Pages it
@@ -164,7 +272,7 @@ class KVManager:
         self._unpublish_uncomputed(table)
         self.tree.touch(table.pages[: table.published])
         self._drop(table.pages)
-        table.pages, table.computed, table.published, table.own_from = [], 0, 0, 0
+        table.pages, table.computed, table.published, table.own_from = [], 0, 0, 0  # hashes stay: same tokens
 
     def _unpublish_uncomputed(self, table: PageTable) -> None:
         nodes, refs = self.tree.nodes, self.pool.refs
@@ -200,7 +308,7 @@ class KVManager:
         return len(gone)
 
     def give_back(self, pages: list[int]) -> None:
-        """Release pages taken outside any table (a fork's reservation that was not used)."""
+        """Release pages taken outside any table (a fork's ``reserve`` that was not used)."""
         self._drop(pages)
 
     def _drop(self, pages: list[int]) -> None:
@@ -214,7 +322,7 @@ class KVManager:
     # ---- forks and copies ----------------------------------------------------------------------------
     def fork(self, dst: PageTable, src: PageTable, upto: int, shared_pages: int, reserved: list[int]) -> None:
         """Make ``dst`` hold ``src``'s KV for positions [0, upto): its first ``shared_pages`` pages shared
-        with ``src``, the rest copied into ``reserved`` (pages the scheduler took for it, held once). What
+        with ``src``, the rest copied into ``reserved`` (pages ``reserve`` gave the scheduler for it). What
         ``dst`` held before is released; it must not be writing pages in flight (their waiters would wait on
         a page nobody writes: the scheduler never forks such a table)."""
         ps = self.page_size
@@ -267,7 +375,7 @@ class KVManager:
             assert free_ != (held or cached), f"page {p}: free={free_} held={held} cached={cached}"
         assert self.idle == sum(1 for p in tree.nodes if not holders[p]), "idle count is off"
         for node in tree.nodes.values():
-            assert node.parent.children.get(node.key) is node
+            assert node.parent.children.get(node.hash) is node
         self._check_writers(tables)
 
     def _check_writers(self, tables: list[PageTable]) -> None:

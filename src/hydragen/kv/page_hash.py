@@ -4,6 +4,10 @@ Two processes that cache the same prefix give its pages the same hashes, so a ro
 token ids against what each replica published (``hydragen.dp.kv_events``) without ever seeing the tree.
 Python's ``hash`` is salted per process, hence blake2b; 63 bits keep the value a non-negative int64 for
 consumers in other languages.
+
+A request's cache salt (a tenant's secret, say) seeds the chain: its first page hashes with the salt's hash
+as its parent, so salted prefixes get hashes, and tree nodes, of their own and never meet another salt's.
+Without a salt the chain starts from ``None`` as it always did, so routers and events keep their hashes.
 """
 
 from __future__ import annotations
@@ -23,11 +27,28 @@ def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """The chained hashes of every full page of ``token_ids``."""
+def chain_root(salt: str | None) -> int | None:
+    """What the first page of a context hashes with as its parent: None unsalted, else the salt's hash."""
+    if salt is None:
+        return None
+    h = hashlib.blake2b(salt.encode(), digest_size=8, person=b"hydragen-salt")
+    return int.from_bytes(h.digest(), "little") & _MASK
+
+
+def page_hashes(
+    token_ids: Sequence[int],
+    page_size: int,
+    *,
+    salt: str | None = None,
+    parent: int | None = None,
+    start: int = 0,
+) -> list[int]:
+    """The chained hashes of every full page of ``token_ids`` from page ``start`` on (``parent``: the hash of
+    page ``start - 1``; for ``start == 0`` the chain starts at the ``salt``'s root)."""
     out: list[int] = []
-    parent = None
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = page_hash(parent, token_ids[start : start + page_size])
+    if start == 0:
+        parent = chain_root(salt)
+    for lo in range(start * page_size, len(token_ids) - page_size + 1, page_size):
+        parent = page_hash(parent, token_ids[lo : lo + page_size])
         out.append(parent)
     return out

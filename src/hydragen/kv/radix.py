@@ -1,9 +1,19 @@
-"""The prefix index: a radix tree whose edges are whole KV pages, so sharing is found from token ids.
+"""The prefix index: a radix tree whose edges are whole KV pages, keyed by the pages' chained hashes.
 
-Each node is one full page: its ``page_size`` token ids (the edge label), the pool page holding their KV,
-and its parent, the page before it in every context through it. A path from the root is a cached prefix
-of whole pages; two contexts that agree on their first k pages meet the same k nodes, and their page
-tables hold the same k pages. Nothing is ever split inside a page: a page is immutable once full.
+Each node is one full page: its ``page_size`` token ids, its chained hash (``kv.page_hash``: the tokens
+hashed with the hash of the page before them, so a hash names a whole prefix), where its KV lives and its
+parent, the page before it in every context through it. A path from the root is a cached prefix of whole
+pages; two contexts that agree on their first k pages meet the same k nodes. Nothing is ever split inside
+a page: a page is immutable once full.
+
+Children are found by hash, and a hit is checked against the node's tokens: two different pages whose
+63-bit hashes collide never share KV (the second is simply not cached). The same hashes name the pages in
+KV events, the data-parallel router and the disk tier, so they all share one identity. A request's cache
+salt seeds its chain (``page_hash.chain_root``): requests with different salts never meet in the tree.
+
+A node has a *location*: today every node's KV is in the page pool (``Location.POOL``, ``page`` is its pool
+page). A tier that keeps KV elsewhere adds its own location; matching then finds such nodes too, and the
+KV manager decides what it can use of them.
 
 A node is *computed* once its KV is written. A node can be in the tree before that (prompt pages are
 known when a request is admitted, and another request with the same prefix can then wait for them
@@ -14,8 +24,8 @@ holds is *idle*, and every descendant of an idle page is idle too (a context tha
 page before it). The tree evicts idle leaves until enough pages are freed.
 
 When ``record_events()`` was called, the tree also keeps a log of what entered and left it (``PageEvent``,
-drained by the engine after each step), naming pages by their chained hash (``kv.page_hash``) so that a
-router in another process can match token ids against this cache exactly.
+drained by the engine after each step), so that a router in another process can match token ids against
+this cache exactly.
 """
 
 from __future__ import annotations
@@ -23,22 +33,28 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-
-from hydragen.kv.page_hash import page_hash
+from enum import Enum
 
 _clock = itertools.count(1)
 
 
+class Location(Enum):
+    """Where a cached page's KV is."""
+
+    POOL = "pool"  # in the page pool, at ``PageNode.page``
+
+
 @dataclass(eq=False)
 class PageNode:
-    page: int  # pool page (-1 for the root)
-    key: tuple[int, ...]  # the page's token ids
+    hash: int  # chained page hash: names the whole prefix up to and including this page (-1: the root)
+    tokens: tuple[int, ...]  # the page's token ids (a hit is checked against them)
+    page: int  # pool page when ``location`` is POOL (-1 for the root)
     parent: PageNode | None
     depth: int  # the page's index in every page table through it
-    children: dict[tuple[int, ...], PageNode] = field(default_factory=dict)
+    location: Location = Location.POOL
+    children: dict[int, PageNode] = field(default_factory=dict)  # by hash
     computed: bool = False
     last_used: int = 0
-    hash: int | None = None  # chained page hash, set while the tree records events
 
 
 @dataclass(frozen=True)
@@ -54,10 +70,11 @@ class PageEvent:
 class PrefixTree:
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.root = PageNode(-1, (), None, -1, computed=True)
-        self.nodes: dict[int, PageNode] = {}  # page -> node
+        self.root = PageNode(-1, (), -1, None, -1, computed=True)
+        self.nodes: dict[int, PageNode] = {}  # pool page -> node
         self._idle: list[tuple[int, int, int, PageNode]] = []  # (last_used, -depth, tie, node) heap
         self.events: list[PageEvent] | None = None  # None: not recording
+        self.outside_pool = 0  # nodes whose KV is elsewhere (none until a tier puts some there)
 
     def record_events(self) -> None:
         """Start logging pages stored and removed; a page already cached is reported as stored first."""
@@ -77,8 +94,7 @@ class PrefixTree:
 
     def _stored(self, node: PageNode) -> None:
         parent = node.parent.hash if node.parent is not self.root else None
-        node.hash = page_hash(parent, node.key)
-        self.events.append(PageEvent(True, node.hash, parent, node.key))
+        self.events.append(PageEvent(True, node.hash, parent, node.tokens))
 
     def __contains__(self, page: int) -> bool:
         return page in self.nodes
@@ -86,44 +102,51 @@ class PrefixTree:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def key(self, tokens: list[int], index: int) -> tuple[int, ...]:
-        return tuple(tokens[index * self.page_size : (index + 1) * self.page_size])
-
-    def match(self, tokens: list[int], max_pages: int | None = None) -> list[PageNode]:
-        """Nodes of the longest cached prefix of ``tokens`` in whole pages (computed or in flight)."""
-        limit = len(tokens) // self.page_size
-        if max_pages is not None:
-            limit = min(limit, max_pages)
-        out, node = [], self.root
-        for i in range(limit):
-            node = node.children.get(self.key(tokens, i))
-            if node is None:
+    def match(self, tokens: list[int], hashes: list[int]) -> list[PageNode]:
+        """Nodes of the longest cached prefix of ``tokens`` whose chained page hashes are ``hashes`` (one per
+        page to look for), computed or in flight; a node whose tokens differ (a hash collision) ends it."""
+        ps, out, node, lo = self.page_size, [], self.root, 0
+        for h in hashes:
+            node = node.children.get(h)
+            if node is None or node.tokens != tuple(tokens[lo : lo + ps]):
                 break
             out.append(node)
+            lo += ps
         return out
 
-    def add(self, parent: PageNode, page: int, key: tuple[int, ...], computed: bool) -> PageNode:
-        """The child of ``parent`` with ``key``: the existing one (a page already holding those tokens, which
-        the caller may switch to), or a new node for ``page``."""
-        node = parent.children.get(key)
+    def add(
+        self, parent: PageNode, page: int, hash_: int, tokens: tuple[int, ...], computed: bool
+    ) -> PageNode:
+        """The child of ``parent`` with ``hash_``: the existing one (a page already holding those tokens,
+        which the caller may switch to, or another page whose hash collides: the caller checks its
+        tokens), or a new node for ``page``."""
+        node = parent.children.get(hash_)
         if node is not None:
             return node
         if page in self.nodes:
             raise RuntimeError(f"KV page {page} is already in the prefix tree")
-        node = PageNode(page, key, parent, parent.depth + 1, computed=computed, last_used=next(_clock))
-        parent.children[key] = node
+        node = PageNode(
+            hash_, tokens, page, parent, parent.depth + 1, computed=computed, last_used=next(_clock)
+        )
+        parent.children[hash_] = node
         self.nodes[page] = node
         if self.events is not None:
             self._stored(node)
         return node
 
+    def relocate(self, node: PageNode, location: Location) -> None:
+        """Record that a node's KV moved (a tier that keeps KV outside the pool calls this)."""
+        self.outside_pool += (location is not Location.POOL) - (node.location is not Location.POOL)
+        node.location = location
+
     def remove(self, node: PageNode) -> None:
         """Drop a leaf (evicted, or never computed by its writer)."""
         if node.children:
             raise RuntimeError("only a leaf of the prefix tree can be removed")
-        del node.parent.children[node.key]
+        del node.parent.children[node.hash]
         del self.nodes[node.page]
-        if self.events is not None and node.hash is not None:
+        self.outside_pool -= node.location is not Location.POOL
+        if self.events is not None:
             self.events.append(PageEvent(False, node.hash))
 
     def touch(self, pages: list[int]) -> None:
