@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from hydragen import LLM, SamplingParams
-from hydragen.bench.common import write_table
-from hydragen.bench.plots import plot_lines
+from hydragen.bench.core.common import write_table
+from hydragen.bench.core.plots import plot_lines
 
 WORDS = [
     "policy", "account", "order", "refund", "shipping", "invoice", "customer", "support", "warranty",

@@ -1,4 +1,4 @@
-"""Peers for the peer-process tests, run in a child process (hydragen/bench/peer_process.py) without
+"""Peers for the peer-process tests, run in a child process (hydragen/bench/peers/peer_process.py) without
 llama.cpp: one that answers, and one that builds and then dies of SIGSEGV at its first call, as
 llama-cpp-python built with llama.cpp's AMX path does inside llama_decode on an Intel Xeon with AMX."""
 

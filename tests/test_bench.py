@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from hydragen.bench.common import QUICK_BANNER
-from hydragen.bench.e2e import decode_rate, step_floor_seconds, sweep_points
-from hydragen.bench.e2e import main as e2e_main
-from hydragen.bench.e2e import run as run_e2e
-from hydragen.bench.tree import kv_tokens_needed, tree_prompts
-from hydragen.bench.tree import run as run_tree
+from hydragen.bench.core.common import QUICK_BANNER
+from hydragen.bench.e2e.decode_throughput import decode_rate, step_floor_seconds, sweep_points
+from hydragen.bench.e2e.decode_throughput import main as e2e_main
+from hydragen.bench.e2e.decode_throughput import run as run_e2e
+from hydragen.bench.e2e.tree_sharing import kv_tokens_needed, tree_prompts
+from hydragen.bench.e2e.tree_sharing import run as run_tree
 from tests.sampling_helpers import reference
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -64,7 +64,7 @@ def test_e2e_peers_run_in_their_own_processes_and_a_crash_is_reported(tiny_model
     AMX build of llama-cpp-python does in llama_decode) is reported, and the run goes on without it."""
     from crashing_peer import SegfaultingPeer
 
-    from hydragen.bench import llamacpp_peer
+    from hydragen.bench.peers import llamacpp_peer
 
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda model, random: None)
     monkeypatch.setattr(llamacpp_peer, "Peer", SegfaultingPeer)
@@ -233,8 +233,8 @@ def test_bench_all_runs_every_benchmark_into_its_own_folder(monkeypatch, tmp_pat
 def test_llamacpp_peer_shares_the_prompt_cells(tmp_path):
     """Only where llama-cpp-python is installed (it builds from source; CI does not install it)."""
     pytest.importorskip("llama_cpp")
-    from hydragen.bench import llamacpp_peer
-    from hydragen.bench.e2e import synthetic_prompt
+    from hydragen.bench.e2e.decode_throughput import synthetic_prompt
+    from hydragen.bench.peers import llamacpp_peer
 
     assert llamacpp_peer.unavailable(None, False) is None
     assert llamacpp_peer.unavailable(None, True) == "needs real GGUF weights"
@@ -288,7 +288,7 @@ def test_llamacpp_peer_samples_from_hydragens_distribution(settings, stages):
     """The peer's chain applies the temperature first, then min_p, top_k and top_p, in hydragen's (and vLLM's)
     order; settings that change nothing add no stage (a top_k of the whole vocabulary or more too, which a C
     int would wrap); temperature 0 is greedy (no chain)."""
-    from hydragen.bench.llamacpp_peer import sampler_chain
+    from hydragen.bench.peers.llamacpp_peer import sampler_chain
 
     fake = _ChainRecorder()
     chain = sampler_chain(fake, settings, vocab=1000)
@@ -319,7 +319,7 @@ def test_llamacpp_peers_chain_keeps_the_tokens_hydragen_keeps(probs, settings):
 
     import numpy as np
 
-    from hydragen.bench.llamacpp_peer import sampler_chain
+    from hydragen.bench.peers.llamacpp_peer import sampler_chain
 
     logits = list(np.log(probs)) if probs else list(np.random.default_rng(0).normal(size=200) * 2)
     settings = {"temperature": 1.0, **settings}
@@ -340,8 +340,8 @@ def test_llamacpp_peer_draws_each_sequence_on_its_own():
     """A flat distribution: the sampled peer leaves greedy's tokens, each of n sequences of one prompt draws
     its own first token, and a seed reproduces a run (where llama-cpp-python is installed)."""
     pytest.importorskip("llama_cpp")
-    from hydragen.bench import llamacpp_peer
-    from hydragen.bench.e2e import synthetic_prompt
+    from hydragen.bench.e2e.decode_throughput import synthetic_prompt
+    from hydragen.bench.peers import llamacpp_peer
 
     flat = {"temperature": 1.5, "seed": 7}
     greedy = llamacpp_peer.Peer(None, 32, 6, 8)
@@ -355,7 +355,8 @@ def test_llamacpp_peer_draws_each_sequence_on_its_own():
 def test_bench_e2e_gives_its_sampling_to_the_llamacpp_peer(monkeypatch):
     """e2e's llama.cpp runs sample with the settings its hydragen runs use (the peer is built in its own
     process: what it is built with is what that process is handed)."""
-    from hydragen.bench import e2e, llamacpp_peer
+    from hydragen.bench.e2e import decode_throughput as e2e
+    from hydragen.bench.peers import llamacpp_peer
 
     class Built(Exception):
         pass
@@ -376,8 +377,8 @@ def test_llamacpp_peer_with_top_k_1_picks_what_greedy_picks():
     """A sampled chain that keeps one token draws the argmax: the chain reads each sequence's own logits
     (where llama-cpp-python is installed)."""
     pytest.importorskip("llama_cpp")
-    from hydragen.bench import llamacpp_peer
-    from hydragen.bench.e2e import synthetic_prompt
+    from hydragen.bench.e2e.decode_throughput import synthetic_prompt
+    from hydragen.bench.peers import llamacpp_peer
 
     greedy = llamacpp_peer.Peer(None, 32, 6, 3)
     one = llamacpp_peer.Peer(None, 32, 6, 3, sampling={"temperature": 0.8, "top_k": 1, "seed": 5})
@@ -390,8 +391,8 @@ def test_llamacpp_peer_keeps_distinct_prompts_apart():
     """Distinct prompts are sequences of their own: each continues as it would alone (where llama-cpp-python
     is installed)."""
     pytest.importorskip("llama_cpp")
-    from hydragen.bench import llamacpp_peer
-    from hydragen.bench.e2e import synthetic_prompt
+    from hydragen.bench.e2e.decode_throughput import synthetic_prompt
+    from hydragen.bench.peers import llamacpp_peer
 
     peer = llamacpp_peer.Peer(None, 32, 4, 3, cells=3 * (32 + 4) + 64)
     prompts = [synthetic_prompt(peer.vocab, 32, seed=s) for s in (1, 2, 3)]
@@ -424,7 +425,7 @@ def test_cost_rule_quick(tmp_path):
 
 def test_cost_rule_fit_recovers_a_known_rule():
     """fit_rule finds constants whose picks are all right when the grid follows a rule it can express."""
-    from hydragen.bench.cost_rule import fit_rule
+    from hydragen.bench.attention.cost_rule import fit_rule
 
     def faster_shared(h, t):
         return (h - 1) * (t - 32) >= 512
@@ -445,7 +446,7 @@ def test_cost_rule_fit_recovers_a_known_rule():
 
 def test_versus_tables_and_plot_from_saved_results(tmp_path):
     """bench versus: the tables and the plot come from the best of each tree's rounds."""
-    from hydragen.bench import versus
+    from hydragen.bench.e2e import versus
 
     args = {"ns": [1, 4], "prompt_len": 64, "new_tokens": 4}
 

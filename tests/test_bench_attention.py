@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hydragen.bench import attention as bench
+from hydragen.bench.attention import shared_prefix_op as bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = dict(bw_mib=4, mm_n=64, trials=2, target_s=0.005)

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from hydragen.bench.longdoc import COLORS, build_prompts, dog_names, first_word, make_document
-from hydragen.bench.longdoc import run as run_longdoc
+from hydragen.bench.longdoc.many_questions import COLORS, build_prompts, dog_names, first_word, make_document
+from hydragen.bench.longdoc.many_questions import run as run_longdoc
 
 FACT = re.compile(r"The dog named (\w+) has fur that is (\w+)\.")
 

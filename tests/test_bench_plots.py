@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hydragen.bench.common import QUICK_BANNER, write_table
-from hydragen.bench.plots import Missing, Panel, draw, label, plain
+from hydragen.bench.core.common import QUICK_BANNER, write_table
+from hydragen.bench.core.plots import Missing, Panel, draw, label, plain
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench-cpu"
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -15,7 +15,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_bench_quant_quick(tmp_path, monkeypatch):
     from hydragen import cli
-    from hydragen.bench.quant import MODES
+    from hydragen.bench.quant.suite import MODES
 
     monkeypatch.setenv("HYDRAGEN_CACHE_DIR", str(tmp_path / "cache"))
     config = tmp_path / "config.json"
@@ -110,7 +110,7 @@ def test_bench_quant_refuses_bad_parts(capsys):
 def test_paired_ratio_is_the_median_of_each_rounds_ratio():
     """Round by round, so a phase that slows both engines of a round cancels, and one engine's outlier round
     counts once: here the two best rates give 100 / 120 = 0.83x, where two rounds of three say 1.05x."""
-    from hydragen.bench.quant import paired_ratio
+    from hydragen.bench.quant.suite import paired_ratio
 
     assert paired_ratio([100.0, 60.0, 62.0], [95.0, 57.0, 120.0]) == pytest.approx(60.0 / 57.0)
     assert paired_ratio([100.0, 60.0], [80.0, 60.0]) == pytest.approx((1.0 + 1.25) / 2)
@@ -120,7 +120,7 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
 
 def test_bench_quant_points_and_engines_are_checked(capsys):
     from hydragen import cli
-    from hydragen.bench.quant import _engines, _point, _points
+    from hydragen.bench.quant.suite import _engines, _point, _points
 
     assert _points("1:512, 8:64") == ((1, 512), (8, 64))
     assert _points("8:512:distinct,1:64") == ((8, 512, True), (1, 64))
@@ -144,7 +144,7 @@ def test_bench_quant_points_and_engines_are_checked(capsys):
 def test_each_engine_of_the_decode_table_runs_what_its_label_says(mode, act_bits, kv_dtype):
     import torch
 
-    from hydragen.bench.quant import MODE_LABELS, _engine
+    from hydragen.bench.quant.suite import MODE_LABELS, _engine
     from hydragen.model.linear import PackedProjection
 
     llm = _engine(None, mode, 256)
@@ -159,8 +159,8 @@ def test_engines_that_would_not_fit_together_are_refused_before_loading(monkeypa
     engines of the 8B Q4_K_M file would need ~25 GiB with their KV caches. Engines whose weights and caches
     would not fit in 90 % of the available memory are refused before anything loads, naming --engines; a
     llama.cpp peer that cannot run is not counted; the real part takes --engines too."""
-    from hydragen.bench import llamacpp_peer
-    from hydragen.bench import quant as bench
+    from hydragen.bench.peers import llamacpp_peer
+    from hydragen.bench.quant import suite as bench
 
     def load(*args):
         raise RuntimeError("loading")
@@ -203,8 +203,9 @@ def test_engines_that_would_not_fit_together_are_refused_before_loading(monkeypa
 def test_both_engines_of_the_decode_table_sample_alike(monkeypatch, tmp_path, flags, settings):
     """hydragen's runs and llama.cpp's sampler chain get the same settings from the command line: a peer
     picking greedily while hydragen samples would leave its sampling out of one side of the ratio."""
-    from hydragen.bench import e2e, llamacpp_peer
-    from hydragen.bench import quant as bench
+    from hydragen.bench.e2e import decode_throughput as e2e
+    from hydragen.bench.peers import llamacpp_peer
+    from hydragen.bench.quant import suite as bench
 
     seen = {}
 
@@ -234,7 +235,8 @@ def segfaulting_llamacpp(monkeypatch):
     with the AMX path does in llama_decode), after $CRASHING_PEER_CALLS calls; no llama.cpp needed."""
     from crashing_peer import SegfaultingPeer
 
-    from hydragen.bench import llamacpp_peer, quant_accuracy
+    from hydragen.bench.peers import llamacpp_peer
+    from hydragen.bench.quant import accuracy as quant_accuracy
 
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: None)
     monkeypatch.setattr(llamacpp_peer, "Peer", SegfaultingPeer)
@@ -247,7 +249,7 @@ def test_a_llamacpp_crash_in_a_later_round_leaves_its_rounds_out(segfaulting_lla
     hydragen, llama.cpp has no row (nor a ratio), and the reason names the peer, the signal and where."""
     import math
 
-    from hydragen.bench import quant as bench
+    from hydragen.bench.quant import suite as bench
 
     segfaulting_llamacpp.setenv("CRASHING_PEER_CALLS", "3")  # the warm-up, then t(1) and t(T) of round 1
     skipped: dict[str, str] = {}
@@ -273,8 +275,8 @@ def test_bench_quant_goes_on_when_llamacpp_crashes(segfaulting_llamacpp, tmp_pat
 def test_the_accuracy_part_goes_on_when_llamacpp_crashes(segfaulting_llamacpp):
     """The accuracy part always runs llama.cpp (--engines cannot keep it out): a crash gives no llama.cpp
     outputs and the reason, which its table's notes give."""
-    from hydragen.bench import quant as bench
-    from hydragen.bench import quant_accuracy
+    from hydragen.bench.quant import accuracy as quant_accuracy
+    from hydragen.bench.quant import suite as bench
     from hydragen.model.default_model import default_model_path
 
     said = []
@@ -294,7 +296,7 @@ def test_the_accuracy_part_goes_on_when_llamacpp_crashes(segfaulting_llamacpp):
 def test_the_memory_check_reads_the_models_shape_from_its_gguf():
     """Weight elements and the K/V elements a cached token stores come from the GGUF header: the embedded
     SmolLM2-135M has 30 layers of 3 KV heads of 64 dims and ~135M weights."""
-    from hydragen.bench.quant import _gguf_sizes
+    from hydragen.bench.quant.suite import _gguf_sizes
     from hydragen.model.default_model import default_model_path
 
     elements, per_token = _gguf_sizes(default_model_path())
@@ -304,7 +306,7 @@ def test_the_memory_check_reads_the_models_shape_from_its_gguf():
 
 def test_the_decode_plots_name_the_sampling_they_ran_with():
     """A plot read alone says how both engines sampled; results from before the peer sampled say greedy."""
-    from hydragen.bench.quant import _plot_words
+    from hydragen.bench.quant.suite import _plot_words
 
     assert _plot_words({"params": {}}) == "llama.cpp greedy"
     assert _plot_words({"params": {"sampling": {"temperature": 0.0}}}) == "both greedy"
@@ -313,7 +315,7 @@ def test_the_decode_plots_name_the_sampling_they_ran_with():
 
 
 def test_the_decode_plots_x_label_names_the_points_it_shows():
-    from hydragen.bench.quant import _points_label
+    from hydragen.bench.quant.suite import _points_label
 
     rows = [
         {"n": n, "prompt": p, "prompts": k}

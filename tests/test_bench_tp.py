@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hydragen.bench import tp
+from hydragen.bench.tp import step_cost as tp
 
 
 def _rows() -> list[dict]:

@@ -109,7 +109,7 @@ def test_logprobs_agree_with_sharing_on_and_off_alone_batched_and_warm(request, 
     warm cache change only rounding. Measured drift in float32 is ~1e-5 in log-probability (`hydragen bench
     exactness`); a wrong merge, mask or position shows up as 1e-2 or more in float32, and as many
     changed tokens in the quantized model."""
-    from hydragen.bench.exactness import compare, make_prompts, run_mode
+    from hydragen.bench.e2e.sharing_exactness import compare, make_prompts, run_mode
     from hydragen.engine.engine import Engine
 
     llm = request.getfixturevalue(llm)

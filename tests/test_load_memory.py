@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hydragen.bench.quant_memory import in_fresh_process
+from hydragen.bench.quant.memory import in_fresh_process
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf_write import random_maker, write_llama_gguf
 from hydragen.model.presets import PRESETS

@@ -1,6 +1,6 @@
-"""A benchmark peer in a process of its own (hydragen/bench/peer_process.py): calls run there and answer, an
-exception comes back as itself, and a peer that dies of SIGSEGV is reported (which peer, the signal, its last
-lines) while this process goes on."""
+"""A benchmark peer in a process of its own (hydragen/bench/peers/peer_process.py): calls run there and
+answer, an exception comes back as itself, and a peer that dies of SIGSEGV is reported (which peer, the
+signal, its last lines) while this process goes on."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from crashing_peer import CountingPeer, SegfaultingPeer, fail, step
 
-from hydragen.bench.llamacpp_peer import timer
-from hydragen.bench.peer_process import PeerCrashed, PeerProcess, crash_lines, exit_words, in_peer
+from hydragen.bench.peers.llamacpp_peer import timer
+from hydragen.bench.peers.peer_process import PeerCrashed, PeerProcess, crash_lines, exit_words, in_peer
 
 
 def test_a_peer_lives_in_its_own_process_with_this_ones_threads() -> None:

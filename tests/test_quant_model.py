@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hydragen import LLM, SamplingParams
-from hydragen.bench.quant_accuracy import plain_attention
+from hydragen.bench.quant.accuracy import plain_attention
 from hydragen.model import layer_stack, llama
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf import read_gguf

@@ -246,7 +246,7 @@ def test_32_concurrent_clients_share_a_system_prompt(server, client, embedded_ll
 
 def test_serving_benchmark_quick(server, tmp_path):
     """`hydragen bench serve` against a running server at tiny sizes: it runs and writes its tables."""
-    from hydragen.bench import serve
+    from hydragen.bench.serving import shared_prefix_load as serve
 
     args = argparse.Namespace(
         url=server[0],
@@ -273,7 +273,7 @@ def test_serving_benchmark_quick(server, tmp_path):
 def test_serving_benchmark_quick_spawns_servers(tiny_models, tmp_path):
     """`hydragen bench serve --quick` starts its own servers, cache on then off, and tears them down
     (on a tiny model with a byte tokenizer: the spawning is what this checks, not the model)."""
-    from hydragen.bench import serve
+    from hydragen.bench.serving import shared_prefix_load as serve
 
     model = tiny_chat_model(tiny_models["llama"], tmp_path / "model")
     serve.main(["--quick", "--model", model, "--out", str(tmp_path)])

@@ -286,7 +286,7 @@ def test_extend_checks_the_grammar(bpe_llm):
 def test_bench_structured_reports_every_mode(bpe_llm, tmp_path):
     """The benchmark's measuring loop at toy size: every mode runs, jump-forward forces tokens, the
     nothing-forced grammar forces none and runs to its fixed length, the plots are drawn."""
-    from hydragen.bench import structured as bench
+    from hydragen.bench.structured import jump_forward as bench
 
     result = bench.run(bpe_llm, [2], requests=2, serial=1, max_tokens=24, free_tokens=4, seed=0)
     rows = {r["mode"]: r for r in result["rows"]}

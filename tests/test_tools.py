@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from hydragen import LLM, SamplingParams, StructuredOutputsParams
-from hydragen.bench.tool_calls import call_problems, random_tools, run_tool_requests
+from hydragen.bench.structured.tool_workloads import call_problems, random_tools, run_tool_requests
 from hydragen.engine.sampling_params import ParamError
 from hydragen.tools.formats import GENERIC, HERMES, LLAMA3_JSON, detect_format
 from hydragen.tools.grammar import tool_grammar
@@ -491,7 +491,9 @@ def test_chat_tools_file_is_checked_before_loading(tmp_path, capsys, monkeypatch
 def test_bench_tool_workloads_run(llms, tmp_path):
     """`bench structured --workload tools` (jump vs token by token), `bench tools` (cost, the no-stall
     measurement) and `bench schema-defaults`, on a tiny model: every part runs and reports what it says."""
-    from hydragen.bench import schema_defaults, tool_calls, tools
+    from hydragen.bench.structured import schema_defaults
+    from hydragen.bench.structured import tool_calling as tools
+    from hydragen.bench.structured import tool_workloads as tool_calls
 
     llm = llms["qwen2"]
     speed = {r["mode"]: r for r in tool_calls.speed_rows(llm, [2], 2, 1, 48, 1)["rows"]}

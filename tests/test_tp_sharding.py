@@ -206,7 +206,7 @@ def test_a_rank_that_failed_part_way_issues_the_all_reduces_the_others_do(tiny_m
     """``finish_reduces`` after any number of a forward's all-reduces issues exactly the rest of them, in
     shape and dtype (a mismatch would leave the ranks out of step); the logits shard has vocab_rows
     columns, the shape a failed rank's NaN shard takes (lockstep.py)."""
-    from hydragen.bench.quant_accuracy import plain_attention
+    from hydragen.bench.quant.accuracy import plain_attention
 
     net, cfg, _, shard = load_shard(tiny_models[name], 0, 2, CPU, dtype)
     net.attach(_RecordingGroup(), shard.vocab[0], cfg.vocab_size)

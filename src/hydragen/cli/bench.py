@@ -9,23 +9,23 @@ from pathlib import Path
 from hydragen.cli.common import UsageError
 
 BENCHMARKS = {
-    "attention": "hydragen.bench.attention",
-    "e2e": "hydragen.bench.e2e",
-    "longdoc": "hydragen.bench.longdoc",
-    "tree": "hydragen.bench.tree",
-    "serve": "hydragen.bench.serve",
-    "structured": "hydragen.bench.structured",
+    "attention": "hydragen.bench.attention.shared_prefix_op",
+    "e2e": "hydragen.bench.e2e.decode_throughput",
+    "longdoc": "hydragen.bench.longdoc.many_questions",
+    "tree": "hydragen.bench.e2e.tree_sharing",
+    "serve": "hydragen.bench.serving.shared_prefix_load",
+    "structured": "hydragen.bench.structured.jump_forward",
 }
 # Calibrations, run on their own (not part of `bench all`).
 EXTRA_BENCHMARKS = {
-    "cost-rule": "hydragen.bench.cost_rule",
-    "exactness": "hydragen.bench.exactness",
-    "versus": "hydragen.bench.versus",
-    "tp": "hydragen.bench.tp",
-    "tools": "hydragen.bench.tools",
-    "schema-defaults": "hydragen.bench.schema_defaults",
-    "quant": "hydragen.bench.quant",
-    "dp": "hydragen.bench.dp",
+    "cost-rule": "hydragen.bench.attention.cost_rule",
+    "exactness": "hydragen.bench.e2e.sharing_exactness",
+    "versus": "hydragen.bench.e2e.versus",
+    "tp": "hydragen.bench.tp.step_cost",
+    "tools": "hydragen.bench.structured.tool_calling",
+    "schema-defaults": "hydragen.bench.structured.schema_defaults",
+    "quant": "hydragen.bench.quant.suite",
+    "dp": "hydragen.bench.dp.routing",
 }
 ALL_BENCHMARKS = {**BENCHMARKS, **EXTRA_BENCHMARKS}
 
@@ -34,7 +34,7 @@ def _replot(module_name: str, folder: str) -> None:
     """Redraw a benchmark's plots from the JSON a run saved in ``folder`` (no measuring)."""
     import importlib
 
-    from hydragen.bench.common import read_results
+    from hydragen.bench.core.common import read_results
 
     module = importlib.import_module(module_name)
     for path in module.plots(read_results(Path(folder), module.RESULT_NAME), Path(folder)):
