@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydragen.bench.structured.modes import FREE_MODES, MODE_LABELS, MODES
+
 
 def plots(data: dict, out: Path) -> list[Path]:
     """Tokens/s and latency per mode at each batch size; mask time per token."""
     import matplotlib
-
-    from hydragen.bench.structured.jump_forward import FREE_MODES, MODES
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -20,13 +20,6 @@ def plots(data: dict, out: Path) -> list[Path]:
     rows = data["rows"]
     batches = sorted({r["batch"] for r in rows})
     workload = "Tool calls" if data.get("params", {}).get("workload") == "tools" else "JSON extraction"
-    labels = {
-        "unconstrained": "no schema",
-        "no_jump": "schema, token by token",
-        "jump": "schema, jump-forward",
-        "free": "free text, no grammar",
-        "free_masked": "free text, grammar forcing nothing",
-    }
     paths = []
     for metric, ylabel, name, modes in (
         ("tokens_per_s", "output tokens per second", "structured_tokens_per_s.png", MODES),
@@ -44,7 +37,7 @@ def plots(data: dict, out: Path) -> list[Path]:
                 next((r[metric] for r in rows if r["batch"] == b and r["mode"] == mode), 0.0) for b in batches
             ]
             xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(batches))]
-            bars = ax.bar(xs, values, width, label=labels[mode], color=f"C{j}")
+            bars = ax.bar(xs, values, width, label=MODE_LABELS[mode], color=f"C{j}")
             ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
         ax.set_ylabel(ylabel)

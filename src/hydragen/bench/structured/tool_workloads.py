@@ -192,7 +192,7 @@ def speed_rows(llm, batches: list[int], requests: int, serial: int, max_tokens: 
     eight functions), forced text sampled token by token (no_jump) vs jump-forward (jump), at each batch
     size. The same columns as the extraction workload; validity is "every call parses and validates"."""
     from hydragen import SamplingParams
-    from hydragen.bench.structured.jump_forward import timed
+    from hydragen.bench.structured.timed_requests import timed
 
     structured = llm.engine.structured
     jobs = real_jobs(llm, requests)
