@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+from hydragen.bench.dp.chat_tokens import ChatTokens
 from hydragen.bench.dp.hit_rate_ceiling import hit_rate_ceiling
 from hydragen.bench.dp.routing import kv_tokens_for, notes
 from hydragen.bench.dp.sim.page_cache import PageCache
 from hydragen.bench.dp.sim.service_times import fit_line
-from hydragen.bench.dp.sim.simulation import ChatTokens, ServiceModel, Simulation
+from hydragen.bench.dp.sim.simulation import ServiceModel, Simulation
 from hydragen.bench.dp.workload import (
     Session,
     Tenant,

@@ -14,7 +14,7 @@ meets a prefix first, not how many misses there are, as long as a chat's turns k
 
 from __future__ import annotations
 
-from hydragen.bench.dp.sim.simulation import ChatTokens
+from hydragen.bench.dp.chat_tokens import ChatTokens
 from hydragen.bench.dp.workload import Workload
 from hydragen.kv.page_hash import page_hashes
 

@@ -25,8 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hydragen.bench.core.common import read_results, say_quick, write_table
+from hydragen.bench.dp.chat_tokens import ChatTokens
 from hydragen.bench.dp.hit_rate_ceiling import hit_rate_ceiling
-from hydragen.bench.dp.sim.simulation import ChatTokens, percentile
+from hydragen.bench.dp.sim.simulation import percentile
 from hydragen.bench.dp.workload import Session, Workload, WorkloadSpec, make_workload, tokenizer_counter
 
 RESULT_NAME = "dp"  # dp.json, dp.md (and dp_sim.json, dp_sim.md)

@@ -14,8 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from hydragen.bench.core.common import write_table
+from hydragen.bench.dp.chat_tokens import ChatTokens
 from hydragen.bench.dp.hit_rate_ceiling import hit_rate_ceiling
-from hydragen.bench.dp.sim.simulation import ChatTokens, ServiceModel, Simulation
+from hydragen.bench.dp.sim.simulation import ServiceModel, Simulation
 from hydragen.bench.dp.workload import Workload, make_workload
 
 RESULT_NAME = "dp_sim"
