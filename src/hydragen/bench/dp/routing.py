@@ -25,9 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hydragen.bench.core.common import read_results, say_quick, write_table
+from hydragen.bench.core.stats import percentile
 from hydragen.bench.dp.chat_tokens import ChatTokens
 from hydragen.bench.dp.hit_rate_ceiling import hit_rate_ceiling
-from hydragen.bench.dp.sim.simulation import percentile
 from hydragen.bench.dp.workload import Session, Workload, WorkloadSpec, make_workload, tokenizer_counter
 
 RESULT_NAME = "dp"  # dp.json, dp.md (and dp_sim.json, dp_sim.md)
@@ -161,7 +161,7 @@ def run_policy(args, w: Workload, policy: str, kv_tokens: int) -> dict:
             why = dict(labels).get("reason", "?")
             reasons[why] = reasons.get(why, 0) + int(v)
     ok = [r for r in records if not r["error"]]
-    ttft = sorted(r["ttft"] for r in ok)
+    ttft = [r["ttft"] for r in ok]
     return {
         "policy": policy,
         "requests": f"{len(ok)}/{w.requests}",

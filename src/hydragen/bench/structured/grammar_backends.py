@@ -18,12 +18,8 @@ from pathlib import Path
 
 import torch
 
+from hydragen.bench.core.stats import percentile
 from hydragen.structured.schemas import SCHEMAS
-
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def _walk(fill, bits, consume, done, vocab: int, rng: random.Random, max_steps: int) -> list[float]:
@@ -108,7 +104,7 @@ def summarize(per_schema: dict) -> dict:
         "compile_ms_mean": 1e3 * statistics.fmean(compiles) if compiles else None,
         "compile_ms_max": 1e3 * max(compiles) if compiles else None,
         "mask_us_mean": 1e6 * statistics.fmean(masks) if masks else None,
-        "mask_us_p99": 1e6 * _percentile(masks, 0.99) if masks else None,
+        "mask_us_p99": 1e6 * percentile(masks, 99) if masks else None,
         "masks_timed": len(masks),
     }
 

@@ -8,10 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+from hydragen.bench.core.stats import percentile
 
 
 def timed(llm, requests: list[tuple[list[int], object]], batch: int) -> dict:
@@ -53,10 +50,10 @@ def timed(llm, requests: list[tuple[list[int], object]], batch: int) -> dict:
         "cpu_s": cpu,
         "tokens_per_cpu_s": tokens / cpu,
         "latency_mean_s": statistics.fmean(latencies),
-        "latency_p99_s": _percentile(latencies, 0.99),
+        "latency_p99_s": percentile(latencies, 99),
         "forced_fraction": (st.forced_tokens - forced0) / max(tokens, 1),
         "decode_steps": st.steps - steps0,
         "mask_us_per_token_mean": 1e6 * sum(masker.seconds) / masked_rows if masked_rows else float("nan"),
-        "mask_us_per_token_p99": 1e6 * _percentile(per_token, 0.99) if per_token else float("nan"),
+        "mask_us_per_token_p99": 1e6 * percentile(per_token, 99) if per_token else float("nan"),
         "mask_ms_per_step_mean": 1e3 * statistics.fmean(masker.seconds) if masker.seconds else float("nan"),
     }

@@ -20,6 +20,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from hydragen.bench.core.stats import percentile
 from hydragen.bench.dp.chat_tokens import ChatTokens
 from hydragen.bench.dp.sim.page_cache import OutOfPages, PageCache
 from hydragen.bench.dp.workload import Session, Workload
@@ -306,7 +307,7 @@ class Simulation:
 
     def figures(self, end: float) -> dict:
         done = [r for r in self.requests if r.done is not None]
-        ttft = sorted(r.first_token - r.arrival for r in done)
+        ttft = [r.first_token - r.arrival for r in done]
         prompt = sum(x.prompt_tokens for x in self.replicas)
         busy = [x.busy_s for x in self.replicas]
         counts = [x.requests for x in self.replicas]
@@ -327,9 +328,3 @@ class Simulation:
             "requests_per_replica": counts,
             "routed": [r["routed"] for r in self.router.snapshot()],
         }
-
-
-def percentile(sorted_xs: list[float], p: float) -> float:
-    if not sorted_xs:
-        return float("nan")
-    return sorted_xs[min(len(sorted_xs) - 1, int(round(p / 100 * (len(sorted_xs) - 1))))]
