@@ -15,7 +15,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_bench_quant_quick(tmp_path, monkeypatch):
     from hydragen import cli
-    from hydragen.bench.quant.suite import MODES
+    from hydragen.bench.quant.decode import MODES
 
     monkeypatch.setenv("HYDRAGEN_CACHE_DIR", str(tmp_path / "cache"))
     config = tmp_path / "config.json"
@@ -110,7 +110,7 @@ def test_bench_quant_refuses_bad_parts(capsys):
 def test_paired_ratio_is_the_median_of_each_rounds_ratio():
     """Round by round, so a phase that slows both engines of a round cancels, and one engine's outlier round
     counts once: here the two best rates give 100 / 120 = 0.83x, where two rounds of three say 1.05x."""
-    from hydragen.bench.quant.suite import paired_ratio
+    from hydragen.bench.quant.decode import paired_ratio
 
     assert paired_ratio([100.0, 60.0, 62.0], [95.0, 57.0, 120.0]) == pytest.approx(60.0 / 57.0)
     assert paired_ratio([100.0, 60.0], [80.0, 60.0]) == pytest.approx((1.0 + 1.25) / 2)
@@ -120,7 +120,8 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
 
 def test_bench_quant_points_and_engines_are_checked(capsys):
     from hydragen import cli
-    from hydragen.bench.quant.suite import _engines, _point, _points
+    from hydragen.bench.quant.decode import _point
+    from hydragen.bench.quant.suite import _engines, _points
 
     assert _points("1:512, 8:64") == ((1, 512), (8, 64))
     assert _points("8:512:distinct,1:64") == ((8, 512, True), (1, 64))
@@ -144,7 +145,7 @@ def test_bench_quant_points_and_engines_are_checked(capsys):
 def test_each_engine_of_the_decode_table_runs_what_its_label_says(mode, act_bits, kv_dtype):
     import torch
 
-    from hydragen.bench.quant.suite import MODE_LABELS, _engine
+    from hydragen.bench.quant.decode import MODE_LABELS, _engine
     from hydragen.model.linear import PackedProjection
 
     llm = _engine(None, mode, 256)
@@ -160,26 +161,27 @@ def test_engines_that_would_not_fit_together_are_refused_before_loading(monkeypa
     would not fit in 90 % of the available memory are refused before anything loads, naming --engines; a
     llama.cpp peer that cannot run is not counted; the real part takes --engines too."""
     from hydragen.bench.peers import llamacpp_peer
+    from hydragen.bench.quant import decode
     from hydragen.bench.quant import suite as bench
 
     def load(*args):
         raise RuntimeError("loading")
 
-    monkeypatch.setattr(bench, "_engine", load)
+    monkeypatch.setattr(decode, "_engine", load)
     model = tmp_path / "model.gguf"
     model.write_bytes(b"\0" * 4096)
-    monkeypatch.setattr(bench, "_available_bytes", lambda: 4 * 4096)  # room for three copies, not four
-    monkeypatch.setattr(bench, "_gguf_sizes", lambda path: (1024, 0))  # no KV cache
+    monkeypatch.setattr(decode, "_available_bytes", lambda: 4 * 4096)  # room for three copies, not four
+    monkeypatch.setattr(decode, "_gguf_sizes", lambda path: (1024, 0))  # no KV cache
     four = ("hydragen", "hydragen-kv32", "hydragen-int8", "hydragen-4k")
     with pytest.raises(SystemExit, match=r"4 engines of model.gguf .* pass fewer with --engines"):
-        bench.decode_rows(model, [(1, 8)], 2, 1, four)
+        decode.decode_rows(model, [(1, 8)], 2, 1, four)
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: "not installed")
     with pytest.raises(RuntimeError, match="loading"):  # the peer is skipped: three engines fit
-        bench.decode_rows(model, [(1, 8)], 2, 1, ("llamacpp", "hydragen", "hydragen-kv32", "hydragen-int8"))
+        decode.decode_rows(model, [(1, 8)], 2, 1, ("llamacpp", "hydragen", "hydragen-kv32", "hydragen-int8"))
     # two engines' weights fit, not with their caches: 12 + 64 KV tokens x 512 elements x 2 bytes each
-    monkeypatch.setattr(bench, "_gguf_sizes", lambda path: (1024, 512))
+    monkeypatch.setattr(decode, "_gguf_sizes", lambda path: (1024, 512))
     with pytest.raises(SystemExit, match="with their KV caches"):
-        bench.decode_rows(model, [(1, 8)], 1, 1, ("hydragen", "hydragen-int8"))
+        decode.decode_rows(model, [(1, 8)], 1, 1, ("hydragen", "hydragen-int8"))
     args = bench.argparse.Namespace(real_size="tiny:Q8_0", real_tokens=2, rounds=1, engines=("hydragen",),
                                     temperature=0.8, top_p=0.95, top_k=0, min_p=0.0)  # fmt: skip
     seen = []
@@ -205,6 +207,7 @@ def test_both_engines_of_the_decode_table_sample_alike(monkeypatch, tmp_path, fl
     picking greedily while hydragen samples would leave its sampling out of one side of the ratio."""
     from hydragen.bench.e2e import decode_throughput as e2e
     from hydragen.bench.peers import llamacpp_peer
+    from hydragen.bench.quant import decode
     from hydragen.bench.quant import suite as bench
 
     seen = {}
@@ -221,8 +224,8 @@ def test_both_engines_of_the_decode_table_sample_alike(monkeypatch, tmp_path, fl
     model.write_bytes(b"\0")
     monkeypatch.setattr(e2e, "ENGINE_SAMPLING", dict(e2e.ENGINE_SAMPLING))  # put back afterwards
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: None)
-    monkeypatch.setattr(bench, "PeerProcess", peer_process)
-    monkeypatch.setattr(bench, "_check_memory", lambda *args: None)
+    monkeypatch.setattr(decode, "PeerProcess", peer_process)
+    monkeypatch.setattr(decode, "_check_memory", lambda *args: None)
     argv = ["--parts", "decode", "--model", str(model), "--engines", "llamacpp", "--out", str(tmp_path)]
     with pytest.raises(Loaded):
         bench.main(argv + flags)
@@ -249,11 +252,11 @@ def test_a_llamacpp_crash_in_a_later_round_leaves_its_rounds_out(segfaulting_lla
     hydragen, llama.cpp has no row (nor a ratio), and the reason names the peer, the signal and where."""
     import math
 
-    from hydragen.bench.quant import suite as bench
+    from hydragen.bench.quant.decode import decode_rows
 
     segfaulting_llamacpp.setenv("CRASHING_PEER_CALLS", "3")  # the warm-up, then t(1) and t(T) of round 1
     skipped: dict[str, str] = {}
-    rows = bench.decode_rows(None, [(1, 8)], 3, 2, ("llamacpp", "hydragen"), {"temperature": 0}, skipped)
+    rows = decode_rows(None, [(1, 8)], 3, 2, ("llamacpp", "hydragen"), {"temperature": 0}, skipped)
     assert [r["mode"] for r in rows] == ["hydragen"] and math.isnan(rows[0]["vs llama.cpp"])
     assert skipped["llamacpp"].startswith("llama.cpp crashed (signal 11, SIGSEGV); its last output: ")
     assert "generate: about to crash" in skipped["llamacpp"]
@@ -296,7 +299,7 @@ def test_the_accuracy_part_goes_on_when_llamacpp_crashes(segfaulting_llamacpp):
 def test_the_memory_check_reads_the_models_shape_from_its_gguf():
     """Weight elements and the K/V elements a cached token stores come from the GGUF header: the embedded
     SmolLM2-135M has 30 layers of 3 KV heads of 64 dims and ~135M weights."""
-    from hydragen.bench.quant.suite import _gguf_sizes
+    from hydragen.bench.quant.decode import _gguf_sizes
     from hydragen.model.default_model import default_model_path
 
     elements, per_token = _gguf_sizes(default_model_path())
@@ -306,7 +309,7 @@ def test_the_memory_check_reads_the_models_shape_from_its_gguf():
 
 def test_the_decode_plots_name_the_sampling_they_ran_with():
     """A plot read alone says how both engines sampled; results from before the peer sampled say greedy."""
-    from hydragen.bench.quant.suite import _plot_words
+    from hydragen.bench.quant.plots import _plot_words
 
     assert _plot_words({"params": {}}) == "llama.cpp greedy"
     assert _plot_words({"params": {"sampling": {"temperature": 0.0}}}) == "both greedy"
@@ -315,7 +318,7 @@ def test_the_decode_plots_name_the_sampling_they_ran_with():
 
 
 def test_the_decode_plots_x_label_names_the_points_it_shows():
-    from hydragen.bench.quant.suite import _points_label
+    from hydragen.bench.quant.plots import _points_label
 
     rows = [
         {"n": n, "prompt": p, "prompts": k}
