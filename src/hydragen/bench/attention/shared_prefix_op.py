@@ -27,18 +27,19 @@ prefix 1K..16K, suffix 32..512).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from hydragen.attention import shared_prefix_attention
+from hydragen.bench.attention.shared_prefix_op_plots import plots
+from hydragen.bench.attention.sweeps import SHAPES, SWEEPS, sweep_points
+from hydragen.bench.attention.timers import time_cpu, time_cuda
 from hydragen.bench.core.common import (
     machine_description,
     matmul_rate,
@@ -46,39 +47,8 @@ from hydragen.bench.core.common import (
     say_quick,
     write_table,
 )
-from hydragen.bench.core.plots import Missing, Panel, plot, plot_lines
 
 RESULT_NAME = "attention"  # attention.json, attention.md
-# name -> (Hq, Hkv, D)
-SHAPES: dict[str, tuple[int, int, int]] = {"paper": (8, 1, 128), "gqa": (9, 3, 64)}
-SHAPE_WORDS = {"paper": "the paper's shape", "gqa": "SmolLM2's GQA shape"}
-
-# Sweeps: (batch, prefix, suffix) grid plus a suffix sweep at one (batch, prefix).
-SWEEPS: dict[str, dict] = {
-    "quick": dict(batch=[1, 4], prefix=[16, 64], suffix=[8], suffix_sweep=[4, 16], suffix_at=(4, 64)),
-    "cpu": dict(
-        batch=[1, 8, 32, 128, 256],
-        prefix=[64, 1024, 4096, 16384],
-        suffix=[128],
-        suffix_sweep=[32, 512],
-        suffix_at=(128, 1024),
-    ),
-    "cuda": dict(
-        batch=[1, 8, 64, 256, 1024],
-        prefix=[0, 64, 256, 1024, 4096, 16384],
-        suffix=[128],
-        suffix_sweep=[32, 512],
-        suffix_at=(256, 4096),
-    ),
-    "full": dict(
-        batch=[2**i for i in range(11)],
-        prefix=[1024, 2048, 4096, 8192, 16384],
-        suffix=[32, 128, 512],
-        suffix_sweep=[],
-        suffix_at=None,
-    ),
-}
-
 COLUMNS = [
     "shape",
     "batch",
@@ -152,105 +122,6 @@ def _sdpa_has_gqa() -> bool:
     except TypeError:
         return False
     return True
-
-
-def sweep_points(
-    batch: list[int],
-    prefix: list[int],
-    suffix: list[int],
-    suffix_sweep: list[int] = (),
-    suffix_at: tuple[int, int] | None = None,
-) -> list[tuple[int, int, int]]:
-    """(B, P, S) points: the batch x prefix x suffix grid, then the extra suffix values at one (B, P)."""
-    points = [(b, p, s) for s in suffix for p in prefix for b in batch]
-    if suffix_at is not None:
-        points += [(suffix_at[0], suffix_at[1], s) for s in suffix_sweep]
-    seen: set[tuple[int, int, int]] = set()
-    return [x for x in points if not (x in seen or seen.add(x))]
-
-
-# --------------------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------------------
-
-
-def time_cpu(
-    fns: list[Callable[[], torch.Tensor]], min_trials: int, target_s: float, max_trials: int = 50
-) -> tuple[list[list[float]], list[torch.Tensor]]:
-    """Seconds of every trial per fn; trials interleaved across fns so background load hits every side alike.
-
-    Two untimed calls warm up (the second sizes the trial count: enough for ``target_s`` of the slowest
-    side, at least ``min_trials``). Returns (per-fn trial times, each fn's last output).
-    """
-    outs = [fn() for fn in fns]
-    probe = []
-    for fn in fns:
-        t0 = time.perf_counter()
-        fn()
-        probe.append(time.perf_counter() - t0)
-    trials = max(min_trials, min(max_trials, int(target_s / max(max(probe), 1e-6))))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(trials):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            outs[i] = fn()
-            times[i].append(time.perf_counter() - t0)
-    return times, outs
-
-
-def _cuda_graph(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor], str]:
-    """Capture fn in a CUDA graph (so launch overhead is not timed); fall back to eager if capture fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up on a side stream, as capture requires
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as e:  # any capture failure means "time it eagerly"
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize()
-        return fn, f"eager (graph capture failed: {type(e).__name__}: {str(e)[:80]})"
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return static_out
-
-    return replay, "cuda graph"
-
-
-def time_cuda(
-    fns: list[Callable[[], torch.Tensor]], trials: int, flush: torch.Tensor
-) -> tuple[list[list[float]], list[torch.Tensor], list[str]]:
-    """Seconds of every trial per fn: CUDA graphs, L2 flushed before every trial, CUDA events, interleaved.
-
-    Returns (per-fn trial times, each side's output from its timed runner, each side's timing mode).
-    """
-    runners, modes = zip(*(_cuda_graph(fn) for fn in fns), strict=True)
-    for r in runners:
-        r()
-    starts = [[torch.cuda.Event(enable_timing=True) for _ in range(trials)] for _ in fns]
-    ends = [[torch.cuda.Event(enable_timing=True) for _ in range(trials)] for _ in fns]
-    outs = [None] * len(fns)
-    torch.cuda.synchronize()
-    for t in range(trials):
-        for i, r in enumerate(runners):
-            flush.zero_()  # evict the previous trial's KV from L2: every trial reads from HBM
-            starts[i][t].record()
-            outs[i] = r()
-            ends[i][t].record()
-    torch.cuda.synchronize()
-    times = [
-        [s.elapsed_time(e) / 1e3 for s, e in zip(ss, es, strict=True)]
-        for ss, es in zip(starts, ends, strict=True)
-    ]
-    return times, outs, list(modes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,94 +248,8 @@ def bench_point(
 
 
 # --------------------------------------------------------------------------------------------------
-# Sweep, outputs
+# The sweep, its table and plots
 # --------------------------------------------------------------------------------------------------
-
-
-def _shape_words(shape: str) -> str:
-    hq, hkv, d = SHAPES.get(shape, (0, 0, 0))
-    return (
-        f"{SHAPE_WORDS.get(shape, shape)}: {hq} query heads, {hkv} KV head{'s' if hkv > 1 else ''}, dim {d}"
-    )
-
-
-def plots(data: dict, out: Path) -> list[Path]:
-    """Speedup vs batch (a panel per shape, a line per prefix length, at one suffix) and speedup vs suffix
-    length, from a run's saved rows."""
-    rows, quick = data["rows"], data.get("quick", False)
-    ok = [r for r in rows if r.get("status") == "ok"]
-    suffixes = [r["suffix"] for r in rows]
-    plot_suffix = data.get("params", {}).get("plot_suffix") or max(
-        set(suffixes), key=suffixes.count, default=0
-    )
-    dtype = next((r["dtype"] for r in rows), "")
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))  # as swept
-    panels = []
-    for shape in shapes:
-        series: dict[str, tuple[list[float], list[float]]] = {}
-        missing = []
-        for r in sorted((r for r in rows if r["shape"] == shape), key=lambda r: (r["prefix"], r["batch"])):
-            if r["suffix"] != plot_suffix:
-                continue
-            name = f"prefix {r['prefix']:,} tokens"
-            xs, ys = series.setdefault(name, ([], []))
-            if r.get("status") == "ok":
-                xs.append(r["batch"])
-                ys.append(r["speedup"])
-            else:
-                missing.append(Missing(name, r["batch"], str(r.get("status", "not run"))))
-        panels.append(Panel(series, _shape_words(shape), missing, hline=(1.0, "same speed")))
-    machine = data.get("machine", "")
-    paths = [
-        plot(
-            panels,
-            out / "attention_speedup_vs_batch.png",
-            f"Shared-prefix attention vs per-sequence SDPA over each sequence's own copy: one decode step, "
-            f"private suffix of {plot_suffix} tokens ({dtype}; above 1: hydragen is faster)",
-            "batch size (sequences sharing the prefix)",
-            "speedup (SDPA time / hydragen time)",
-            logx=True,
-            quick=quick,
-            footnote=f"Machine: {machine}",
-        )
-    ]
-    # Speedup vs suffix: the (B, P) groups with >= 2 suffix values, at their most common batch (ties:
-    # the largest), so the full grid gives one line per prefix at the largest batch.
-    by_suffix: dict[str, tuple[list[float], list[float]]] = {}
-    for shape in shapes:
-        groups: dict[tuple[int, int], list[dict]] = {}
-        for r in ok:
-            if r["shape"] == shape:
-                groups.setdefault((r["batch"], r["prefix"]), []).append(r)
-        multi = {k: v for k, v in groups.items() if len({r["suffix"] for r in v}) >= 2}
-        if not multi:
-            continue
-        counts: dict[int, int] = {}
-        for b, _ in multi:
-            counts[b] = counts.get(b, 0) + 1
-        best = max(counts, key=lambda b: (counts[b], b))
-        for (b, pre), grp in sorted(multi.items()):
-            if b == best:
-                grp = sorted(grp, key=lambda r: r["suffix"])
-                name = f"{SHAPE_WORDS.get(shape, shape)}, batch {b}, prefix {pre:,}"
-                by_suffix[name] = ([r["suffix"] for r in grp], [r["speedup"] for r in grp])
-    if by_suffix:
-        paths.append(
-            plot_lines(
-                by_suffix,
-                out / "attention_speedup_vs_suffix.png",
-                f"Shared-prefix attention vs per-sequence SDPA as the private suffix grows ({dtype}; "
-                "above 1: hydragen is faster)",
-                "private suffix length (tokens per sequence)",
-                "speedup (SDPA time / hydragen time)",
-                logx=True,
-                hline=(1.0, "same speed"),
-                quick=quick,
-                footnote=f"Machine: {machine}",
-                ylim_zero=True,
-            )
-        )
-    return paths
 
 
 def run(
