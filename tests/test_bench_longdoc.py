@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from hydragen.bench.longdoc.many_questions import COLORS, build_prompts, dog_names, first_word, make_document
+from hydragen.bench.longdoc.document import COLORS, build_prompts, dog_names, first_word, make_document
 from hydragen.bench.longdoc.many_questions import run as run_longdoc
 
 FACT = re.compile(r"The dog named (\w+) has fur that is (\w+)\.")
