@@ -137,7 +137,7 @@ def per_replica(metrics: dict, name: str, replicas: int) -> list[float]:
 
 
 def run_policy(args, w: Workload, policy: str, kv_tokens: int) -> dict:
-    from hydragen.bench.serving.shared_prefix_load import start_server
+    from hydragen.bench.serving.server_process import start_server
 
     extra = ["--data-parallel-size", str(args.replicas), "--router-policy", policy]
     extra += ["--router-balance-bound", str(args.balance_bound)]

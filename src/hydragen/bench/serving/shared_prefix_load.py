@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +19,7 @@ from pathlib import Path
 from hydragen.bench.core.common import say_quick, write_table
 from hydragen.bench.core.plots import LABELS, plot_lines
 from hydragen.bench.core.stats import percentile
+from hydragen.bench.serving.server_process import start_server
 
 WORDS = [
     "river",
@@ -138,42 +136,6 @@ def _metric(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return float("nan")
-
-
-def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "hydragen",
-        "serve",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--log-level",
-        "warning",  # no request lines in the benchmark's output
-        *extra,
-    ]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited during start-up")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start within 300 s")
 
 
 def run(args) -> list[dict]:
