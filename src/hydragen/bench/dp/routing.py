@@ -1,6 +1,6 @@
 """``hydragen bench dp``: routing policies for data-parallel replicas, measured, then simulated at 8-64.
 
-The workload (``dp_workload``): many tenants with system prompts of 1-2K tokens, many users each, chat
+The workload (``dp.workload``): many tenants with system prompts of 1-2K tokens, many users each, chat
 sessions arriving as a Poisson process, multi-turn (a turn sends the history with the answers the server
 gave), real clients' settings (temperature, top_p, stop strings, mixed max_tokens). Each replica's KV
 cache is sized so that the tenants' system prompts total ``--cache-ratio`` (1.6) times one replica's cache:
@@ -10,8 +10,8 @@ For each policy, ``hydragen serve --data-parallel-size 2 --router-policy P`` sta
 one core each, the same KV size), the same workload is replayed through the OpenAI client (streaming, so
 time to first token is seen), and the replicas' /metrics give the prefix-cache hit rate (prompt tokens found
 cached / prompt tokens) and the requests each replica served. Then a replica's service times are measured
-(``dp_service``) and the router is simulated at 2 (checked against the measurement) and 8-64 replicas
-(``dp_scale``). ``--simulate DIR`` runs the simulation alone, from a measured run's JSON in DIR.
+(``dp.sim.service_times``) and the router is simulated at 2 (checked against the measurement) and 8-64
+replicas (``dp.sim.scale``). ``--simulate DIR`` runs the simulation alone, from a measured run's JSON in DIR.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def simulate_all(args, w: Workload, service: ServiceModel, params: dict, out: Pa
     bound = params.get("balance_bound", 4)
     count = lambda text: len(encode(text))  # noqa: E731
     rows = []
-    ceilings = {}  # replicas -> the scaled workload's hit-rate ceiling (dp_ceiling)
+    ceilings = {}  # replicas -> the scaled workload's hit-rate ceiling (hit_rate_ceiling)
 
     def one(wn: Workload, tokens: ChatTokens, n: int, policy: str, b: int, part: str) -> None:
         t0 = time.perf_counter()

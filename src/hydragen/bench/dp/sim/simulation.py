@@ -5,7 +5,7 @@ and each simulated replica feeds its cache changes back through ``Router.apply``
 publishes. A replica is modelled as hydragen's engine runs: continuous batching, running requests oldest
 first, prompt chunks of at most 512 tokens within 2048 per step, one token per decoding request, the whole
 prompt's pages taken at admission, generated pages cached when a request ends, LRU eviction of idle pages
-(``dp_sim_cache``), the newest request preempted when pages run out. A step takes the time the service
+(``page_cache``), the newest request preempted when pages run out. A step takes the time the service
 model says: seconds per uncached prompt token plus a decode step's time for its batch, measured on the
 real replica (``bench dp`` calibrates it at 1 thread).
 
