@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 
 from hydragen import LLM
-from hydragen.cli.engine_flags import engine_config, engine_flags, flag_of
 from hydragen.cli.parser import build_parser
-from hydragen.engine.config import ConfigError, EngineConfig
+from hydragen.engine.config import EngineConfig
+from hydragen.engine.config_flags import engine_config, engine_flags, flag_of
+from hydragen.errors import ConfigError
 
 FLAGGED = [f for f in dataclasses.fields(EngineConfig) if f.metadata["cli"]]
 

@@ -12,7 +12,8 @@ import torch
 
 from hydragen import LLM, SamplingParams
 from hydragen.engine.sampler import derive_seed
-from hydragen.engine.sampling_params import INT64_MAX, INT64_MIN, MIN_TOP_P, ParamError
+from hydragen.engine.sampling_params import INT64_MAX, INT64_MIN, MIN_TOP_P
+from hydragen.errors import ParamError
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44], [100, 90, 80]]
 SAMPLED = dict(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hydragen import LLM, SamplingParams
-from hydragen.cli.engine_flags import engine_config
 from hydragen.cli.parser import build_parser
+from hydragen.engine.config_flags import engine_config
 from hydragen.model.loader import resolve_kv_dtype
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land of shared prefixes,"]

@@ -14,7 +14,7 @@ from fake_engine import fake_engine
 
 from hydragen import SamplingParams
 from hydragen.engine.outputs import RequestOutputKind
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 
 PROMPT = "Write a short list of fruits:"
 

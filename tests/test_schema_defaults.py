@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from hydragen import LLM, SamplingParams, StructuredOutputsParams
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.structured.schema_defaults import close_objects
 from tests.server_helpers import LiveServer
 from tests.structured_helpers import tiny_bpe_model

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from hydragen import LLM, SamplingParams, StructuredOutputsParams
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.structured.schemas import SCHEMAS
 from tests.server_helpers import tiny_chat_model
 from tests.structured_helpers import assert_valid, tiny_bpe_model

@@ -13,7 +13,7 @@ import pytest
 
 from hydragen import LLM, SamplingParams, StructuredOutputsParams
 from hydragen.bench.structured.tool_workloads import call_problems, random_tools, run_tool_requests
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.tools.formats import GENERIC, HERMES, LLAMA3_JSON, detect_format
 from hydragen.tools.grammar import tool_grammar
 from hydragen.tools.parser import CallScanner, Content, parse

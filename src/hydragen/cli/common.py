@@ -108,7 +108,7 @@ def engine_config_of(args: argparse.Namespace, **overrides):
     """The engine settings the flags give (``EngineConfig``), checked before anything loads: a bad value is
     a usage error naming its flag. The CLI's own defaults: the cores other programs leave free (threads
     "auto"), and torchrun's number of ranks under torchrun (--random-weights has become --model already)."""
-    from hydragen.cli.engine_flags import EngineFlagError, engine_config
+    from hydragen.engine.config_flags import EngineFlagError, engine_config
 
     cli_defaults = {"tensor_parallel_size": tp_size(args)}
     if args.threads is None:

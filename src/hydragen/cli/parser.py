@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from hydragen.cli.bench import BENCHMARKS, EXTRA_BENCHMARKS, run_bench
-from hydragen.cli.engine_flags import add_engine_flags
 from hydragen.cli.generate import run_chat, run_generate
 from hydragen.cli.serve import run_serve
+from hydragen.engine.config_flags import add_engine_flags
 from hydragen.restart_backoff import DEFAULT_MAX_PER_MINUTE
 from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 

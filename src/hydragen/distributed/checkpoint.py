@@ -18,6 +18,7 @@ from hydragen.distributed.sharded_model import ShardedLlamaModel
 from hydragen.distributed.sharding import Shard, SplitBlocks
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.heap import release_freed_memory
 from hydragen.model.loader import (
     build_model,
     keeps_compact,
@@ -27,7 +28,6 @@ from hydragen.model.loader import (
     random_gguf_or,
     random_model,
     read_hf_config,
-    release_freed_memory,
     resolve_model_path,
     weight_files,
 )

@@ -25,8 +25,8 @@ import torch
 from hydragen.distributed import commands
 from hydragen.distributed.group import CollectiveError, TPGroup, collective_timeout
 from hydragen.distributed.lockstep import RankFailed, run_step
-from hydragen.engine.isolation import EngineBroken
 from hydragen.engine.model_runner import ModelRunner, PackedBatch
+from hydragen.errors import EngineBroken
 from hydragen.kv.pool import PagePool
 
 DEATH_GRACE_S = 1.0

@@ -94,7 +94,7 @@ def replica_args(
 ) -> list[str]:
     """The ``hydragen serve`` arguments of every replica: ``engine``'s settings (an ``EngineConfig``) as
     flags, with the threads and ``kv_cache`` (from ``replica_kv_cache``) the front decided."""
-    from hydragen.cli.engine_flags import engine_flags
+    from hydragen.engine.config_flags import engine_flags
 
     out = ["--host", "127.0.0.1", "--port", "0", "--threads", str(threads)]
     out += ["--kv-cache-tokens", str(kv_cache[0]), "--kv-cache-dtype", kv_cache[1]]

@@ -2,7 +2,7 @@
 
 ``LLM(...)`` keeps its keyword arguments (vLLM style) and builds an ``EngineConfig`` from them; the engine,
 the model runner and the scheduler read their settings from it; the CLI's flags for ``serve``, ``generate``
-and ``chat`` are made from its fields (``cli/engine_flags.py``, as vLLM's ``EngineArgs`` makes its flags),
+and ``chat`` are made from its fields (``engine/config_flags.py``, as vLLM's ``EngineArgs`` makes its flags),
 so a new setting cannot miss its flag, and a data-parallel front hands its replicas the same settings by
 turning a config back into flags. Every value is checked here, once, with an error naming the setting;
 what needs the machine (is CUDA there, does the model load) is checked where it is used.
@@ -17,18 +17,12 @@ import re
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+from hydragen.errors import ConfigError
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_PAGE_SIZE = 16
 ATTENTION = ("auto", "fused", "torch", "triton", "none")
 TOOL_FORMATS = ("hermes", "llama3_json", "generic")
-
-
-class ConfigError(ValueError):
-    """A bad engine setting; ``name`` is the field (the CLI names its flag instead)."""
-
-    def __init__(self, name: str, message: str):
-        super().__init__(message)
-        self.name = name
 
 
 def setting(

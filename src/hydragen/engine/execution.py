@@ -13,8 +13,9 @@ import logging
 
 import torch
 
-from hydragen.engine.isolation import EngineBroken, forward_each_request_alone
+from hydragen.engine.isolation import forward_each_request_alone
 from hydragen.engine.step_plan import StepPlan, StepResult
+from hydragen.errors import EngineBroken
 
 log = logging.getLogger("hydragen.engine")
 

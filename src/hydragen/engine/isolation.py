@@ -20,10 +20,7 @@ import torch
 
 from hydragen.engine.sequence import Request
 from hydragen.engine.step_plan import Fork, StepPlan
-
-
-class EngineBroken(RuntimeError):
-    """A failure of the engine itself (not of one request's work): nothing is retried, every request ends."""
+from hydragen.errors import EngineBroken
 
 
 def failure_message(stage: str, exc: BaseException) -> str:

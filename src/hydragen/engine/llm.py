@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 
 from hydragen.engine.config import EngineConfig
 from hydragen.engine.engine import Engine
-from hydragen.engine.isolation import EngineBroken
 from hydragen.engine.loop import EngineLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
+from hydragen.errors import EngineBroken
 from hydragen.model.linear import keeps_quantized_weights
 from hydragen.model.loader import DTYPES, load_model, resolve_device, resolve_dtype, resolve_kv_dtype
 

@@ -6,7 +6,8 @@ vocabulary, a prompt as long as the context, or one sequence too big for the who
 
 from __future__ import annotations
 
-from hydragen.engine.sampling_params import ParamError, SamplingParams
+from hydragen.engine.sampling_params import SamplingParams
+from hydragen.errors import ParamError
 
 
 def first_bad_token(token_ids, vocab: int) -> object | None:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from hydragen.engine.outputs import RequestOutputKind
+from hydragen.errors import ParamError
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -26,14 +27,6 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-
-
-class ParamError(ValueError):
-    """A bad request parameter; ``param`` names it (the server answers 400 with that param)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

@@ -30,6 +30,7 @@ from hydragen.engine.isolation import failure_message
 from hydragen.engine.sequence import Request, Sequence, Status
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS, order, plan_sharing
 from hydragen.engine.step_plan import Admission, Fork, StepPlan, StepResult, Work
+from hydragen.errors import CannotFit
 from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import OutOfPages
 
@@ -49,10 +50,6 @@ class Sharing:
         if not self.enabled:
             return 0
         return None if self.limit is None else self.limit // page_size
-
-
-class CannotFit(RuntimeError):
-    """A sequence needs more KV pages than the cache could ever give it."""
 
 
 class Scheduler:

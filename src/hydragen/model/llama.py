@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         cast to ``dtype``); ``QuantTensor`` weights stay in their format. A tensor of the wrong shape raises
         RuntimeError, a missing one KeyError.
         """
-        from hydragen.model.loader import release_freed_memory
+        from hydragen.model.heap import release_freed_memory
 
         c = self.cfg
         device = device or self.norm.device

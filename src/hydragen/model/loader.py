@@ -10,6 +10,7 @@ import torch
 
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.heap import release_freed_memory
 from hydragen.model.llama import LlamaModel
 from hydragen.model.qtensor import TORCH_16BIT, QuantTensor
 
@@ -183,18 +184,6 @@ def build_model(cfg: ModelConfig, sd, device, dtype, where: Path, model_class=Ll
     except ValueError as e:
         raise ModelFileError(where, first_line(e)) from None
     return net
-
-
-def release_freed_memory() -> None:
-    """Hand the load's freed temporaries back to the OS. glibc keeps freed heap memory mapped, and the
-    reads and repacking of a load leave holes between the weights that stay: resident memory would count
-    them as the model's (on the embedded model, ~90 MB over its 96 MB of weights)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def parse_config(hf_cfg: dict, cfg_file: Path) -> ModelConfig:

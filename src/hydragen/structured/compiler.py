@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.structured.params import JSON_DEFAULTS, GrammarSource, StructuredOutputsParams
 from hydragen.structured.schema_defaults import explain
 

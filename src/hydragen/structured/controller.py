@@ -8,7 +8,7 @@ The engine calls three hooks and nothing else of this package: ``attach`` when a
 
 from __future__ import annotations
 
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.structured.compiler import GrammarCompiler
 from hydragen.structured.jump import jump_forward
 from hydragen.structured.masking import BatchMasker

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.structured.schema_defaults import close_objects
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")

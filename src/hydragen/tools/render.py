@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.tools.formats import CallFormat, generic_instructions
 from hydragen.tools.spec import Tool, ToolChoice
 

@@ -16,7 +16,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 from hydragen.structured.params import StructuredOutputsParams
 from hydragen.structured.schema_defaults import find_keyword
 from hydragen.tools.formats import CallFormat

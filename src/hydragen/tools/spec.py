@@ -8,7 +8,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from hydragen.engine.sampling_params import ParamError
+from hydragen.errors import ParamError
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_TOOLS = 1024

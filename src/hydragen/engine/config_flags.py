@@ -13,7 +13,8 @@ import argparse
 import re
 from dataclasses import Field, fields
 
-from hydragen.engine.config import ConfigError, EngineConfig
+from hydragen.engine.config import EngineConfig
+from hydragen.errors import ConfigError
 
 
 class EngineFlagError(ValueError):
