@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,15 +27,14 @@ from hydragen.engine.isolation import failure_message
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.output_processor import OutputProcessor, StageError
 from hydragen.engine.outputs import RequestOutput, RequestOutputKind
-from hydragen.engine.request_checks import check_fits, check_request, first_bad_token
-from hydragen.engine.sampler import derive_seed
+from hydragen.engine.request_checks import check_fits, check_forced, check_request
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.scheduler import Scheduler, Sharing
-from hydragen.engine.sequence import Request, Sequence
+from hydragen.engine.sequence import Request, Sequence, new_request
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS
 from hydragen.engine.stats import EngineSnapshot, EngineStats
 from hydragen.engine.step_plan import StepPlan, StepResult
-from hydragen.kv.manager import KVManager, PageTable
+from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import PagePool
 from hydragen.kv.radix import PageEvent
 from hydragen.model.linear import keeps_quantized_weights
@@ -169,14 +167,7 @@ class Engine:
         rid = str(next(self._request_ids)) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(
-            rid, prompt, list(prompt_ids), params, arrival_time=time.perf_counter(), cache_salt=cache_salt
-        )
-        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req.seqs = [
-            Sequence(req, i, derive_seed(base_seed, i), next(self._seq_ids), kv=PageTable(salt=cache_salt))
-            for i in range(params.n)
-        ]
+        req = new_request(rid, prompt, prompt_ids, params, self._seq_ids, cache_salt=cache_salt)
         self.structured.attach(params, req.seqs)  # a constraint that cannot compile raises ParamError here
         self.requests[rid] = req
         self.scheduler.add(req.seqs)
@@ -214,20 +205,9 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].finished:
             raise ValueError(f"no unfinished sequence {index} of request {request_id!r}")
-        s = req.seqs[index]
-        token_ids = list(token_ids)
-        if first_bad_token(token_ids, self.cfg.vocab_size) is not None:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        if len(s.generated) + len(token_ids) >= s.params.max_tokens:
-            raise ValueError("extend would reach max_tokens: no room left to sample after it")
-        if s.context_len + len(token_ids) >= self.cfg.max_position_embeddings:
-            raise ValueError(
-                f"extend would reach the model's context of {self.cfg.max_position_embeddings} tokens: "
-                "no room left to sample after it"
-            )
+        s, token_ids = req.seqs[index], list(token_ids)
+        check_forced(s, token_ids, vocab=self.cfg.vocab_size, context=self.cfg.max_position_embeddings)
         if s.grammar is not None:
-            if not s.grammar.fits(token_ids):
-                raise ValueError("the tokens do not fit the request's structured-output constraint")
             s.grammar.accept_all(token_ids)
         self.stats.forced_tokens += self.outputs.append_forced(s, token_ids)
         if s.finished:  # a stop inside the text: it ends now (between steps), reported with the next step

@@ -14,9 +14,13 @@ nothing keys on ``id()``. Everything else reads them through the read-only prope
 
 from __future__ import annotations
 
+import secrets
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hydragen.engine.sampler import derive_seed
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.kv.manager import PageTable
 
@@ -154,3 +158,25 @@ class Sequence:
     def max_len(self) -> int:
         """Longest this sequence can get: prompt + max_tokens."""
         return len(self.request.prompt_ids) + self.request.params.max_tokens
+
+
+def new_request(
+    request_id: str,
+    prompt: str | None,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    seq_ids: Iterator[int],
+    *,
+    cache_salt: str | None = None,
+) -> Request:
+    """A request and its ``params.n`` samples, each seeded from the request's seed (a random one when it has
+    none) and numbered by ``seq_ids`` (the engine's counter), each on an empty page table."""
+    req = Request(
+        request_id, prompt, list(prompt_ids), params, arrival_time=time.perf_counter(), cache_salt=cache_salt
+    )
+    base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+    req.seqs = [
+        Sequence(req, i, derive_seed(base_seed, i), next(seq_ids), kv=PageTable(salt=cache_salt))
+        for i in range(params.n)
+    ]
+    return req
