@@ -71,7 +71,7 @@ class LiveServer:
     @property
     def engine(self):
         """The engine being served now."""
-        return self.app.state.engine.engine
+        return self.app.state.engine_client.engine
 
     def headers(self) -> dict[str, str]:
         key = self.options.api_key

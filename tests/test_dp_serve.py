@@ -198,7 +198,7 @@ def test_front_routes_on_the_exact_ids_the_replica_computes(kind, tmp_path):
     prompts = RequestPrompts.from_files(config, resolved, None)
     with_text = RequestPrompts.from_files(config, resolved, None, want_text=True)
     submitted: list[list[int]] = []
-    engine = srv.app.state.engine
+    engine = srv.app.state.engine_client
     real_submit = engine.submit
 
     async def recording_submit(ids, params, text, label=""):

@@ -99,7 +99,7 @@ def test_rays_health_check_fails_on_a_failed_or_stalled_engine_and_only_then(mod
         held.release()
         client.join(timeout=60)
         wait_until(lambda: health_raises(replica) is None, "the health check to pass again")
-        engine = srv.app.state.engine
+        engine = srv.app.state.engine_client
         engine.draining = True  # a shutdown in progress is no reason to replace it
         assert health_raises(replica) is None
         engine.draining = False

@@ -29,7 +29,7 @@ def server():
     srv = LiveServer(llm, MODEL)
     yield srv.url, llm
     srv.stop()
-    srv.app.state.engine.shutdown()
+    srv.app.state.engine_client.shutdown()
     llm.close()
 
 

@@ -84,7 +84,7 @@ def test_a_broken_group_ends_its_requests_and_the_engine_is_rebuilt_after_the_ol
         return _llm(model_dir)
 
     srv = LiveServer(_llm(model_dir), "tiny", rebuild=rebuild)
-    old_model = weakref.ref(srv.app.state.engine.llm.model)
+    old_model = weakref.ref(srv.app.state.engine_client.llm.model)
     try:
         want = _complete(srv).json()["choices"][0]["text"]
         go = _group_breaks_at_forward(srv.engine, first=2)  # the stream's prefill and first decode run
@@ -139,7 +139,7 @@ def test_a_group_that_broke_between_requests_is_seen_by_health_and_the_next_requ
         return _llm(model_dir)
 
     srv = LiveServer(_llm(model_dir), "tiny", rebuild=rebuild)
-    engine, dead = srv.app.state.engine, threading.Event()
+    engine, dead = srv.app.state.engine_client, threading.Event()
     broken = weakref.ref(engine.llm)  # the LLM whose worker "dies"; the rebuilt one is sound
     engine.restarts.group_failure = lambda llm: CAUSE if dead.is_set() and llm is broken() else None
     try:

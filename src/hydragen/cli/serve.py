@@ -131,11 +131,11 @@ def run_serve(args: argparse.Namespace) -> int:
     restartable = tp > 1 and torchrun_env() is None
     app = create_app(llm, name, options, rebuild=rebuild_llm if restartable else None)
     del llm, governor  # the app owns the LLM now: a restart must be able to free it
-    engine = app.state.engine
+    client = app.state.engine_client
     try:
         run(app, sock, options, log_level, ready)
     finally:
-        engine.close_llm()
+        client.close_llm()
         if events is not None:
             events.close()
     return 0

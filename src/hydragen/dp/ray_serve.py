@@ -102,7 +102,7 @@ class HydragenReplica:
     def check_health(self) -> None:
         """Ray Serve calls it periodically; raising makes Ray replace this replica: when its engine failed,
         or is stuck in a step past the step timeout (not while it drains for a shutdown)."""
-        if (err := self.app.state.engine.unavailable()) is not None and err.code in REFUSALS:
+        if (err := self.app.state.engine_client.unavailable()) is not None and err.code in REFUSALS:
             raise RuntimeError(f"{err.code}: {err.message}")
 
     async def handle(self, call: ReplicaCall, **_: Any):
@@ -121,7 +121,7 @@ class HydragenReplica:
 
     def __del__(self) -> None:  # Ray Serve stops the replica
         if hasattr(self, "app"):
-            self.app.state.engine.shutdown()  # the AsyncEngine's thread (no ASGI lifespan runs in-process)
+            self.app.state.engine_client.shutdown()  # its engine thread (no ASGI lifespan runs in-process)
         if hasattr(self, "events"):
             self.events.close()
         if hasattr(self, "llm"):

@@ -17,10 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import MAX_N, ParamError
-from hydragen.server.async_engine import AsyncEngine, Update
 from hydragen.server.body import parse_body, read_body
+from hydragen.server.engine_client import RequestStream
 from hydragen.server.errors import APIError, install_error_handlers
+from hydragen.server.in_process_client import InProcessClient
 from hydragen.server.loads import add_loads_route
 from hydragen.server.metrics import LatencyMetrics, render_gauges
 from hydragen.server.middleware import Gate
@@ -33,11 +35,12 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 CLIENT_CLOSED = 499  # logged status of a request whose client went away before its response
 
 
-def openai_app(engine, options: ServerOptions, on_shutdown=None, health_body=None) -> FastAPI:
+def openai_app(engine_client, options: ServerOptions, on_shutdown=None, health_body=None) -> FastAPI:
     """What the server and the data-parallel front (``dp.front``) share: errors in OpenAI's shape, the
-    gate, ``/health`` from ``engine.unavailable()``, and ``engine`` in ``app.state`` (HydragenServer drains it
-    on SIGTERM: ``begin_drain``, ``fail_all``). ``on_shutdown`` runs when the app stops; ``health_body()``
-    gives the body of an ok ``/health`` (default ``{"status": "ok"}``)."""
+    gate, ``/health`` from ``engine_client.unavailable()``, and ``engine_client`` in ``app.state``, which
+    HydragenServer drains on SIGTERM (``begin_drain``, ``fail_all``): an ``EngineClient``, or the front.
+    ``on_shutdown`` runs when the app stops; ``health_body()`` gives the body of an ok ``/health``
+    (default ``{"status": "ok"}``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -46,14 +49,14 @@ def openai_app(engine, options: ServerOptions, on_shutdown=None, health_body=Non
             on_shutdown()
 
     app = FastAPI(title="hydragen", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine = engine
+    app.state.engine_client = engine_client
     app.state.options = options
     install_error_handlers(app)
     app.add_middleware(Gate, api_key=options.api_key, allowed_hosts=options.allowed_hosts)
 
     @app.get("/health")
     async def health():
-        err = engine.unavailable()
+        err = engine_client.unavailable()
         if err is not None:
             return err.response()
         return health_body() if health_body is not None else {"status": "ok"}
@@ -67,7 +70,7 @@ def create_app(
     """The server's app for ``llm``. ``rebuild()`` makes a new LLM with the same options: given, the server
     rebuilds its engine when the tensor-parallel group breaks (``engine_restarts``), at most
     ``options.max_restarts_per_minute`` times a minute. The app then owns ``llm``: it reaches the engine
-    through ``app.state.engine`` only, and the caller should keep no reference (a restart frees it)."""
+    through ``app.state.engine_client`` only, and the caller should keep no reference (a restart frees it)."""
     options = options or ServerOptions()
     options.check()
     metrics = LatencyMetrics()
@@ -76,27 +79,27 @@ def create_app(
         from hydragen.server.engine_restarts import GroupRestarts
 
         restarts = GroupRestarts(rebuild, options.max_restarts_per_minute)
-    engine = AsyncEngine(llm, metrics, options.step_timeout, restarts)
+    client = InProcessClient(llm, metrics, options.step_timeout, restarts)
     tok, tool_format = llm.tokenizer, llm.tool_format  # the same for every rebuild: the same model files
     encoder = PromptEncoder(tok, llm.config.max_position_embeddings, llm.config.vocab_size)
 
-    app = openai_app(engine, options, on_shutdown=engine.shutdown)
+    app = openai_app(client, options, on_shutdown=client.shutdown)
 
     @app.get("/v1/models")
     async def models():
         return {
             "object": "list",
             "data": [
-                {"id": model_name, "object": "model", "created": int(engine.started), "owned_by": "hydragen"}
+                {"id": model_name, "object": "model", "created": int(client.started), "owned_by": "hydragen"}
             ],
         }
 
-    add_loads_route(app, engine)  # what model gateways (smg) poll
+    add_loads_route(app, client)  # what model gateways (smg) poll
 
     @app.get("/metrics")
     async def prometheus():
-        snap = engine.snapshot  # published by the engine thread after every step; never the live state
-        st, unavailable = snap.stats, engine.unavailable()
+        snap = client.snapshot()  # published by the engine thread after every step; never the live state
+        st, unavailable = snap.stats, client.unavailable()
         rows = [
             (
                 "hydragen_requests_running",
@@ -125,7 +128,7 @@ def create_app(
                 "hydragen_generation_tokens_per_second",
                 "gauge",
                 "decode rate over the last 5 s",
-                engine.tokens_per_second,
+                client.tokens_per_second,
             ),
             (
                 "hydragen_engine_healthy",
@@ -178,7 +181,7 @@ def create_app(
         started = time.monotonic()
         record = http.scope["state"]["log"]
         record["id"] = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if (err := engine.unavailable()) is not None:
+        if (err := client.unavailable()) is not None:
             raise err
         raw = await read_body(http, options.max_request_bytes, options.read_timeout)
         body = await parse_body(raw, ChatCompletionRequest if chat else CompletionRequest, refuse_unsupported)
@@ -221,28 +224,21 @@ def create_app(
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def precompile(constraint, field: str) -> None:
-        """Compile the request's constraint on a worker thread: the engine thread then finds it cached, so
-        a slow compile never holds up the decoding of other requests."""
-        if constraint is None:
-            return
+        """Compile the request's constraint before the engine thread gets it (400 naming ``field``)."""
         try:
-            await asyncio.to_thread(engine.structured.compile, constraint)
+            await client.compile(constraint)
         except ParamError as e:
             raise APIError(400, str(e), field, code="invalid_value") from None
 
     async def tool_params(tools, params, literal: bool | None):
-        """The request's params with its tool-call grammar, built and compiled on a worker thread (errors
+        """The request's params with its tool-call grammar, built and compiled off the event loop (errors
         name the tool whose schema is at fault)."""
-        structured = engine.structured
-        literal = structured.literal_json_schema if literal is None else literal
 
-        def build():
-            constraint = tools.constraint(structured.compiler.ll_tokenizer, literal)
-            structured.compile(constraint)
-            return tools.sampling_params(params, constraint)
+        def build(ll_tokenizer, default_literal: bool):
+            return tools.constraint(ll_tokenizer, default_literal if literal is None else literal)
 
         try:
-            return await asyncio.to_thread(build)
+            return tools.sampling_params(params, await client.compile(build))
         except ParamError as e:
             if e.param == "structured_outputs":  # the grammar did not compile
                 e = tools.locate(e)
@@ -255,15 +251,15 @@ def create_app(
         max_tokens_param: str,
         label: str,
         structured_param: str = "structured_outputs",
-    ) -> list[tuple[str, asyncio.Queue]]:
-        subs = []
+    ) -> list[RequestStream]:
+        subs: list[RequestStream] = []
         try:
             for i, ((ids, text), p) in enumerate(zip(prompts, params, strict=True)):
                 name = label if len(prompts) == 1 else f"{label} prompt {i}"
-                subs.append(await engine.submit(ids, p, text, name))
+                subs.append(await client.submit(ids, p, text, name))
         except (ValueError, TypeError) as e:
-            for rid, _ in subs:
-                engine.abort(rid)
+            for stream in subs:
+                client.abort(stream.request_id)
             param = getattr(e, "param", None) or "prompt"
             if param == "prompt" and chat:
                 param = "messages"
@@ -273,38 +269,36 @@ def create_app(
                 param = structured_param
             raise APIError(400, str(e), param, code="invalid_value") from None
         except BaseException:
-            for rid, _ in subs:
-                engine.abort(rid)
+            for stream in subs:
+                client.abort(stream.request_id)
             raise
         return subs
 
     async def respond(http, subs, n, shapes, meta, chat, record, started) -> Response:
         collected, finals = Collected(), []
         gone = asyncio.ensure_future(client_gone(http))
-        pending = [rid for rid, _ in subs]
+        pending = list(subs)
         try:
-            for p_idx, (rid, q) in enumerate(subs):
+            for p_idx, stream in enumerate(subs):
                 while True:
-                    getter = asyncio.ensure_future(q.get())
+                    getter = asyncio.ensure_future(anext(stream))
                     await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
                     if not getter.done():
                         getter.cancel()
                         record["client"] = "disconnected"
                         return Response(status_code=CLIENT_CLOSED)
-                    upd: Update = getter.result()
-                    if upd.error is not None:
-                        raise upd.error
-                    if record.get("ttft") is None and any(d.token_ids for d in upd.deltas):
+                    report: RequestOutput = getter.result()  # a failed request raises its APIError
+                    if record.get("ttft") is None and any(c.token_ids for c in report.outputs):
                         record["ttft"] = f"{time.monotonic() - started:.3f}s"
-                    collected.add(p_idx * n, upd)
-                    if upd.finished:
-                        finals.append(upd)
-                        pending.remove(rid)
+                    collected.add(p_idx * n, report)
+                    if report.finished:
+                        finals.append(report)
+                        pending.remove(stream)
                         break
         finally:
             gone.cancel()
-            for rid in pending:  # an error, or the client went away: free their pages now
-                engine.abort(rid)
+            for stream in pending:  # an error, or the client went away: free their pages now
+                client.abort(stream.request_id)
         note_finish(record, collected.completion_tokens, finals, collected.reasons.values())
         return JSONResponse(
             {
@@ -317,31 +311,31 @@ def create_app(
 
     async def stream(subs, n, shapes, meta, chat, include_usage, record, started) -> AsyncIterator[str]:
         chunk_base = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
-        finals: list[Update] = []
+        finals: list[RequestOutput] = []
         reasons: list[str] = []
         completion_tokens = 0
-        pending = {rid: (p_idx, q) for p_idx, (rid, q) in enumerate(subs)}
+        pending = dict(enumerate(subs))  # prompt index -> its stream
         try:
             if chat:
                 for k in range(len(subs) * n):
                     yield sse({**chunk_base, "choices": [shapes.role_choice(k)]})
             while pending:
-                getters = {asyncio.ensure_future(q.get()): rid for rid, (_, q) in pending.items()}
+                getters = {asyncio.ensure_future(anext(s)): p_idx for p_idx, s in pending.items()}
                 done, rest = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
                 for fut in rest:
                     fut.cancel()
                 for fut in done:
-                    rid = getters[fut]
-                    p_idx, _ = pending[rid]
-                    upd: Update = fut.result()
-                    if upd.error is not None:
-                        record.update(error=upd.error.type, code=upd.error.code)
-                        yield sse(upd.error.body())
+                    p_idx = getters[fut]
+                    try:
+                        report: RequestOutput = fut.result()
+                    except APIError as err:  # the request failed: the stream ends with its error
+                        record.update(error=err.type, code=err.code)
+                        yield sse(err.body())
                         yield SSE_DONE
                         return
-                    if record.get("ttft") is None and any(d.token_ids for d in upd.deltas):
+                    if record.get("ttft") is None and any(c.token_ids for c in report.outputs):
                         record["ttft"] = f"{time.monotonic() - started:.3f}s"
-                    for d in upd.deltas:
+                    for d in report.outputs:
                         completion_tokens += len(d.token_ids)
                         if d.finish_reason:
                             reasons.append(d.finish_reason)
@@ -350,9 +344,9 @@ def create_app(
                             if include_usage:
                                 chunk["usage"] = None
                             yield sse(chunk)
-                    if upd.finished:
-                        finals.append(upd)
-                        pending.pop(rid)
+                    if report.finished:
+                        finals.append(report)
+                        pending.pop(p_idx)
             if include_usage:
                 yield sse({**chunk_base, "choices": [], "usage": usage(finals, completion_tokens)})
             note_finish(record, completion_tokens, finals, reasons)
@@ -365,8 +359,8 @@ def create_app(
         finally:
             if pending and "error" not in record:
                 record["client"] = "disconnected"
-            for rid in pending:  # client went away (or an error): free their pages now
-                engine.abort(rid)
+            for stream in pending.values():  # client went away (or an error): free their pages now
+                client.abort(stream.request_id)
 
     add_completion_routes(app, handle)
     return app
@@ -384,9 +378,9 @@ def add_completion_routes(app: FastAPI, handle) -> None:
         return await handle(http, chat=True)
 
 
-def note_finish(record: dict, completion_tokens: int, finals: list[Update], reasons) -> None:
+def note_finish(record: dict, completion_tokens: int, finals: list[RequestOutput], reasons) -> None:
     record["completion_tokens"] = completion_tokens
-    record["cached_tokens"] = sum(u.cached_tokens for u in finals)
+    record["cached_tokens"] = sum(r.cached_prompt_tokens for r in finals)
     record["finish"] = ",".join(sorted({r for r in reasons if r})) or None
 
 

@@ -25,7 +25,6 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hydragen.server.async_engine import AsyncEngine
 from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions
 
@@ -65,9 +64,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class HydragenServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, options: ServerOptions, ready: str = ""):
+    def __init__(self, config: uvicorn.Config, engine_client, options: ServerOptions, ready: str = ""):
+        """``engine_client``: what a shutdown drains (``begin_drain``, ``fail_all``): the app's
+        ``EngineClient``, or the data-parallel front."""
         super().__init__(config)
-        self.engine, self.options, self.ready = engine, options, ready
+        self.engine_client, self.options, self.ready = engine_client, options, ready
         self._idle_since: dict[tuple[int, int], float] = {}
 
     async def startup(self, sockets=None) -> None:
@@ -81,11 +82,11 @@ class HydragenServer(uvicorn.Server):
             log.warning("second signal: exiting now")
             os._exit(128 + sig)
         log.info("shutting down: no new requests; %g s for the ones in flight", self.options.shutdown_timeout)
-        self.engine.begin_drain()
+        self.engine_client.begin_drain()
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
-        self.engine.begin_drain()
+        self.engine_client.begin_drain()
         expire = asyncio.ensure_future(self._abort_in_flight_after(self.options.shutdown_timeout))
         try:
             await super().shutdown(sockets)
@@ -97,7 +98,7 @@ class HydragenServer(uvicorn.Server):
     async def _abort_in_flight_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
         log.warning("shutdown grace period over: aborting the requests still in flight")
-        self.engine.fail_all(
+        self.engine_client.fail_all(
             APIError(
                 503,
                 "the server shut down; this request was aborted at the end of its grace period",
@@ -153,7 +154,7 @@ def make_server(app, options: ServerOptions, log_level: str = "info", ready: str
         timeout_keep_alive=options.keep_alive_timeout,
         timeout_graceful_shutdown=int(options.shutdown_timeout) + 5,  # a backstop: requests end at the grace
     )
-    return HydragenServer(config, app.state.engine, options, ready)
+    return HydragenServer(config, app.state.engine_client, options, ready)
 
 
 def run(app, sock: socket.socket, options: ServerOptions, log_level: str, ready: str) -> None:

@@ -13,13 +13,13 @@ import time
 
 from fastapi import FastAPI
 
+from hydragen.server.engine_client import EngineClient
 
-def add_loads_route(app: FastAPI, engine) -> None:
-    """``engine``: the server's AsyncEngine."""
 
+def add_loads_route(app: FastAPI, client: EngineClient) -> None:
     @app.get("/v1/loads")
     async def loads():
-        snap = engine.snapshot
+        snap = client.snapshot()
         used, total = snap.pages_used * snap.page_size, snap.pages_total * snap.page_size
         return {
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -33,9 +33,9 @@ def add_loads_route(app: FastAPI, engine) -> None:
                     "num_used_tokens": used,
                     "max_total_num_tokens": total,
                     "token_usage": used / total if total else 0.0,
-                    "gen_throughput": engine.tokens_per_second,
+                    "gen_throughput": client.tokens_per_second,
                     "cache_hit_rate": snap.stats.hit_rate,
-                    "max_running_requests": engine.max_num_seqs,
+                    "max_running_requests": client.max_num_seqs,
                 }
             ],
         }

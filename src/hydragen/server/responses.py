@@ -1,10 +1,10 @@
-"""OpenAI response bodies: choices, log-probabilities, usage and SSE chunks, built from engine updates."""
+"""OpenAI response bodies: choices, log-probabilities, usage and SSE chunks, built from engine reports."""
 
 from __future__ import annotations
 
 import json
 
-from hydragen.server.async_engine import SeqDelta, Update
+from hydragen.engine.outputs import CompletionOutput, RequestOutput
 from hydragen.tools.stream import ToolCallStream, finish_reason
 
 
@@ -75,7 +75,7 @@ class Shapes:
         c["logprobs"] = self.logprobs(lps, ids, index)
         return c
 
-    def delta_choices(self, index: int, d: SeqDelta) -> list[dict]:
+    def delta_choices(self, index: int, d: CompletionOutput) -> list[dict]:
         """The stream chunks' choices for one update of choice ``index``: one, or with tools the content
         and tool-call deltas it holds (then one that carries the finish_reason)."""
         if not (self.chat and self.tools is not None):
@@ -95,7 +95,7 @@ class Shapes:
             out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 
-    def delta_choice(self, index: int, d: SeqDelta) -> dict:
+    def delta_choice(self, index: int, d: CompletionOutput) -> dict:
         lp = self.logprobs(d.logprobs, d.token_ids, index) if self.want_lp and d.logprobs else None
         if self.chat:
             return {
@@ -117,7 +117,7 @@ class Shapes:
 
 
 class Collected:
-    """A non-streaming request's choices, accumulated from its updates."""
+    """A non-streaming request's choices, accumulated from its reports."""
 
     def __init__(self):
         self.texts: dict[int, str] = {}
@@ -125,8 +125,8 @@ class Collected:
         self.lps: dict[int, list] = {}
         self.reasons: dict[int, str | None] = {}
 
-    def add(self, first_index: int, upd: Update) -> None:
-        for d in upd.deltas:
+    def add(self, first_index: int, report: RequestOutput) -> None:
+        for d in report.outputs:
             k = first_index + d.index
             self.texts[k] = self.texts.get(k, "") + d.text
             self.ids.setdefault(k, []).extend(d.token_ids)
@@ -148,9 +148,9 @@ class Collected:
         return sum(len(v) for v in self.ids.values())
 
 
-def usage(finals: list[Update], completion_tokens: int) -> dict:
-    prompt_tokens = sum(u.prompt_tokens for u in finals)
-    cached = sum(u.cached_tokens for u in finals)
+def usage(finals: list[RequestOutput], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in finals)
+    cached = sum(r.cached_prompt_tokens for r in finals)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -211,7 +211,7 @@ def _serve(llm):
     def stop() -> None:
         server.should_exit = True
         thread.join(timeout=120)
-        app.state.engine.shutdown()  # (also done by the app's shutdown) the engine thread has ended
+        app.state.engine_client.shutdown()  # (also done by the app's shutdown) the engine thread has ended
         for rid in list(llm.engine.requests):  # nothing of the server's stays in the engine
             llm.engine.abort(rid)
 
@@ -262,7 +262,7 @@ def no_stall(llm, seed: int, slow_count: int, stream_tokens: int) -> tuple[list[
                 params = SamplingParams(
                     max_tokens=4, structured_outputs=StructuredOutputsParams(grammar=grammar)
                 )
-                submit = app.state.engine.submit
+                submit = app.state.engine_client.submit
                 slow = threading.Thread(target=lambda f=submit, i=ids, p=params: asyncio.run(f(i, p, None)))
             slow.start()
             slow.join()

@@ -1,13 +1,17 @@
-"""Runs the engine on one background thread and streams per-request updates to asyncio consumers.
+"""``InProcessClient``: the ``EngineClient`` of an ``LLM`` in this process, stepped on a thread of its own.
 
-The engine is not thread-safe, so only the worker thread touches it: HTTP handlers submit requests and
-aborts through a queue and read updates from an asyncio queue per request. Every step, each active
-request gets one update (new text and tokens per sequence); the final update carries the outputs.
+Why the name: it is not an engine but the server's client of one (``engine_client``); the engine itself is
+``Engine``, the loop that steps it ``EngineLoop``. The engine is not thread-safe, so only this client's
+thread touches it: the event loop submits requests and aborts through a queue of commands, and each
+request's reports (the engine's DELTA outputs, passed on as they are) come back on its ``RequestStream``.
+After every step the thread wakes each event loop once with all of that step's reports, not once per
+request (``scripts/bench_client_reports.py`` counts the wakes).
 
 Failures stay with their request: the engine ends a request whose own work failed (its output carries the
-error), and building one request's update is guarded here the same way. An exception the engine cannot
-attribute ends every request in flight with a 500, marks the engine failed (``/health`` answers 503, new
-requests 503), and leaves the thread answering commands, so no client ever waits on a dead engine.
+error, which its stream raises as a 500), and handling one request's report is guarded here the same way.
+An exception the engine cannot attribute ends every request in flight with a 500, marks the engine failed
+(``/health`` answers 503, new requests 503), and leaves the thread answering commands, so no client ever
+waits on a dead engine.
 
 When the engine's tensor-parallel group broke (a worker died or hung) and the server can rebuild it
 (``engine_restarts``), the requests in flight end with that 500 as well, then the engine is rebuilt on this
@@ -30,16 +34,20 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hydragen.engine.isolation import failure_message
 from hydragen.engine.outputs import RequestOutput, RequestOutputKind
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.sequence import Request
+from hydragen.engine.stats import EngineSnapshot
+from hydragen.server.engine_client import ConstraintBuilder, RequestStream
 from hydragen.server.errors import APIError
 from hydragen.server.metrics import LatencyMetrics, RequestTimes
 from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S, StepWatchdog
+from hydragen.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from hydragen.server.engine_restarts import GroupRestarts
@@ -47,39 +55,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("hydragen.server")
 
 
-@dataclass
-class SeqDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-
-
-@dataclass
-class Update:
-    deltas: list[SeqDelta]
-    finished: bool
-    error: APIError | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+Delivery = tuple[RequestStream, RequestOutput | APIError]  # a report, or the error, for a request's stream
 
 
 @dataclass
 class _Tracked:
     request: Request
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
+    stream: RequestStream
     times: RequestTimes
     label: str  # what the server's log calls it (the HTTP request's id), for the stall log
-    tokens_out: list[int] = field(default_factory=list)  # tokens sent, per sample
+    tokens_out: list[int] = field(default_factory=list)  # tokens reported, per sample
 
 
 def request_failed(message: str) -> APIError:
     return APIError(500, f"request failed: {message}", code="request_failed")
 
 
-class AsyncEngine:
+class InProcessClient:
+    """The ``EngineClient`` of ``llm``: one thread steps it, the event loop talks to it through commands
+    and ``RequestStream``s. It also owns the step watchdog and, given ``restarts``, the rebuilding of a
+    broken tensor-parallel group, so ``llm`` is its own: close it through ``close_llm``."""
+
     def __init__(
         self,
         llm,
@@ -103,6 +100,9 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
+        self._outbox: dict[
+            asyncio.AbstractEventLoop, list[Delivery]
+        ] = {}  # for each loop, since it last woke
         self._stop = False
         self._ids = 0
         self.failure: str | None = None  # set when the engine loop failed: it takes no more requests
@@ -119,18 +119,35 @@ class AsyncEngine:
         return 0.0 if self.failure is not None or loop is None or loop.idle else loop.tokens_per_second
 
     @property
-    def snapshot(self):
+    def restart_count(self) -> int:
+        return self.restarts.count if self.restarts is not None else 0
+
+    def snapshot(self) -> EngineSnapshot:
         """The engine's state after its last step (the broken engine's last one while it is rebuilt)."""
         engine = self.engine
         return engine.snapshot if engine is not None else self._last_snapshot
 
-    @property
-    def structured(self):
-        """The running engine's structured-output compiler (a 503 while there is none)."""
+    async def compile(
+        self, constraint: StructuredOutputsParams | ConstraintBuilder | None
+    ) -> StructuredOutputsParams | None:
+        """Build and compile on a worker thread, with the running engine's compiler (a 503 while the engine
+        is rebuilt): the engine thread then finds it cached."""
+        if constraint is None:
+            return None
         engine = self.engine
         if engine is None:
             raise self.unavailable() or APIError(503, "the engine is being rebuilt", code="engine_restarting")
-        return engine.structured
+        structured = engine.structured
+
+        def build() -> StructuredOutputsParams | None:
+            built = constraint
+            if not isinstance(constraint, StructuredOutputsParams):
+                built = constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
+            if built is not None:
+                structured.compile(built)
+            return built
+
+        return await asyncio.to_thread(build)
 
     # ---- called from the event loop ---------------------------------------------------------------
     def unavailable(self) -> APIError | None:
@@ -163,25 +180,26 @@ class AsyncEngine:
 
     async def submit(
         self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, label: str = ""
-    ) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns its id and the queue its updates arrive on. ``label``: the name the
-        server's log knows it by (the HTTP request's id), used when a step holding it stalls.
+    ) -> RequestStream:
+        """Queue a request; its reports arrive on the returned stream. ``label``: the name the server's log
+        knows it by (the HTTP request's id), used when a step holding it stalls.
 
         Raises ValueError/ParamError for a request the engine refuses, APIError 503 when unavailable.
         """
         if (err := self.unavailable()) is not None:
             raise err
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream()
         accepted: asyncio.Future = loop.create_future()
         times = RequestTimes(arrival=time.monotonic())
-        self._commands.put(("add", (prompt_ids, params, prompt, loop, out, accepted, times, label)))
+        self._commands.put(("add", (prompt_ids, params, prompt, loop, stream, accepted, times, label)))
         self._wake.set()
         if not self._thread.is_alive():  # nobody else will ever answer the command
             self._reject_queued()
         elif self.restarting is not None and (err := self.unavailable()) is not None:
             _set_exception(accepted, err)  # a restart began meanwhile: the engine thread answers after it
-        return await accepted, out
+        stream.request_id = await accepted
+        return stream
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -216,6 +234,7 @@ class AsyncEngine:
             traceback.print_exc()
             self._die(f"engine loop stopped: {type(e).__name__}: {e}")
         finally:
+            self._wake_event_loops()
             self._reject_queued()
             if self._built_here:  # its workers die with this thread: stop them in order first
                 self.close_llm()
@@ -227,6 +246,7 @@ class AsyncEngine:
                 self._restart(broken)
                 continue
             self._drain_commands()
+            self._wake_event_loops()
             if self.failure is not None or self.loop.idle:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -235,7 +255,7 @@ class AsyncEngine:
             self.watchdog.begin()
             broken = None
             try:
-                self.loop.step()  # every tracked request's update goes out through _updated
+                self.loop.step()  # every tracked request's report goes to _updated
             except Exception as e:  # not attributable to a request: the engine's state is suspect
                 traceback.print_exc()
                 if self.restarts is not None and self.restarts.broke_group(e):
@@ -244,6 +264,7 @@ class AsyncEngine:
                     self._die(failure_message("engine step", e))
             finally:
                 self.watchdog.end()
+                self._wake_event_loops()
             if broken is not None:  # out of the handler: its traceback holds the old engine
                 self._restart(broken)
 
@@ -299,17 +320,21 @@ class AsyncEngine:
     def _end_in_flight(self, error: APIError) -> None:
         for rid, tr in list(self._tracked.items()):
             tr.times.finished = time.monotonic()
-            self._send(tr, Update([], True, error))
+            self._send(tr, error)
             with contextlib.suppress(Exception):  # best effort: the engine is already failed
                 self.loop.abort(rid)
         self._tracked.clear()
+        self._wake_event_loops()  # now: a restart's rebuild takes seconds
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[tuple[str, Any]]:
         while True:
             try:
-                kind, payload = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for kind, payload in self._queued_commands():
             if kind == "add":
                 self._add(*payload)
             elif kind == "abort":
@@ -317,7 +342,7 @@ class AsyncEngine:
                 self._abort_in_engine(payload)
             elif kind == "fail_all":
                 for rid, tr in list(self._tracked.items()):
-                    self._send(tr, Update([], True, payload))
+                    self._send(tr, payload)
                     del self._tracked[rid]
                     self._abort_in_engine(rid)
 
@@ -330,7 +355,7 @@ class AsyncEngine:
                 traceback.print_exc()
                 self._die(failure_message("abort", e))
 
-    def _add(self, prompt_ids, params, prompt, loop, out, accepted, times, label) -> None:
+    def _add(self, prompt_ids, params, prompt, loop, stream, accepted, times, label) -> None:
         if accepted.done():  # answered already (a restart began after it was queued)
             return
         if (err := self.unavailable()) is not None:
@@ -351,66 +376,80 @@ class AsyncEngine:
             )
             return
         n = len(req.seqs)
-        self._tracked[rid] = _Tracked(req, loop, out, times, label, [0] * n)
+        self._tracked[rid] = _Tracked(req, loop, stream, times, label, [0] * n)
         loop.call_soon_threadsafe(_set_result, accepted, rid)
 
     def _reject_queued(self) -> None:
         """Answer every queued command once no engine loop will (it failed or stopped)."""
         error = self.unavailable() or APIError(503, "the engine stopped", code="engine_failed")
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._queued_commands():
             if kind == "add":
                 loop, accepted = payload[3], payload[5]
                 with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                     loop.call_soon_threadsafe(_set_exception, accepted, error)
 
     def _updated(self, report: RequestOutput) -> None:
-        """The step loop's callback with each report of a request (DELTA: what is new): send it on."""
+        """The step loop's callback with each report of a request (DELTA: what is new): it goes on as it
+        is, once this thread has noted the request's times; a failed request's error goes instead."""
         rid = report.request_id
         tr = self._tracked.get(rid)
         if tr is None:
             return
         now = time.monotonic()
+        item: RequestOutput | APIError = report
         try:
-            upd = self._update_for(tr, report, now)
-        except Exception as e:  # building this request's update failed: it alone ends
+            self._note_times(tr, report, now)
+            if report.error is not None:
+                item = request_failed(report.error)
+        except Exception as e:  # handling this request's report failed: it alone ends
             traceback.print_exc()
-            upd = Update([], True, request_failed(failure_message("output building", e)))
+            item = request_failed(failure_message("output building", e))
             tr.times.finished = now
             self._abort_in_engine(rid)
-        self._send(tr, upd)
-        if upd.finished:
+        self._send(tr, item)
+        if isinstance(item, APIError) or report.finished:
             self._tracked.pop(rid, None)
             self.loop.forget(rid)
-            if upd.error is not None:
+            if isinstance(item, APIError):
                 self.metrics.failed += 1
             self.metrics.observe(tr.times)
 
     @staticmethod
-    def _update_for(tr: _Tracked, report: RequestOutput, now: float) -> Update:
-        if tr.times.scheduled is None:
-            tr.times.scheduled = report.first_scheduled_time
-        prompt, cached = len(report.prompt_token_ids), report.cached_prompt_tokens
+    def _note_times(tr: _Tracked, report: RequestOutput, now: float) -> None:
+        times = tr.times
+        if times.scheduled is None:
+            times.scheduled = report.first_scheduled_time
         if report.error is not None:
-            tr.times.finished = now
-            return Update([], True, request_failed(report.error), prompt, cached)
-        deltas = [SeqDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in report.outputs]
-        for d in deltas:
-            tr.tokens_out[d.index] += len(d.token_ids)
-        if tr.times.first_token is None and any(d.token_ids for d in deltas):
-            tr.times.first_token = now
+            times.finished = now
+            return
+        new_tokens = False
+        for c in report.outputs:
+            if c.token_ids:
+                tr.tokens_out[c.index] += len(c.token_ids)
+                new_tokens = True
+        if times.first_token is None and new_tokens:
+            times.first_token = now
         if report.finished:
-            tr.times.finished = now
-            tr.times.max_tokens_out = max(tr.tokens_out)
-        return Update(deltas, report.finished, None, prompt, cached)
+            times.finished = now
+            times.max_tokens_out = max(tr.tokens_out)
 
-    @staticmethod
-    def _send(tr: _Tracked, upd: Update) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
-            tr.loop.call_soon_threadsafe(tr.out.put_nowait, upd)
+    def _send(self, tr: _Tracked, item: RequestOutput | APIError) -> None:
+        """Queue ``item`` for the request's stream; ``_wake_event_loops`` hands it over."""
+        self._outbox.setdefault(tr.loop, []).append((tr.stream, item))
+
+    def _wake_event_loops(self) -> None:
+        """Hand every queued report to its event loop: one wake-up per loop for all of them."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[Delivery]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
