@@ -31,11 +31,12 @@ from hydragen.dp.kv_events import KVEventSubscriber
 from hydragen.dp.prompts import RequestPrompts
 from hydragen.dp.replicas import Replica, ReplicaSet, describe_exit
 from hydragen.dp.router import NoReplica, Route, Router, RouteRequest
-from hydragen.server.app import CLIENT_CLOSED, add_completion_routes, client_gone, openai_app
+from hydragen.server.app import add_completion_routes, openai_app
 from hydragen.server.body import read_body
 from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions
 from hydragen.server.responses import SSE_DONE, sse
+from hydragen.server.serving import CLIENT_CLOSED, client_gone
 from hydragen.server.step_watchdog import DEFAULT_STEP_TIMEOUT_S
 
 log = logging.getLogger("hydragen.dp")

@@ -1,0 +1,126 @@
+"""``POST /v1/chat/completions``: a conversation through the model's chat template, with OpenAI's chat
+choices, log-probabilities and tool calls (the request's ``ToolRequest`` renders the tools into the prompt,
+builds the call grammar and reads the calls out of the reply, whole or as it streams)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from hydragen.engine.outputs import CompletionOutput
+from hydragen.engine.sampling_params import ParamError
+from hydragen.server.errors import APIError
+from hydragen.server.protocol import ChatCompletionRequest
+from hydragen.server.responses import token_text
+from hydragen.server.serving import ParamNames
+from hydragen.server.serving_openai import OpenAIServing
+from hydragen.tools.request import ToolRequest
+from hydragen.tools.stream import ToolCallStream, finish_reason
+
+
+class ChatChoices:
+    """Chat choices. ``tools``: the request's ToolRequest when its replies may hold tool calls (they become
+    ``tool_calls``); ``top_logprobs`` alternatives per token when ``want_logprobs``."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, tokenizer, top_logprobs: int, want_logprobs: bool, tools: ToolRequest | None = None):
+        self.tok, self.top, self.want_lp, self.tools = tokenizer, top_logprobs, want_logprobs, tools
+        self._streams: dict[int, ToolCallStream] = {}  # per choice, while streaming with tools
+
+    def opening(self, count: int) -> list[dict]:
+        role = {"role": "assistant", "content": ""}
+        return [{"index": k, "delta": role, "logprobs": None, "finish_reason": None} for k in range(count)]
+
+    def delta(self, index: int, piece: CompletionOutput) -> list[dict]:
+        """One choice, or with tools the content and tool-call deltas the piece holds (then one that
+        carries the finish_reason)."""
+        lp = self.logprobs(piece.logprobs, piece.token_ids) if piece.logprobs else None
+        if self.tools is None:
+            content = {"content": piece.text} if piece.text else {}
+            return [{"index": index, "delta": content, "logprobs": lp, "finish_reason": piece.finish_reason}]
+        if index not in self._streams:
+            self._streams[index] = self.tools.stream()
+        stream = self._streams[index]
+        deltas = stream.feed(piece.text, piece.finish_reason)
+        out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+        if lp is not None:
+            if not out:
+                out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
+            out[0]["logprobs"] = lp
+        if piece.finish_reason is not None:
+            reason = finish_reason(piece.finish_reason, stream.complete)
+            out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return out
+
+    def final(self, index: int, text: str, ids: list[int], logprobs: list, reason: str | None) -> dict:
+        c: dict = {"index": index, "finish_reason": reason}
+        if self.tools is not None:
+            content, calls, c["finish_reason"] = self.tools.reply(text, reason)
+            c["message"] = {"role": "assistant", "content": content}
+            if calls:
+                c["message"]["tool_calls"] = [call.to_openai() for call in calls]
+        else:
+            c["message"] = {"role": "assistant", "content": text}
+        c["logprobs"] = self.logprobs(logprobs, ids)
+        return c
+
+    def logprobs(self, lps: list[dict[int, float]], ids: list[int]) -> dict | None:
+        if not self.want_lp:
+            return None
+        content = []
+        for lp, t in zip(lps, ids, strict=False):
+            # A forced token (structured outputs) has {token: None}: null logprob, no alternatives.
+            alts = sorted(lp.items(), key=lambda kv: -kv[1])[: self.top] if lp[t] is not None else []
+            s = token_text(self.tok, t)
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp[t],
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": token_text(self.tok, k),
+                            "logprob": v,
+                            "bytes": list(token_text(self.tok, k).encode()),
+                        }
+                        for k, v in alts
+                    ],
+                }
+            )
+        return {"content": content}
+
+
+class ChatServing(OpenAIServing):
+    async def create(self, http: Request) -> Response:
+        body, log = await self.read(http, ChatCompletionRequest, "chatcmpl-")
+        logprobs = self.sampling(body)
+        prompts, session = await self.encoder.request_prompts(body, True, self.model.tool_format)
+        params = self.params(body, prompts, logprobs, lambda i: "messages", None)
+        log.record["prompt_tokens"] = sum(len(ids) for ids, _ in prompts)
+        field = body.structured_field()
+        tools = session if session is not None and session.enforced else None
+        if tools is not None:
+            params, field = await self.tool_params(tools, params, body.literal_json_schema), "tools"
+        else:
+            await self.precompile(params[0].structured_outputs, field)
+        names = ParamNames("messages", body.max_tokens_param, field)
+        streams = await self.submit(prompts, params, log.id, names)
+        choices = ChatChoices(self.model.tokenizer, body.top_logprobs or 0, logprobs is not None, tools)
+        return await self.answer(http, body, streams, choices, log)
+
+    async def tool_params(self, tools: ToolRequest, params: list, literal: bool | None):
+        """``params`` with the request's tool-call grammar, built and compiled off the event loop (errors
+        name the tool whose schema is at fault)."""
+
+        def build(ll_tokenizer, default_literal: bool):
+            return tools.constraint(ll_tokenizer, default_literal if literal is None else literal)
+
+        try:
+            constraint = await self.client.compile(build)
+            return tools.sampling_params(params, constraint)
+        except ParamError as e:
+            if e.param == "structured_outputs":  # the grammar did not compile
+                e = tools.locate(e)
+            raise APIError(400, str(e), e.param, code="invalid_value") from None
