@@ -18,6 +18,7 @@ from typing import TextIO
 from hydragen.chat_tools import MAX_ROUNDS, ChatTools, show_call
 from hydragen.prompt_input import PromptReader
 from hydragen.streaming import StreamResult, interrupt_flag, stream_request
+from hydragen.tools.session import ToolSession
 
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
@@ -46,6 +47,7 @@ class Chat:
     ) -> None:
         self.llm, self.params, self.context, self.max_tokens = llm, params, context, max_tokens
         self.system, self.quiet, self.tools = system, quiet, tools
+        self.session: ToolSession | None = None  # the reply being streamed's, with tools
         self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
         self.interactive = self.stdin.isatty()
         self._hinted = False  # the busy-machine hint is given once
@@ -63,8 +65,8 @@ class Chat:
         print(styled, file=self.stderr, flush=True)
 
     def _write(self, _: int, piece: str) -> None:
-        if self.tools is not None:
-            piece = self.tools.visible(piece)
+        if self.session is not None:
+            piece = self.session.content(piece)
         self.stdout.write(piece)
         self.stdout.flush()
 
@@ -134,10 +136,8 @@ class Chat:
         """Compute the template's opening (system prompt) before the first message, so the first reply
         starts as fast as the later ones: a 1-token request whose KV stays in the prefix cache."""
         opening = self.history + [{"role": "user", "content": "Hi"}]
-        if self.tools is not None:  # the tools' description is part of the opening
-            ids = self.tools.prompt_ids(self.llm.tokenizer, opening)
-        else:
-            ids = self.llm.tokenizer.apply_chat_template(opening)
+        session = self.tools.session() if self.tools is not None else None
+        ids = self._prompt_ids(opening, session)  # with tools, their description is part of the opening
         stream_request(self.llm.loop, ids, dataclasses.replace(self.params, max_tokens=1, stop=None))
 
     def _turn(self, message: str) -> None:
@@ -162,14 +162,16 @@ class Chat:
             ]
         self.history = conversation
 
+    def _prompt_ids(self, conversation: list[dict], session: ToolSession | None) -> list[int]:
+        if session is not None:
+            return session.prompt_ids(self.llm.tokenizer, conversation)
+        return self.llm.tokenizer.apply_chat_template(conversation)
+
     def _reply(self, conversation: list[dict]) -> tuple[str, list] | None:
         """Generate and stream one assistant reply: (its text, its tool calls), or None when the
         conversation no longer fits the context."""
-        tools = self.tools
-        if tools is not None:
-            ids = tools.prompt_ids(self.llm.tokenizer, conversation)
-        else:
-            ids = self.llm.tokenizer.apply_chat_template(conversation)
+        session = self.tools.session() if self.tools is not None else None
+        ids = self._prompt_ids(conversation, session)
         room = self.context - len(ids)
         if room < 1:
             self._note(
@@ -178,18 +180,18 @@ class Chat:
             )
             return None
         params = dataclasses.replace(self.params, max_tokens=min(self.max_tokens or room, room))
-        if tools is not None:
-            params = tools.params(params)
-            tools.start()
+        if session is not None:
+            params = session.sampling_params(params, self.tools.constraint)
+        self.session = session
         stats = self.llm.engine.stats
         prompt0, computed0 = stats.prompt_tokens, stats.prefill_tokens
         with interrupt_flag() as stop:
             result = stream_request(self.llm.loop, ids, params, on_text=self._write, should_stop=stop)
         text, calls = result.texts[0], []
         reason = result.output.outputs[0].finish_reason if result.output is not None else None
-        if tools is not None:
-            self.stdout.write(tools.visible("", final=True))
-            content, calls = tools.reply(text, reason) if not result.stopped else (text, [])
+        if session is not None:
+            self.stdout.write(session.content("", final=True))
+            content, calls, _ = session.reply(text, reason) if not result.stopped else (text, [], None)
             text = content or ""
             for call in calls:
                 print(f"\n{show_call(call)}", end="", file=self.stdout)

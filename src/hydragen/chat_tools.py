@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 
 from hydragen.engine.sampling_params import ParamError
-from hydragen.tools.parser import CallScanner, Content
-from hydragen.tools.request import ToolRequest
+from hydragen.tools.session import ToolSession
 from hydragen.tools.spec import ToolCall
 
 MAX_ROUNDS = 8  # calls answered in one user turn before the chat stops asking
@@ -54,35 +53,20 @@ def show_call(call: ToolCall) -> str:
 
 
 class ChatTools:
-    """The chat's tool request: prompt rendering, the output grammar, and the reply's text and calls."""
+    """The chat's tools, checked once (``--tools``, ``--tool-choice``) with their output grammar built once;
+    each reply is a request of its own, read by its own ``session()`` (the ToolSession that ``LLM.chat``
+    and the server use too)."""
 
     def __init__(self, llm, tools: list[dict], tool_choice=None):
-        try:
-            request = ToolRequest.build(tools, tool_choice, True, llm.tool_format)
+        try:  # the conversation will hold calls and results: a session even with tool_choice "none"
+            first = ToolSession.open(tools, tool_choice, True, llm.tool_format, history=True)
         except ParamError as e:
             raise ValueError(f"--tools: {e}") from None
-        self.request = request or ToolRequest.history_only(llm.tool_format)
+        assert first is not None
+        self.request = first.request
         structured = llm.engine.structured
-        self.constraint = self.request.constraint(
-            structured.compiler.ll_tokenizer, structured.literal_json_schema
-        )
-        self.scanner: CallScanner | None = None
+        self.constraint = first.constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
 
-    def prompt_ids(self, tokenizer, conversation: list[dict]) -> list[int]:
-        return self.request.prompt_ids(tokenizer, conversation)
-
-    def params(self, params):
-        return self.request.sampling_params(params, self.constraint)
-
-    def start(self) -> None:
-        self.scanner = CallScanner(self.request.fmt) if self.request.enforced else None
-
-    def visible(self, piece: str, final: bool = False) -> str:
-        """Of the reply's new text, what to print now: its content, never the call markup."""
-        if self.scanner is None:
-            return piece
-        return "".join(e.text for e in self.scanner.feed(piece, final) if isinstance(e, Content))
-
-    def reply(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall]]:
-        content, calls, _ = self.request.reply(text, reason)
-        return content, calls
+    def session(self) -> ToolSession:
+        """A new reply's session: its prompt, params (with the grammar built once) and streamed text."""
+        return ToolSession(self.request)

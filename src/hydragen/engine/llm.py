@@ -226,43 +226,42 @@ class LLM:
 
         ``tools`` (OpenAI's function definitions), ``tool_choice`` ("auto" by default, "none", "required"
         or {"type": "function", "function": {"name": ...}}) and ``parallel_tool_calls`` as in OpenAI's
-        API (hydragen.tools.request); conversations may hold assistant ``tool_calls`` and ``role: "tool"``
-        results. Each output then carries ``tool_calls`` (hydragen.tools.ToolCall, [] when the reply is
-        text) and ``content`` (the text outside the calls)."""
+        API; conversations may hold assistant ``tool_calls`` and ``role: "tool"`` results. Each output then
+        carries ``tool_calls`` (hydragen.tools.ToolCall, [] when the reply is text) and ``content`` (the text
+        outside the calls), read by the call's ToolSession (hydragen.tools.session), as the server's."""
         if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, Seq) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a non-empty list of them")
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer files")
-        request = self._tool_request(tools, tool_choice, parallel_tool_calls, messages)
+        session = self._tool_session(tools, tool_choice, parallel_tool_calls, messages)
         items = []
         for conv in messages:
-            if request is not None:
-                ids = request.prompt_ids(self.tokenizer, list(conv))
+            if session is not None:
+                ids = session.prompt_ids(self.tokenizer, list(conv))
             else:
                 ids = self.tokenizer.apply_chat_template(
                     list(conv), add_generation_prompt=add_generation_prompt
                 )
             items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
-        if request is None:
+        if session is None:
             return self._run(items, sampling_params, use_tqdm)
         structured = self.engine.structured
-        constraint = request.constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
-        outs = self._run(items, request.sampling_params(sampling_params, constraint), use_tqdm)
+        constraint = session.constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
+        outs = self._run(items, session.sampling_params(sampling_params, constraint), use_tqdm)
         for out in outs:
             for c in out.outputs:
-                c.content, c.tool_calls, _ = request.reply(c.text, c.finish_reason)
+                c.content, c.tool_calls, _ = session.reply(c.text, c.finish_reason)
         return outs
 
-    def _tool_request(self, tools, tool_choice, parallel_tool_calls, conversations):
-        """The ToolRequest of a chat call (None without tools); conversations holding earlier calls or
+    def _tool_session(self, tools, tool_choice, parallel_tool_calls, conversations):
+        """The ToolSession of a chat call (None without tools); conversations holding earlier calls or
         results get one too, so those are rendered."""
-        from hydragen.tools.request import ToolRequest
+        from hydragen.tools.session import ToolSession
 
-        request = ToolRequest.build(tools, tool_choice, parallel_tool_calls, self.tool_format)
         history = any(m.get("role") == "tool" or m.get("tool_calls") for c in conversations for m in c)
-        return ToolRequest.history_only(self.tool_format) if request is None and history else request
+        return ToolSession.open(tools, tool_choice, parallel_tool_calls, self.tool_format, history)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running sequence holds (as vLLM's reset_prefix_cache)."""

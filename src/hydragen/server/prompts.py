@@ -52,12 +52,12 @@ class PromptEncoder:
 
     # ---- a request's prompts -----------------------------------------------------------------------
     async def request_prompts(self, body, chat: bool, tool_format):
-        """(prompts, tools) of a parsed request: [(token ids, text or None)] and its ToolRequest (chat with
+        """(prompts, tools) of a parsed request: [(token ids, text or None)] and its ToolSession (chat with
         tools, else None). The one place a request becomes token ids: the server and the data-parallel
         front (which routes on them) both call it, so they always agree."""
         if not chat:
             return await self.completion(body), None
-        tools = body.tool_request(tool_format)
+        tools = body.tool_session(tool_format)
         return [(await self.chat(body.conversation(), tools), None)], tools
 
     # ---- completions ---------------------------------------------------------------------------
@@ -102,7 +102,7 @@ class PromptEncoder:
 
     # ---- chat --------------------------------------------------------------------------------------
     async def chat(self, conversation: list[dict], tools=None) -> list[int]:
-        """Token ids of the conversation through the chat template; ``tools``: the request's ToolRequest
+        """Token ids of the conversation through the chat template; ``tools``: the request's ToolSession
         (hydragen.tools), which renders its functions, earlier calls and results."""
         if self.tok is None or not self.tok.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")

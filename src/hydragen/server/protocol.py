@@ -286,25 +286,29 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Tool calling (hydragen/tools/): checked by tool_request(), which names the bad field.
+    # Tool calling (hydragen/tools/): checked by tool_session(), which names the bad field.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
-    def tool_request(self, fmt):
-        """The request's ToolRequest (None without tools), or a 400 naming the bad field. A conversation
+    def tool_session(self, fmt):
+        """The request's ToolSession (None without tools), or a 400 naming the bad field. A conversation
         holding earlier calls or results gets one too (tool_choice "none"), so they are rendered."""
-        from hydragen.tools.request import ToolRequest
+        from hydragen.tools.session import ToolSession
 
+        history = any(m.role == "tool" or m.tool_calls for m in self.messages)
         try:
-            req = ToolRequest.build(self.tools, self.tool_choice, self.parallel_tool_calls, fmt)
+            return ToolSession.open(
+                self.tools,
+                self.tool_choice,
+                self.parallel_tool_calls,
+                fmt,
+                history,
+                literal_json_schema=self.literal_json_schema,
+                whole_calls=bool(self.stop or self.stop_token_ids),  # a stop could end a reply inside a call
+            )
         except ParamError as e:
             raise APIError(400, str(e), e.param, code="invalid_value") from None
-        if req is None and any(m.role == "tool" or m.tool_calls for m in self.messages):
-            req = ToolRequest.history_only(fmt)
-        if req is not None:  # a stop could end the reply inside a call: stream calls whole
-            req.whole_calls = bool(self.stop or self.stop_token_ids)
-        return req
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

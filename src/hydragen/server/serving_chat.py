@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: a conversation through the model's chat template, with OpenAI's chat
-choices, log-probabilities and tool calls (the request's ``ToolRequest`` renders the tools into the prompt,
-builds the call grammar and reads the calls out of the reply, whole or as it streams)."""
+choices, log-probabilities and tool calls (the request's ``ToolSession``, as ``LLM.chat``'s and
+``hydragen chat``'s, renders the tools into the prompt, builds the call grammar and reads the calls out of
+the reply, whole or as it streams)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,24 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from hydragen.engine.outputs import CompletionOutput
-from hydragen.engine.sampling_params import ParamError
+from hydragen.engine.sampling_params import ParamError, SamplingParams
 from hydragen.server.errors import APIError
 from hydragen.server.protocol import ChatCompletionRequest
 from hydragen.server.responses import token_text
 from hydragen.server.serving import ParamNames
 from hydragen.server.serving_openai import OpenAIServing
-from hydragen.tools.request import ToolRequest
-from hydragen.tools.stream import ToolCallStream, finish_reason
+from hydragen.tools.session import ToolSession
 
 
 class ChatChoices:
-    """Chat choices. ``tools``: the request's ToolRequest when its replies may hold tool calls (they become
+    """Chat choices. ``tools``: the request's ToolSession when its replies may hold tool calls (they become
     ``tool_calls``); ``top_logprobs`` alternatives per token when ``want_logprobs``."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, tokenizer, top_logprobs: int, want_logprobs: bool, tools: ToolRequest | None = None):
+    def __init__(self, tokenizer, top_logprobs: int, want_logprobs: bool, tools: ToolSession | None = None):
         self.tok, self.top, self.want_lp, self.tools = tokenizer, top_logprobs, want_logprobs, tools
-        self._streams: dict[int, ToolCallStream] = {}  # per choice, while streaming with tools
 
     def opening(self, count: int) -> list[dict]:
         role = {"role": "assistant", "content": ""}
@@ -40,17 +39,13 @@ class ChatChoices:
         if self.tools is None:
             content = {"content": piece.text} if piece.text else {}
             return [{"index": index, "delta": content, "logprobs": lp, "finish_reason": piece.finish_reason}]
-        if index not in self._streams:
-            self._streams[index] = self.tools.stream()
-        stream = self._streams[index]
-        deltas = stream.feed(piece.text, piece.finish_reason)
+        deltas, reason = self.tools.deltas(index, piece.text, piece.finish_reason)
         out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
         if lp is not None:
             if not out:
                 out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
             out[0]["logprobs"] = lp
-        if piece.finish_reason is not None:
-            reason = finish_reason(piece.finish_reason, stream.complete)
+        if reason is not None:  # the choice ended
             out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 
@@ -102,7 +97,7 @@ class ChatServing(OpenAIServing):
         field = body.structured_field()
         tools = session if session is not None and session.enforced else None
         if tools is not None:
-            params, field = await self.tool_params(tools, params, body.literal_json_schema), "tools"
+            params, field = await self.tool_params(tools, params), "tools"
         else:
             await self.precompile(params[0].structured_outputs, field)
         names = ParamNames("messages", body.max_tokens_param, field)
@@ -110,16 +105,11 @@ class ChatServing(OpenAIServing):
         choices = ChatChoices(self.model.tokenizer, body.top_logprobs or 0, logprobs is not None, tools)
         return await self.answer(http, body, streams, choices, log)
 
-    async def tool_params(self, tools: ToolRequest, params: list, literal: bool | None):
+    async def tool_params(self, tools: ToolSession, params: list[SamplingParams]) -> list[SamplingParams]:
         """``params`` with the request's tool-call grammar, built and compiled off the event loop (errors
         name the tool whose schema is at fault)."""
-
-        def build(ll_tokenizer, default_literal: bool):
-            return tools.constraint(ll_tokenizer, default_literal if literal is None else literal)
-
         try:
-            constraint = await self.client.compile(build)
-            return tools.sampling_params(params, constraint)
+            return tools.sampling_params(params, await self.client.compile(tools.constraint))
         except ParamError as e:
             if e.param == "structured_outputs":  # the grammar did not compile
                 e = tools.locate(e)

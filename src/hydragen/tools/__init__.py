@@ -2,6 +2,16 @@
 
 from hydragen.tools.formats import FORMATS, CallFormat, detect_format
 from hydragen.tools.request import ToolRequest
+from hydragen.tools.session import ToolSession
 from hydragen.tools.spec import Tool, ToolCall, ToolChoice
 
-__all__ = ["FORMATS", "CallFormat", "Tool", "ToolCall", "ToolChoice", "ToolRequest", "detect_format"]
+__all__ = [
+    "FORMATS",
+    "CallFormat",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "ToolRequest",
+    "ToolSession",
+    "detect_format",
+]

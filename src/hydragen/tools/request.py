@@ -1,5 +1,6 @@
-"""One chat request with tools, from OpenAI's fields to prompt ids, the output constraint, and the parsed
-reply. ``LLM.chat(..., tools=...)``, the server and ``hydragen chat`` all go through it.
+"""What one chat request with tools asks, from OpenAI's fields to prompt ids, the output constraint, and
+the parsed reply. It keeps no state, so the request's ``ToolSession`` (tools/session.py), which
+``LLM.chat(..., tools=...)``, the server and ``hydragen chat`` all go through, adds its streamed reply's.
 
 What each ``tool_choice`` does:
 
@@ -24,18 +25,15 @@ from hydragen.tools.grammar import special_markers, tool_grammar
 from hydragen.tools.parser import parse
 from hydragen.tools.render import template_messages, template_tools
 from hydragen.tools.spec import Tool, ToolCall, ToolChoice, parse_tool_choice, parse_tools
-from hydragen.tools.stream import ToolCallStream, finish_reason
+from hydragen.tools.stream import finish_reason
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToolRequest:
     tools: list[Tool]
     choice: ToolChoice
     parallel: bool
     fmt: CallFormat
-    # Stream each call whole, once its arguments are complete: for a request with stop strings or stop
-    # tokens, which could end the reply inside a call (tools/stream.py).
-    whole_calls: bool = False
 
     @classmethod
     def build(cls, tools, tool_choice, parallel_tool_calls, fmt: CallFormat) -> ToolRequest | None:
@@ -117,7 +115,3 @@ class ToolRequest:
             return text, [], reason
         content, calls = parse(text, self.fmt, cut=reason == "length")
         return content, calls, finish_reason(reason, sum(c.complete for c in calls))
-
-    def stream(self) -> ToolCallStream:
-        """A stream of one choice's deltas (tools/stream.py)."""
-        return ToolCallStream(self.fmt, self.whole_calls)
