@@ -24,7 +24,7 @@ def reused_llm(monkeypatch):
     """`main` loads the embedded model once per sharing mode for this file (loads are slow on a shared
     machine), each time with a fresh prefix cache and fresh statistics, as a new process would have."""
     import hydragen
-    from hydragen.engine.llm import thread_governor
+    from hydragen.llm import thread_governor
 
     real = hydragen.LLM
 

@@ -14,9 +14,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# Checked now. The whole package ("hydragen") is switched on once the cycles outside bench/ are gone
-# (engine <-> structured and engine <-> tools, issue 40): add it here then.
-PACKAGES = ["hydragen.bench"]
+# The whole package, and bench/ on its own (its sub-packages are benchmark families).
+PACKAGES = ["hydragen", "hydragen.bench"]
 
 
 def package_modules(package: str, src: Path = SRC) -> dict[str, Path]:

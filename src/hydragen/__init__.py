@@ -1,8 +1,8 @@
 """hydragen: LLM inference built around shared prefixes."""
 
-from hydragen.engine.llm import LLM
 from hydragen.engine.outputs import CompletionOutput, RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
+from hydragen.llm import LLM
 from hydragen.structured.params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

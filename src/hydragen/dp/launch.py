@@ -62,7 +62,7 @@ def replica_kv_cache(engine, config, replicas: int) -> tuple[int, str]:
     ``engine``: the user's engine settings; ``config``: the model's."""
     import torch
 
-    from hydragen.engine.llm import default_kv_cache_tokens
+    from hydragen.llm import default_kv_cache_tokens
     from hydragen.model.gguf import open_gguf_tensors
     from hydragen.model.loader import (
         keeps_compact,

@@ -235,7 +235,7 @@ def mlp_tail(
 
 def keeps_quantized_weights(model: nn.Module) -> bool:
     """Whether any projection of ``model`` computes from GGUF quantized blocks (not floats, not 16-bit rows
-    kept as they are): what the KV cache's "auto" dtype follows (engine/llm.py, resolve_kv_dtype)."""
+    kept as they are): what the KV cache's "auto" dtype follows (model/loader.py, resolve_kv_dtype)."""
     return any(
         isinstance(m, PackedProjection) and any(t in PACKED_TYPES for t in m.qtypes) for m in model.modules()
     )
