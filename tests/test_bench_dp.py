@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -12,9 +13,8 @@ import pytest
 from hydragen.bench.dp.chat_tokens import ChatTokens
 from hydragen.bench.dp.hit_rate_ceiling import hit_rate_ceiling
 from hydragen.bench.dp.routing import kv_tokens_for, notes
-from hydragen.bench.dp.sim.page_cache import PageCache
 from hydragen.bench.dp.sim.service_times import fit_line
-from hydragen.bench.dp.sim.simulation import ServiceModel, Simulation
+from hydragen.bench.dp.sim.simulation import ServiceModel, SimReplica, Simulation
 from hydragen.bench.dp.workload import (
     Session,
     Tenant,
@@ -24,6 +24,7 @@ from hydragen.bench.dp.workload import (
     make_workload,
     tokenizer_counter,
 )
+from hydragen.dp.kv_events import KVEventBatch
 from hydragen.kv.page_hash import page_hashes
 
 
@@ -237,8 +238,8 @@ def test_pages_run_short_requests_are_preempted_and_all_finish():
     sim = simulate(w, "round-robin", 24 * 16, answer=40)  # 24 pages: one request at a time
     assert sim.figures_["requests"] == 12
     for rep in sim.replicas:
-        assert rep.cache.private == 0 and all(p.refs == 0 for p in rep.cache.pages.values())
-        assert len(rep.cache.pages) <= rep.cache.capacity
+        rep.kv.check([])  # nothing held: every page free or idle in the tree, the counts right
+        assert rep.kv.usage()["used"] == rep.kv.usage()["cached"] == rep.kv.idle
 
 
 def test_a_request_larger_than_the_cache_fails_alone():
@@ -263,21 +264,72 @@ def test_the_routers_view_follows_each_replicas_cache_through_its_events(workloa
         sim = Simulation(small, ChatTokens(small, encode, lambda m: m // 2), 2, policy, SERVICE, kv)
         f = sim.run()
         assert f["requests"] == small.requests
-        for snap, rep in zip(sim.router.snapshot(), sim.replicas, strict=True):
-            assert snap["cached_pages"] == len(rep.cache.pages)
+        for state, rep in zip(sim.router.replicas, sim.replicas, strict=True):
+            assert state.cached == {node.hash for node in rep.kv.tree.nodes.values()}
 
 
-def test_page_cache_evicts_least_recently_used_leaves_first():
-    cache = PageCache(pages=4, page_size=2)
-    a, b = page_hashes([1, 2, 3, 4, 5, 6], 2), page_hashes([7, 8, 9, 10], 2)
-    cache.make_room(3)
-    cache.store(None, a, [[1, 2], [3, 4], [5, 6]], writer="r", computed=True)
-    cache.release(a, "r")
-    cache.take_events()
-    cache.make_room(3)  # two of a's three pages go, deepest first
-    assert [e.block_hashes for e in cache.take_events()] == [[a[2], a[1]]]
-    cache.store(None, b, [[7, 8], [9, 10]], writer="s", computed=True)
-    assert cache.match(a) == 1 and cache.free == 1
+def checked(monkeypatch) -> Counter:
+    """Check every simulated replica's KV manager (``KVManager.check``: refcounts, idle count, tree paths,
+    one writer per page in flight) after every step; counts the checks, the preemptions and the times a
+    request waited on pages another one was computing."""
+    seen: Counter = Counter()
+    finish_step, preempt, work = SimReplica.finish_step, SimReplica.preempt, SimReplica._work
+
+    def finish_and_check(self, work, now):
+        ended = finish_step(self, work, now)
+        self.kv.check([r.table for r in self.running])
+        seen["checks"] += 1
+        return ended
+
+    def counted_preempt(self, r):
+        seen["preemptions"] += 1
+        preempt(self, r)
+
+    def counted_work(self, r):
+        seen["waits"] += not self.kv.ready(r.table)
+        return work(self, r)
+
+    monkeypatch.setattr(SimReplica, "finish_step", finish_and_check)
+    monkeypatch.setattr(SimReplica, "preempt", counted_preempt)
+    monkeypatch.setattr(SimReplica, "_work", counted_work)
+    return seen
+
+
+def test_each_replica_is_the_real_kv_manager_and_its_invariants_hold_every_step(monkeypatch):
+    """Waits on pages in flight, preemptions and evictions, all through the engine's KV manager."""
+    seen = checked(monkeypatch)
+    w = hand_workload("AABBAABBAABB", gap_s=0.05, turns=2, system=700)  # two prompt chunks: a tenant's
+    sim = simulate(w, "cache", 64 * 16, answer=40)  # next request waits; 64 pages: a few requests at a time
+    assert seen["checks"] > 100 and seen["preemptions"] > 0 and seen["waits"] > 0
+    assert sim.figures_["requests"] == 24 and sim.figures_["failed"] == 0
+    for rep in sim.replicas:
+        rep.kv.check([])  # nothing held at the end
+        assert rep.kv.pool.num_pages == 64 and rep.kv.usage()["used"] == len(rep.kv.tree) > 0
+
+
+def test_generated_pages_are_cached_and_published_as_they_are_computed(monkeypatch):
+    """As the engine publishes a sequence's full pages after each step: the router hears of an answer's
+    pages while it is still being generated, not only when the request ends."""
+    w = hand_workload("A", system=40)
+    seen = []  # (pages the router knows, the request still running) after each step
+    finish_step = SimReplica.finish_step
+
+    def finish_and_look(self, work, now):
+        ended = finish_step(self, work, now)
+        sim.router.apply(self.index, KVEventBatch(now, self.take_events(), self.index))
+        seen.append((len(sim.router.replicas[self.index].cached), bool(self.running)))
+        return ended
+
+    monkeypatch.setattr(SimReplica, "finish_step", finish_and_look)
+    sim = Simulation(w, ChatTokens(w, chars, lambda m: 64), 1, "cache", SERVICE, 4096)
+    sim.run()
+    (r,) = sim.requests
+    running = [pages for pages, still in seen if still]
+    prompt_pages = len(r.prompt) // 16
+    assert running[0] == prompt_pages  # after its prefill: the prompt's full pages
+    assert running[-1] == (len(r.prompt) + 64 - 2) // 16  # its last step: every full page computed
+    assert running[-1] > prompt_pages
+    assert sim.router.replicas[0].cached == {node.hash for node in sim.replicas[0].kv.tree.nodes.values()}
 
 
 def test_service_model_and_line_fit():

@@ -2,12 +2,19 @@
 
 The router is the real one: every request is routed by ``Router.choose`` on its real token ids and text,
 and each simulated replica feeds its cache changes back through ``Router.apply`` as the KV events a replica
-publishes. A replica is modelled as hydragen's engine runs: continuous batching, running requests oldest
-first, prompt chunks of at most 512 tokens within 2048 per step, one token per decoding request, the whole
-prompt's pages taken at admission, generated pages cached when a request ends, LRU eviction of idle pages
-(``page_cache``), the newest request preempted when pages run out. A step takes the time the service
-model says: seconds per uncached prompt token plus a decode step's time for its batch, measured on the
-real replica (``bench dp`` calibrates it at 1 thread).
+publishes. A replica's prefix cache is the real one too: a ``KVManager`` over a page pool of one float per
+slot (no KV is ever written), driven through the calls of its contract exactly as ``engine.scheduler``
+makes them: ``admit`` (the whole context's pages, its prompt published at once), ``ready`` and ``allocate``
+for a step's work, ``computed_to`` and ``publish`` after it, ``dependents`` and ``release`` when a request
+is preempted or ends. So pages are shared, waited for while in flight, swapped for identical cached ones,
+evicted least recently used and named by the same chained hashes as in the engine, and the events are the
+tree's ``PageEvent``s converted by ``dp.kv_events.to_wire`` as a replica's publisher converts them.
+
+The scheduling around it is a model of hydragen's engine: continuous batching, running requests oldest
+first, prompt chunks of at most 512 tokens within 2048 per step, one token per decoding request, the newest
+request preempted when pages run out (and whoever waits on pages it was computing), admission in arrival
+order. A step takes the time the service model says: seconds per uncached prompt token plus a decode
+step's time for its batch, measured on the real replica (``bench dp`` calibrates it at 1 thread).
 
 Turns of one chat follow each other as in ``bench dp``: the next question leaves a think time after the
 answer ended, with the answer in its history. Answers are synthetic tokens of the length the real runs
@@ -20,13 +27,16 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+import torch
+
 from hydragen.bench.core.stats import percentile
 from hydragen.bench.dp.chat_tokens import ChatTokens
-from hydragen.bench.dp.sim.page_cache import OutOfPages, PageCache
 from hydragen.bench.dp.workload import Session, Workload
-from hydragen.dp.kv_events import KVEventBatch
+from hydragen.dp.kv_events import KVCacheEvent, KVEventBatch, to_wire
 from hydragen.dp.router import Route, Router, RouteRequest
-from hydragen.kv.page_hash import page_hashes
+from hydragen.kv.manager import KVManager, PageTable
+from hydragen.kv.pool import OutOfPages, PagePool
+from hydragen.kv.radix import PageEvent
 
 PREFILL_CHUNK, PREFILL_BUDGET = 512, 2048  # the scheduler's defaults
 
@@ -55,10 +65,7 @@ class SimRequest:
     arrival: float
     route: Route | None = None
     replica: int = -1
-    path: list[int] = field(default_factory=list)  # page hashes it holds in the cache
-    path_tokens: int = 0  # tokens those pages cover
-    private: int = 0  # pages it holds outside the cache
-    computed: int = 0  # leading context positions computed
+    table: PageTable = field(default_factory=PageTable)  # its pages in the replica's KV manager
     generated: int = 0
     counted: bool = False
     cached_tokens: int = 0
@@ -71,11 +78,33 @@ class SimRequest:
     def context(self) -> list[int]:
         return self.prompt + self.answer[: self.generated]
 
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt) + self.generated
+
+
+@dataclass(frozen=True)
+class SimWork:
+    """What one running request computes in a step: context positions [start, start + tokens)."""
+
+    request: SimRequest
+    start: int
+    tokens: int
+    decodes: bool  # one token of a request that is generating (charged as part of a decode step)
+
+
+def kv_manager(pages: int, page_size: int) -> KVManager:
+    """The engine's KV manager over a pool of ``pages`` whose slots hold one float each, never written: the
+    simulation keeps track of pages, not of KV."""
+    return KVManager(PagePool(1, pages, page_size, 1, 1, torch.float32, "cpu"))
+
 
 class SimReplica:
     def __init__(self, index: int, kv_tokens: int, page_size: int, max_num_seqs: int, service: ServiceModel):
         self.index, self.page_size, self.max_num_seqs, self.service = index, page_size, max_num_seqs, service
-        self.cache = PageCache(kv_tokens // page_size, page_size)
+        self.kv = kv_manager(kv_tokens // page_size, page_size)
+        self._events: list[PageEvent] = []
+        self.kv.publish_events(lambda events: self._events.extend(events))
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.busy_s = 0.0
@@ -84,141 +113,127 @@ class SimReplica:
         self.requests = 0
         self.failed: list[SimRequest] = []  # requests the replica could not fit, since the last look
         self._order = itertools.count()
+        self._budget = PREFILL_BUDGET
 
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+    def take_events(self) -> list[KVCacheEvent]:
+        """The tree's changes since the last call, as the replica's publisher puts them on the wire."""
+        self.kv.flush_events()
+        events, self._events = self._events, []
+        return to_wire(events, self.page_size)
 
     # ---- admission --------------------------------------------------------------------------------------
     def admit(self) -> None:
+        """Waiting requests in arrival order while seats and pages last (``Scheduler._admit_one``)."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
             context = r.context
-            hashes = page_hashes(context, self.page_size)
-            matched = self.cache.match(hashes)
-            need = self.pages_for(len(context)) - matched
-            reusable = sum(h in self.cache.idle for h in hashes[:matched])  # idle now, held once admitted
-            if need > self.cache.free + len(self.cache.idle) - reusable:
+            shared = self.kv.admit(r.table, context, None, len(context))
+            if shared is None:
                 if not self.running:  # larger than the whole cache: the engine fails it
                     self.failed.append(self.waiting.pop(0))
                     continue
                 return  # waits for pages (requests ending free them)
-            self.cache.hold(hashes[:matched])
-            self.cache.make_room(need)
             self.waiting.pop(0)
-            ps = self.page_size
-            own = hashes[matched:]
-            tokens = [context[i * ps : (i + 1) * ps] for i in range(matched, len(hashes))]
-            self.cache.store(hashes[matched - 1] if matched else None, own, tokens, r, computed=False)
-            r.path, r.path_tokens = hashes, len(hashes) * ps
-            r.private = self.pages_for(len(context)) - len(hashes)
-            self.cache.private += r.private
-            r.computed = matched * ps
             r.admitted_order = next(self._order)
             if not r.counted:
                 r.counted = True
                 self.prompt_tokens += len(r.prompt)
-                r.cached_tokens = min(matched * ps, len(r.prompt))
+                r.cached_tokens = min(shared * self.page_size, len(r.prompt))
                 self.hit_tokens += r.cached_tokens
             self.running.append(r)
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def plan(self) -> list[tuple[SimRequest, int, bool]]:
-        """(request, tokens, decodes) computed this step, running requests oldest first; may preempt the
-        newest requests when pages run out."""
-        work, budget = [], PREFILL_BUDGET
+    def plan(self) -> list[SimWork]:
+        """The work of a step, running requests oldest first; may preempt the newest requests when pages
+        run out."""
+        work, self._budget = [], PREFILL_BUDGET
         for r in list(self.running):
-            if r not in self.running or self._waits(r):
-                continue  # preempted by an older request this step, or waiting on another's pages
-            pending = len(r.prompt) + r.generated - r.computed
-            decodes = pending == 1 and r.generated > 0
-            k = 1 if decodes else min(pending, PREFILL_CHUNK, budget)
-            if k <= 0 or not self._grow(r, r.computed + k):
-                continue
-            if not decodes:
-                budget -= k
-            work.append((r, k, decodes))
-        return work
+            if r not in self.running:
+                continue  # preempted by an older request this step
+            w = self._secure(r)
+            if w is not None:
+                work.append(w)
+        return [w for w in work if w.request in self.running]  # a preemption may have taken planned ones
 
-    def _waits(self, r: SimRequest) -> bool:
-        """A page before its next position is another request's and not computed yet. A page whose writer
-        let go of it (preempted) is computed here instead."""
-        first = self.cache.first_uncomputed(r.path)
-        if first is None or first * self.page_size >= r.computed:
-            return False
-        writer = self.cache.pages[r.path[first]].writer
-        if writer is r:
-            return False
-        if writer is None:
-            start = self.cache.adopt(r.path, r)
-            r.computed = min(r.computed, start * self.page_size)
-            return False
-        return True
+    def _work(self, r: SimRequest) -> SimWork | None:
+        """What ``r`` computes this step and the pages for it, as ``Scheduler._work`` (raises OutOfPages)."""
+        t, kv = r.table, self.kv
+        if not kv.ready(t):
+            return None  # its next page is being computed by another request
+        start = t.computed
+        pending = r.context_len - start
+        if pending <= 0:
+            return None
+        decoding = r.generated > 0 and start >= len(r.prompt)
+        if pending == 1 or (decoding and pending <= PREFILL_CHUNK):
+            k = pending
+        else:
+            k = min(pending, PREFILL_CHUNK, self._budget)
+            if k <= 0:
+                return None
+        if not kv.allocate(t, start + k):
+            raise OutOfPages(f"no KV pages for the next {k} tokens")
+        if k != pending or not decoding:
+            self._budget -= k
+        return SimWork(r, start, k, decoding and pending == 1)
 
-    def _grow(self, r: SimRequest, upto: int) -> bool:
-        """Pages for context positions [0, upto); preempts the newest running requests if short."""
-        need = self.pages_for(upto) - len(r.path) - r.private
-        while need > 0:
+    def _secure(self, r: SimRequest) -> SimWork | None:
+        """``r``'s work, preempting the newest running requests (possibly ``r``) until its pages fit."""
+        while True:
             try:
-                self.cache.make_room(need)
-                r.private += need
-                self.cache.private += need
-                return True
+                return self._work(r)
             except OutOfPages:
-                if self.running == [r]:  # it alone outgrows the cache: the engine fails it
-                    self.preempt(r)
-                    self.failed.append(self.waiting.pop(0))
-                    return False
                 victim = max(self.running, key=lambda x: x.admitted_order)
+                if victim is r and len(self.running) == 1:  # it alone outgrows the cache: the engine fails it
+                    self._release(r)
+                    self.running.remove(r)
+                    self.failed.append(r)
+                    return None
                 self.preempt(victim)
                 if victim is r:
-                    return False
-        return True
+                    return None
 
     def preempt(self, r: SimRequest) -> None:
         """Back to the head of the queue; its computed pages stay cached, it resumes from them."""
+        self._release(r)
         self.running.remove(r)
-        self.cache.release(r.path, r)
-        self.cache.private -= r.private
-        r.path, r.private, r.computed = [], 0, 0
         self.waiting.insert(0, r)
 
-    def finish_step(self, work: list[tuple[SimRequest, int, bool]], now: float) -> list[SimRequest]:
-        """Apply a step's work at its end; returns the requests that ended."""
+    def _release(self, r: SimRequest) -> None:
+        """Let go of ``r``'s pages, its computed full pages cached; whoever waits on pages it was still to
+        compute is preempted first (nobody else would write them), as ``Scheduler._release``."""
+        others = [x for x in self.running if x is not r]
+        for j in self.kv.dependents(r.table, [x.table for x in others]):
+            if others[j] in self.running:
+                self.preempt(others[j])
+        self.kv.release(r.table, r.context)
+
+    def finish_step(self, work: list[SimWork], now: float) -> list[SimRequest]:
+        """Apply a step's work at its end as ``Scheduler.update`` does (KV computed, full pages published),
+        then sample; returns the requests that ended (their pages released)."""
+        work = [w for w in work if w.request in self.running]
+        for w in work:
+            self.kv.computed_to(w.request.table, w.start + w.tokens)
+        ps = self.page_size
+        for w in work:
+            t = w.request.table
+            if t.computed // ps > t.published:
+                self.kv.publish(t, w.request.context, t.computed)
         ended = []
-        for r, k, _ in work:
-            if r not in self.running:
-                continue
-            prompt_before = max(0, min(len(r.prompt), r.computed + k) - r.computed)
-            self.prefilled += prompt_before
-            r.computed += k
-            ps = self.page_size
-            self.cache.computed_upto(r.path[: r.computed // ps], r)
-            if r.computed >= len(r.prompt) + r.generated:  # reached the end of its context: samples
+        for w in work:
+            r = w.request
+            self.prefilled += max(0, min(len(r.prompt), w.start + w.tokens) - w.start)
+            if r.table.computed >= r.context_len:  # reached the end of its context: samples
                 r.generated += 1
                 if r.first_token is None:
                     r.first_token = now
                 if r.generated >= len(r.answer):
                     ended.append(r)
         for r in ended:
-            self.end(r, now)
+            self.running.remove(r)
+            self._release(r)
+            r.done = now
         return ended
-
-    def end(self, r: SimRequest, now: float) -> None:
-        """Cache its generated pages (all but the last token have KV), let go of everything."""
-        self.running.remove(r)
-        ps, ctx = self.page_size, r.context
-        full = page_hashes(ctx[: r.computed], ps)
-        new = full[len(r.path) :]
-        present = self.cache.match(new) if new and new[0] in self.cache.pages else 0
-        new = new[: len(new) if not present else 0]  # an identical context cached them already: keep those
-        self.cache.private -= r.private
-        r.private = 0
-        if new:
-            stored = [ctx[i * ps : (i + 1) * ps] for i in range(len(r.path), len(r.path) + len(new))]
-            self.cache.store(r.path[-1] if r.path else None, new, stored, r, computed=True)
-            r.path = r.path + new
-        self.cache.release(r.path, r)
-        r.done = now
 
 
 class Simulation:
@@ -274,7 +289,7 @@ class Simulation:
             self._start_step(rep, now)
 
     def _publish(self, rep: SimReplica, now: float) -> None:
-        events = rep.cache.take_events()
+        events = rep.take_events()
         if events:
             self.router.apply(rep.index, KVEventBatch(now, events, rep.index))
 
@@ -289,8 +304,8 @@ class Simulation:
         if not work:
             rep.stepping = False
             return
-        prefill = sum(k for _, k, decodes in work if not decodes)
-        dt = rep.service.step_s(prefill, sum(decodes for _, _, decodes in work))
+        prefill = sum(w.tokens for w in work if not w.decodes)
+        dt = rep.service.step_s(prefill, sum(w.decodes for w in work))
         rep.busy_s += dt
         rep.stepping = True
         self._at(now + dt, "step", (rep, work))
