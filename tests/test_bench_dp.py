@@ -332,6 +332,23 @@ def test_generated_pages_are_cached_and_published_as_they_are_computed(monkeypat
     assert sim.router.replicas[0].cached == {node.hash for node in sim.replicas[0].kv.tree.nodes.values()}
 
 
+def test_requests_ending_in_one_step_are_released_newest_first(monkeypatch):
+    """As ``Scheduler.remove``: the newest lets go first, so its pages are the least recently used."""
+    released = []
+    release = SimReplica._release
+
+    def recorded(self, r):
+        released.append(r.session.index)
+        release(self, r)
+
+    monkeypatch.setattr(SimReplica, "_release", recorded)
+    w = hand_workload("ABA", gap_s=0.0, system=40)  # the first alone, the other two in the next step
+    sim = simulate(w, "cache", 4096, replicas=1)
+    first, second, third = sorted(sim.requests, key=lambda r: r.session.index)
+    assert first.done < second.done == third.done
+    assert released == [0, 2, 1]
+
+
 def test_service_model_and_line_fit():
     assert SERVICE.step_s(100, 0) == pytest.approx(0.1)
     assert SERVICE.step_s(0, 3) == pytest.approx(0.01)

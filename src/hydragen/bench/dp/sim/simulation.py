@@ -229,7 +229,7 @@ class SimReplica:
                     r.first_token = now
                 if r.generated >= len(r.answer):
                     ended.append(r)
-        for r in ended:
+        for r in sorted(ended, key=lambda x: -x.admitted_order):  # newest first, as Scheduler.remove
             self.running.remove(r)
             self._release(r)
             r.done = now
