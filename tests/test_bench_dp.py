@@ -332,6 +332,20 @@ def test_generated_pages_are_cached_and_published_as_they_are_computed(monkeypat
     assert sim.router.replicas[0].cached == {node.hash for node in sim.replicas[0].kv.tree.nodes.values()}
 
 
+def test_a_replica_flushes_its_events_when_a_step_ends():
+    """As the engine: a step's changes (its admissions included) reach the router after its forward."""
+    w = hand_workload("A", system=40)
+    sim = Simulation(w, ChatTokens(w, chars, lambda m: 8), 1, "cache", SERVICE, 4096)
+    batches = []
+    apply = sim.router.apply
+    sim.router.apply = lambda i, batch: (batches.append(batch), apply(i, batch))
+    sim.run()
+    (r,) = sim.requests
+    prefill_s = len(r.prompt) * SERVICE.prefill_token_s
+    assert batches[0].ts == pytest.approx(r.arrival + prefill_s) == pytest.approx(r.first_token)
+    assert [e.block_hashes for e in batches[0].events] == [page_hashes(r.prompt, 16)]  # stored at admission
+
+
 def test_requests_ending_in_one_step_are_released_newest_first(monkeypatch):
     """As ``Scheduler.remove``: the newest lets go first, so its pages are the least recently used."""
     released = []

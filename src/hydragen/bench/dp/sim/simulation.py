@@ -289,6 +289,8 @@ class Simulation:
             self._start_step(rep, now)
 
     def _publish(self, rep: SimReplica, now: float) -> None:
+        """Hand the router what the replica's tree changed: once per step, at its end (its admissions, the
+        pages it computed, the requests it ended), as the engine flushes its events after each step."""
         events = rep.take_events()
         if events:
             self.router.apply(rep.index, KVEventBatch(now, events, rep.index))
@@ -300,8 +302,8 @@ class Simulation:
             r.failed = True
             self.router.finished(r.route)
         rep.failed = []
-        self._publish(rep, now)
-        if not work:
+        if not work:  # an empty step: the engine flushes what admission changed at once
+            self._publish(rep, now)
             rep.stepping = False
             return
         prefill = sum(w.tokens for w in work if not w.decodes)
