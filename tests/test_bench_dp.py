@@ -346,6 +346,20 @@ def test_a_replica_flushes_its_events_when_a_step_ends():
     assert [e.block_hashes for e in batches[0].events] == [page_hashes(r.prompt, 16)]  # stored at admission
 
 
+def test_a_prompt_of_whole_pages_seen_before_still_computes_its_last_page():
+    """The same prompt twice, 240 tokens (15 whole pages): the second finds 14 cached, never the page of its
+    last token, whose forward gives the logits to sample from (a match of all 15 would leave it nothing to
+    compute and it would never run)."""
+    turn = Turn("q" * 11, 0.5, 8, 0.0, 1.0, None, None)
+    tenants = (Tenant(0, "A", "x", "A" * 200, 200),)
+    sessions = tuple(Session(i, 0, 0, 1.0 + i * 100, (turn,)) for i in range(2))
+    w = Workload(replace(WorkloadSpec(), tenants=1, sessions=2), tenants, sessions)
+    sim = simulate(w, "cache", 4096, replicas=1)
+    first, second = sim.requests
+    assert len(first.prompt) == 240 and second.prompt == first.prompt
+    assert sim.figures_["requests"] == 2 and [first.cached_tokens, second.cached_tokens] == [0, 224]
+
+
 def test_requests_ending_in_one_step_are_released_newest_first(monkeypatch):
     """As ``Scheduler.remove``: the newest lets go first, so its pages are the least recently used."""
     released = []
