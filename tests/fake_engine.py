@@ -119,12 +119,12 @@ class FakeRunner:
                     raise PlanViolation(f"two work items write slot {slot} in one step")
                 written.add(slot)
                 pool.content[slot] = (p, w.tokens[p - w.start])
-        rows = [w for w in plan.work if w.sample]
+        rows = [(w, j) for w in plan.work for j in range(len(w.tokens) - w.logit_rows, len(w.tokens))]
         if not rows:
             return None
         logits = torch.full((len(rows), VOCAB), -30.0)
-        for i, w in enumerate(rows):
-            logits[i, next_token(list(w.seq.context[: w.end]))] = 0.0
+        for i, (w, j) in enumerate(rows):  # each item's last logit_rows tokens, in order
+            logits[i, next_token(list(w.seq.context[: w.start]) + list(w.tokens[: j + 1]))] = 0.0
         return logits
 
     def sample(self, logits: torch.Tensor, seqs, top=None):
@@ -221,6 +221,15 @@ def expected_output(
         if t == EOS and not ignore_eos:
             break
     return out
+
+
+def run(engine: Engine, max_steps: int = 5_000) -> None:
+    """Step ``engine`` until every request has finished."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")
 
 
 def all_tables(engine: Engine) -> list:

@@ -293,7 +293,7 @@ def test_plan_violations_are_caught():
     eng.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4, temperature=0))
     eng.step()
     (s,) = eng.scheduler.running
-    decode = Work(s, tuple(s.kv.pages), s.kv.computed, (s.generated[-1],), True)
+    decode = Work(s, tuple(s.kv.pages), s.kv.computed, (s.generated[-1],), 1)
     eng.runner.forward(StepPlan((decode,)))  # intact: fine
     eng.runner.pool.content[s.kv.pages[0] * 4] = None  # the KV of position 0 is gone
     with pytest.raises(PlanViolation, match="reads position 0"):
@@ -308,7 +308,7 @@ def test_shared_runs_and_reads_that_disagree_with_the_tables_are_caught():
     eng.step()
     eng.step()
     a, b = eng.scheduler.running
-    work = tuple(Work(s, tuple(s.kv.pages), s.kv.computed, (s.generated[-1],), True) for s in (a, b))
+    work = tuple(Work(s, tuple(s.kv.pages), s.kv.computed, (s.generated[-1],), 1) for s in (a, b))
     assert a.kv.pages[:2] == b.kv.pages[:2] and a.kv.pages[2] != b.kv.pages[2]
     eng.runner.forward(StepPlan(work, (), (SharedRun(0, 2, 0, 2),), (2, 2)))  # what they share: fine
     for shared, cuts, why in [

@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from fake_engine import all_tables, expected_output, fake_engine
+from fake_engine import all_tables, expected_output, fake_engine, run
 
 import hydragen.kv.manager as manager_module
 from hydragen import SamplingParams
@@ -38,14 +38,6 @@ class ContractOnly:
         if name not in CONTRACT:
             raise AssertionError(f"the scheduler reached past the KV manager's contract: kv.{name}")
         return getattr(self._kv, name)
-
-
-def run(engine, max_steps: int = 5_000) -> None:
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return
-        engine.step()
-    raise AssertionError("engine did not finish")
 
 
 def check_outputs(reqs, max_tokens: int) -> None:

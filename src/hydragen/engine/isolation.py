@@ -95,7 +95,7 @@ def map_rows(
 
 @dataclass
 class Isolated:
-    logits: torch.Tensor | None  # the surviving sampling work's logits, in plan order
+    logits: torch.Tensor | None  # the surviving work's logits rows (Work.logit_rows each), in plan order
     plan: StepPlan  # the step without the failed requests' work and forks
     failed: list[tuple[Request, str]]  # the requests that fail alone, and why
     dropped: list[Fork]  # forks of failed requests (their reserved pages go back)
@@ -107,7 +107,7 @@ def forward_each_request_alone(runner, plan: StepPlan, error: Exception) -> Isol
     by_request: dict[str, list[int]] = {}
     for i, w in enumerate(plan.work):
         by_request.setdefault(w.seq.request.request_id, []).append(i)
-    rows: dict[int, torch.Tensor] = {}  # work index -> its logits row
+    rows: dict[int, torch.Tensor] = {}  # work index -> its logits rows [Work.logit_rows, V]
     failed: dict[str, tuple[Request, str]] = {}
     for rid, indices in by_request.items():
         try:
@@ -119,16 +119,19 @@ def forward_each_request_alone(runner, plan: StepPlan, error: Exception) -> Isol
             stage = "prefill" if prefill else "decode"
             failed[rid] = (plan.work[indices[0]].seq.request, failure_message(stage, e))
             continue
-        sampling = [i for i in indices if plan.work[i].sample]
-        for i, row in zip(sampling, range(len(sampling)), strict=True):
-            rows[i] = logits[row]
+        first = 0
+        for i in indices:
+            n = plan.work[i].logit_rows
+            if n:
+                rows[i] = logits[first : first + n]
+                first += n
     if len(by_request) > 1 and len(failed) == len(by_request):
         raise error
     survivors = plan.without(set(failed))
-    kept = (i for i, w in enumerate(plan.work) if w.sample and w.seq.request.request_id not in failed)
+    kept = (i for i, w in enumerate(plan.work) if w.logit_rows and w.seq.request.request_id not in failed)
     sampled = [rows[i] for i in kept]
     return Isolated(
-        torch.stack(sampled) if sampled else None,
+        torch.cat(sampled) if sampled else None,
         survivors,
         list(failed.values()),
         [f for f in plan.forks if f.seq.request.request_id in failed],

@@ -30,7 +30,7 @@ class PackedBatch:
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] where each token's K/V is written
     meta: StepAttentionMeta
-    logit_rows: torch.Tensor  # [R] the tokens whose logits are sampled (one per sampling work item)
+    logit_rows: torch.Tensor  # [R] the tokens whose logits are wanted: each item's last Work.logit_rows
     num_prefill_tokens: int  # tokens of items that do not sample (prompt chunks before the last)
     # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables.
     tree_plan: object | None = None
@@ -83,8 +83,13 @@ def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]
                 segments.append((t0, t0 + k, own, 1))
         else:
             segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1))
-        if w.sample:
+        n = w.logit_rows
+        if n == 1:
             logit_rows.append(t0 + k - 1)
+        elif n:
+            if not 0 < n <= k:
+                raise ValueError(f"a work item of {k} tokens asks for {n} logits rows")
+            logit_rows += range(t0 + k - n, t0 + k)
         else:
             not_sampling += k
     starts.append(len(ids))

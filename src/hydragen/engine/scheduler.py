@@ -189,7 +189,7 @@ class Scheduler:
             self._budget -= k
         return Work(
             s, tuple(t.pages[: kv.pages_for(start + k)]), start, tuple(s.tokens(start, start + k)),
-            start + k == context_len,
+            1 if start + k == context_len else 0,
         )  # fmt: skip
 
     def _secure(self, s: Sequence, attempt):
@@ -251,7 +251,7 @@ class Scheduler:
     def _group_followers(self, followers: dict[int, Sequence], work: list[Work]):
         """(leader, followers) for the leaders whose work this step reaches the end of their context; the
         other followers simply wait a step."""
-        sampling = {w.seq.seq_id for w in work if w.sample}
+        sampling = {w.seq.seq_id for w in work if w.logit_rows}
         groups: dict[int, tuple[Sequence, list[Sequence]]] = {}
         for s in self.running:
             leader = followers.get(s.seq_id)
@@ -289,7 +289,7 @@ class Scheduler:
             return
         limit = self.sharing.max_pages(self.page_size)
         leaders = {s.request.request_id: s for s in self.running if not s.generated and s.pending > 0}
-        sampling = {w.seq.seq_id for w in work if w.sample}
+        sampling = {w.seq.seq_id for w in work if w.logit_rows}
         window = list(itertools.islice(self.waiting, LPM_WINDOW))
         key = lambda s: s.request.request_id if not s.generated else s.seq_id  # noqa: E731  (one match per prompt)
         matches = {}
@@ -323,7 +323,7 @@ class Scheduler:
                 leaders[s.request.request_id] = s
             if w is not None:
                 work.append(w)
-                if w.sample:
+                if w.logit_rows:
                     sampling.add(s.seq_id)
         for leader, *group in fork_groups.values():
             for f in self._forks(leader, group):

@@ -62,11 +62,11 @@ class EngineStats:
             prompt = len(w.seq.prompt_ids)
             self.forward_tokens += len(w.tokens)
             self.prefill_tokens += max(0, min(w.end, prompt) - w.start)
-            if w.sample and w.start >= prompt:
+            if w.logit_rows and w.start >= prompt:
                 decoding += 1
             else:
                 prefilling += 1
-        sampled = sum(w.sample for w in plan.work) + len(plan.forks)
+        sampled = sum(1 for w in plan.work if w.logit_rows) + len(plan.forks)
         if decoding and not prefilling:
             self.decode_steps += 1
             self.decode_seconds += seconds

@@ -12,22 +12,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hydragen.engine.sequence import Request, Sequence
 
 
 @dataclass(frozen=True)
 class Work:
-    """One sequence's part of the step: context positions [start, start + len(tokens)) are computed."""
+    """One sequence's part of the step: its tokens are computed into the KV slots of context positions
+    [start, start + len(tokens)), reading the context [0, start) computed before.
+
+    ``logit_rows`` asks for the logits of the item's last that many tokens: 0 for none (a prompt chunk
+    before the last), 1 for the next token's (the last token ends the context: it is sampled), k + 1 to
+    verify k drafted tokens. The last row is sampled as ever; the rows of an item asking for more than one
+    come back in ``StepResult.row_logits``.
+
+    ``parents`` makes the item a draft tree (None: an ordinary run of context tokens, token j at position
+    start + j seeing the context and tokens 0..j). Token j's parent is ``parents[j]``, an earlier token of
+    the item or -1 for the context: it sits at position start + its depth (roots depth 0; the rotary
+    position), keeps its own KV slot (that of position start + j in ``pages``) and sees the context
+    [0, start) plus its ancestors and itself, nothing else of the tree. A chain (parents -1, 0, 1, ...) is
+    an ordinary item. Nothing computed past the context is ever published; the scheduler cuts it back
+    with ``KVManager.truncate`` (docs/design.md, "The formats the next issues extend")."""
 
     seq: Sequence
     pages: tuple[int, ...]  # the sequence's pages covering positions [0, start + len(tokens))
     start: int
     tokens: tuple[int, ...]
-    sample: bool  # the last token ends its context: its logits pick the next token
+    logit_rows: int  # logits wanted for the last this many tokens; the last one is sampled
+    parents: tuple[int, ...] | None = None  # a draft tree: each token's parent in the item, -1 the context
+
+    @property
+    def sample(self) -> bool:
+        """The last token's logits pick the sequence's next token."""
+        return self.logit_rows > 0
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+
+def tree_depths(parents: tuple[int, ...], tokens: int) -> list[int]:
+    """Each draft-tree token's depth (0 for a child of the context), or a ValueError unless there is one
+    parent per token and each is -1 or an earlier token of the item."""
+    if len(parents) != tokens:
+        raise ValueError(f"a draft tree needs one parent per token: {len(parents)} parents, {tokens} tokens")
+    depths: list[int] = []
+    for j, p in enumerate(parents):
+        if not -1 <= p < j:
+            raise ValueError(f"draft token {j}: parent {p} is neither -1 (the context) nor an earlier token")
+        depths.append(depths[p] + 1 if p >= 0 else 0)
+    return depths
 
 
 @dataclass(frozen=True)
@@ -80,7 +115,7 @@ class StepPlan:
     @property
     def samplers(self) -> list[tuple[Sequence, int]]:
         """(sequence, index of the work item whose logits it samples from), in work order then forks."""
-        rows = [(w.seq, i) for i, w in enumerate(self.work) if w.sample]
+        rows = [(w.seq, i) for i, w in enumerate(self.work) if w.logit_rows]
         index = {w.seq.seq_id: i for i, w in enumerate(self.work)}
         return rows + [(f.seq, index[f.leader.seq_id]) for f in self.forks]
 
@@ -110,3 +145,8 @@ class StepResult:
     logprobs: tuple[dict[int, float] | None, ...] = ()  # per sampler, when its request asked for them
     failed: tuple[tuple[Request, str], ...] = ()  # requests that failed running, and why
     dropped_forks: tuple[Fork, ...] = ()  # forks of those requests (their reserved pages go back)
+    # For a verifier: per work item asking for more than one logits row (``Work.logit_rows`` n > 1), in
+    # work order, its sequence and the raw logits [n, V] (fp32, before any constraint mask or temperature)
+    # of its last n tokens, row i for token len(tokens) - n + i; the last row is the one sampled above.
+    # Views of the forward's output, never copied; empty when no item asks for more than one row.
+    row_logits: tuple[tuple[Sequence, torch.Tensor], ...] = ()
