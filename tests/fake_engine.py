@@ -6,7 +6,10 @@ tensors, which (position, token) each slot holds; every forward first checks tha
 context is really there, in the pages the plan names, before "writing" the item's own tokens. A plan
 that refers to an evicted, moved or never-computed page fails that check. It also packs the plan with the
 real packing and checks what the step's attention would read: every token sees exactly the slots of its
-own context, each once, through the shared runs and cuts the plan chose.
+own context, each once, through the shared runs and cuts the plan chose, at its own position. A draft
+tree's token (``Work.parents``) sees the context and its ancestors only, sits at start + its depth, and
+its slot remembers that position: read as the context position of its slot, it fails the check unless it
+lies on the leading chain (depth = index).
 
 Faults can be injected: forwards that fail for given requests, a fork's KV copy that fails, a step that
 raises before its commit (Ctrl-C, or every request of the step failing alone).
@@ -113,18 +116,20 @@ class FakeRunner:
                         f"seq {w.seq.request.request_id}/{w.seq.index} reads position {p} from slot {slot}, "
                         f"which holds {pool.content[slot]} instead of {(p, context[p])}"
                     )
+            positions = work_positions(w)
             for p in range(w.start, w.end):
                 slot = w.pages[p // ps] * ps + p % ps
                 if slot in written:
                     raise PlanViolation(f"two work items write slot {slot} in one step")
                 written.add(slot)
-                pool.content[slot] = (p, w.tokens[p - w.start])
+                pool.content[slot] = (positions[p - w.start], w.tokens[p - w.start])
         rows = [(w, j) for w in plan.work for j in range(len(w.tokens) - w.logit_rows, len(w.tokens))]
         if not rows:
             return None
         logits = torch.full((len(rows), VOCAB), -30.0)
         for i, (w, j) in enumerate(rows):  # each item's last logit_rows tokens, in order
-            logits[i, next_token(list(w.seq.context[: w.start]) + list(w.tokens[: j + 1]))] = 0.0
+            path = [w.tokens[a] for a in lineage(w, j)]
+            logits[i, next_token(list(w.seq.context[: w.start]) + path)] = 0.0
         return logits
 
     def sample(self, logits: torch.Tensor, seqs, top=None):
@@ -170,13 +175,33 @@ def check_reads(plan: StepPlan, page_size: int) -> None:
         for t in range(tok_lo, tok_hi):
             seen[t] += slots[: visible + t - tok_lo]
     for w, t0 in zip(plan.work, starts, strict=True):
-        for j, p in enumerate(range(w.start, w.end)):
-            want = sorted(w.pages[q // page_size] * page_size + q % page_size for q in range(p + 1))
+        name = f"seq {w.seq.request.request_id}/{w.seq.index}"
+        if batch.positions[t0 : t0 + len(w.tokens)].tolist() != work_positions(w):
+            raise PlanViolation(f"{name}: packed at the wrong positions")
+        slots = [w.pages[q // page_size] * page_size + q % page_size for q in range(w.end)]
+        for j in range(len(w.tokens)):
+            want = sorted(slots[: w.start] + [slots[w.start + a] for a in lineage(w, j)])
             if sorted(seen[t0 + j]) != want:
                 raise PlanViolation(
-                    f"seq {w.seq.request.request_id}/{w.seq.index}: position {p} reads slots "
-                    f"{sorted(seen[t0 + j])} instead of its context's {want}"
+                    f"{name}: token {j} of its work reads slots {sorted(seen[t0 + j])} instead of its "
+                    f"context's {want}"
                 )
+
+
+def lineage(w, j: int) -> list[int]:
+    """Token j of work item ``w`` and the item's tokens before it that it sees, in order: all of them for
+    ordinary work, its ancestors in a draft tree."""
+    if w.parents is None:
+        return list(range(j + 1))
+    out = [j]
+    while w.parents[out[-1]] >= 0:
+        out.append(w.parents[out[-1]])
+    return out[::-1]
+
+
+def work_positions(w) -> list[int]:
+    """The context position of each token of ``w``: start + its index, or start + its depth in a tree."""
+    return [w.start + len(lineage(w, j)) - 1 for j in range(len(w.tokens))]
 
 
 class FakeParallel:

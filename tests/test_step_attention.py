@@ -2,7 +2,9 @@
 
 The reference reads the step's description directly (not the built metadata): for every token it lists the
 pool slots it sees (its segment's visible keys, then every covering unit's keys) and runs
-``reference_attention`` over exactly those keys. Both implementations must match it and each other.
+``reference_attention`` over exactly those keys. Both implementations must match it and each other. Draft
+trees are packed from work items as the engine packs them and checked against a mask built from the work
+items alone (each token: its context, its ancestors and itself).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from hydragen.attention import step_attention as sa_module
 from hydragen.attention import step_work
 from hydragen.attention.reference import reference_attention
 from hydragen.attention.step_attention import StepAttentionMeta, step_attention
+from hydragen.engine.packing import pack
+from hydragen.engine.step_plan import SharedRun, StepPlan, Work
 from hydragen.native import build as cpp_build
 
 IMPLS = ["cpp", "torch"]
@@ -457,6 +461,112 @@ def test_inference_mode_and_grad_inputs(impl, monkeypatch):
     with torch.no_grad():
         got = step_attention(q.requires_grad_(), k_pool, v_pool, meta, 0.125, impl=impl)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Draft trees: packed from work items, against float64 attention under an explicit mask
+# --------------------------------------------------------------------------------------------------
+
+TREE_PAGE = 4
+
+
+def draft_tree_step(seed: int = 0):
+    """A step of work items on shuffled pages (page size 4), as the engine packs it: three items hold a
+    3-page prefix read by one shared run (a draft tree with two roots, an ordinary decode, and a tree that
+    starts exactly at the run's end), then a 20-token prefill chunk whose own keys are one causal unit, an
+    18-token random tree outside any run (as many tokens as a unit-read chunk), and a 3-token extend."""
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(96, generator=gen).tolist()  # pages 96..127 stay for the consecutive chunk
+    shared = [free.pop() for _ in range(3)]
+
+    def item(start, k, rows, parents=None, head=()):
+        pages = list(head)
+        while len(pages) * TREE_PAGE < start + k:
+            pages.append(free.pop())
+        tokens = tuple(int(x) for x in torch.randint(0, 50, (k,), generator=gen))
+        return Work(None, tuple(pages), start, tokens, rows, parents)
+
+    random_tree = [-1] + [int(torch.randint(-1, j, (1,), generator=gen)) for j in range(1, 18)]
+    work = (
+        item(17, 8, 8, (-1, 0, 0, 1, 1, 2, -1, 6), head=shared),
+        item(14, 1, 1, head=shared),
+        item(12, 4, 2, (-1, 0, 1, 1), head=shared),
+        item(6, 20, 0, head=[free.pop()] + list(range(96, 103))),  # positions 4..27 on consecutive slots
+        item(9, 18, 18, tuple(random_tree)),
+        item(5, 3, 1),
+    )
+    return StepPlan(work, (), (SharedRun(0, 3, 0, 3),), (3, 3, 3, 0, 0, 0)), 128 * TREE_PAGE
+
+
+def seen_by(w: Work, j: int) -> list[int]:
+    """The item's own tokens that token j sees, from the work item alone: its ancestors and itself in a
+    tree, tokens 0..j otherwise."""
+    if w.parents is None:
+        return list(range(j + 1))
+    out = [j]
+    while w.parents[out[-1]] != -1:
+        out.append(w.parents[out[-1]])
+    return out
+
+
+def explicit_mask(plan: StepPlan, slots: int) -> torch.Tensor:
+    """bool [T, slots]: token t may read pool slot s. Every token reads its context [0, start) and the
+    slots of the item's tokens it sees; nothing here looks at units, segments or shared runs."""
+    rows = []
+    for w in plan.work:
+        slot = lambda p, w=w: w.pages[p // TREE_PAGE] * TREE_PAGE + p % TREE_PAGE  # noqa: E731
+        for j in range(len(w.tokens)):
+            row = torch.zeros(slots, dtype=torch.bool)
+            row[[slot(p) for p in range(w.start)] + [slot(w.start + a) for a in seen_by(w, j)]] = True
+            rows.append(row)
+    return torch.stack(rows)
+
+
+def masked_attention(q, k, v, mask, scale):
+    """float64 softmax attention of q [T, Hq, D] over the whole pool k/v [S, Hkv, D] under mask [T, S]."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    scores = torch.einsum("thd,shd->hts", q.double(), kk) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    return torch.einsum("hts,shd->thd", probs, vv)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 20)])
+def test_draft_trees_in_a_mixed_step_match_a_masked_reference(impl, hq, hkv, d, cuts):
+    """Trees inside a shared run and outside, next to a decode, a causal prefill chunk and an extend: every
+    token's output is float64 attention under its explicit mask (context, then its ancestors and itself),
+    and each tree token sits at position start + depth."""
+    plan, slots = draft_tree_step()
+    batch, starts = pack(plan, TREE_PAGE, "cpu")
+    causal = [u for u in batch.meta.unit_list if u[4]]
+    assert len(causal) == 1 and causal[0][3] - causal[0][2] == 20  # the prefill chunk's own keys
+    for w, t0 in zip(plan.work, starts, strict=True):
+        want = [w.start + len(seen_by(w, j)) - 1 for j in range(len(w.tokens))]
+        assert batch.positions[t0 : t0 + len(w.tokens)].tolist() == want
+    assert batch.logit_rows.numel() == 8 + 1 + 2 + 18 + 1
+    q, k, v = make_qkv(batch.meta.num_tokens, slots, hq, hkv, d, torch.float32)
+    out = step_attention(q, k, v, batch.meta, d**-0.5, impl=impl)
+    want = masked_attention(q, k, v, explicit_mask(plan, slots), d**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_draft_trees_cpp_equals_torch():
+    plan, slots = draft_tree_step(seed=4)
+    batch, _ = pack(plan, TREE_PAGE, "cpu")
+    q, k, v = make_qkv(batch.meta.num_tokens, slots, 8, 2, 64, torch.bfloat16)
+    a = step_attention(q, k, v, batch.meta, 0.125, impl="cpp")
+    b = step_attention(q, k, v, batch.meta, 0.125, impl="torch")
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "parents,match",
+    [((-1, 0), "one parent per token"), ((-1, 1, 0), "parent 1 is neither"), ((-2, 0, 0), "parent -2")],
+)
+def test_bad_draft_trees_are_named(parents, match):
+    with pytest.raises(ValueError, match=match):
+        pack(StepPlan((Work(None, (0,), 0, (1, 2, 3), 1, parents),)), TREE_PAGE, "cpu")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ described once per step by a :class:`StepAttentionMeta`:
 A token's output is exact softmax attention over the union of its segment's visible keys and the keys of
 every unit that covers it (an LSE merge of the parts); a token that sees nothing gets zeros.
 
+**Draft trees** need no mask kind of their own (``tree_segments``): every token of a tree sees the whole
+context, read once for all of them by non-causal units (shared runs, the rest of the item's context), plus
+its ancestors and itself, a one-token segment over their slots (a handful of keys, read in place). The
+LSE merge puts the two together, so both implementations take trees as they are.
+
 Two implementations share this metadata. ``cpp`` (``native/csrc/step_attention.cpp``, compiled on first
 use by ``native/build.py``) is one call per layer: unit pieces with enough query rows through a
 register-blocked tile kernel (``native/csrc/tile_attention.h``: matrix products per KV head, the GQA group
@@ -115,6 +120,27 @@ class StepAttentionMeta:
             unit_list=unit_list,
             segment_list=segment_list,
         )
+
+
+def tree_segments(
+    tok_lo: int, slots: list[int], parents: tuple[int, ...]
+) -> list[tuple[int, int, list[tuple[int, int]], int]]:
+    """The segments of a draft tree's tokens: token j (query token tok_lo + j, its K/V at ``slots[j]``, its
+    parent ``parents[j]``, an earlier token or -1) sees its ancestors' keys and its own, root first, and
+    no other token of the tree: a one-token segment each. The context they all see is the caller's units.
+    Parents must be checked first (``step_plan.tree_depths``)."""
+    out = []
+    chains: list[list[tuple[int, int]]] = []  # per token: the slot runs of its ancestors and itself
+    for j, p in enumerate(parents):
+        runs = list(chains[p]) if p >= 0 else []
+        s = slots[j]
+        if runs and runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+        chains.append(runs)
+        out.append((tok_lo + j, tok_lo + j + 1, runs, sum(b - a for a, b in runs)))
+    return out
 
 
 def _ints(values, n: int, what: str) -> tuple[int, ...]:
@@ -262,4 +288,4 @@ def step_attention(
     )
 
 
-__all__ = ["CPP_DTYPES", "StepAttentionMeta", "step_attention"]
+__all__ = ["CPP_DTYPES", "StepAttentionMeta", "step_attention", "tree_segments"]

@@ -7,7 +7,10 @@ pages are neighbours and each shared run is read for a contiguous range of query
   slot runs for all those items' tokens: one matrix product reads it once;
 * the rest of an item's context, from its cut, is read per item, in place through its pages: one segment
   for a decode token or a short extend; for a long prefill chunk, non-causal units over the context before
-  the chunk and a causal unit over the chunk itself (matrix products again).
+  the chunk and a causal unit over the chunk itself (matrix products again);
+* a **draft tree** (``Work.parents``) reads the rest of its context by non-causal units over all its tokens
+  (once for the whole tree), and each token its ancestors and itself as a one-token segment
+  (``step_attention.tree_segments``); its tokens sit at position start + depth, each in its own slot.
 
 Each layer writes the step's new K/V into the pool before attending, so a chunk sees its own keys.
 """
@@ -18,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hydragen.attention.step_attention import StepAttentionMeta
-from hydragen.engine.step_plan import StepPlan
+from hydragen.attention.step_attention import StepAttentionMeta, tree_segments
+from hydragen.engine.step_plan import StepPlan, tree_depths
 
 UNIT_TOKENS = 16  # items with at least this many tokens read their context by matrix products (units)
 
@@ -69,12 +72,16 @@ def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]
         t0, k = len(ids), len(w.tokens)
         starts.append(t0)
         ids += w.tokens
-        pos += range(w.start, w.end)
         own = slot_runs(w.pages, page_size, w.start, w.end)
         for lo, hi in own:
             slots += range(lo, hi)
         context = slot_runs(w.pages, page_size, cut * page_size, w.start)
-        if k >= UNIT_TOKENS:
+        if w.parents is not None:  # a draft tree: positions by depth, context by units, ancestors per token
+            pos += [w.start + d for d in tree_depths(w.parents, k)]
+            units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
+            segments += tree_segments(t0, slots[t0:], w.parents)
+        elif k >= UNIT_TOKENS:
+            pos += range(w.start, w.end)
             units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
             if len(own) == 1:
                 units.append((own[0][0], own[0][1], t0, t0 + k, 1))
@@ -82,6 +89,7 @@ def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]
             else:
                 segments.append((t0, t0 + k, own, 1))
         else:
+            pos += range(w.start, w.end)
             segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1))
         n = w.logit_rows
         if n == 1:
