@@ -520,7 +520,10 @@ def test_a_fault_in_one_request_fails_it_alone_over_http(live):
 class PairFaultTokenizer:
     """The real tokenizer, except that decoding the victim's tokens raises: the victim is recognised by a
     pair of consecutive generated ids that no other request produces (an incremental detokenizer decodes
-    short windows of recent ids, never the whole generation)."""
+    short windows of recent ids, never the whole generation). No Rust backend: the engine then detokenizes
+    with IncrementalDetokenizer, which decodes through this class (DecodeStream would bypass it)."""
+
+    backend_tokenizer = None
 
     def __init__(self, real, victim_pair: list[int]):
         self.real, self.victim_pair = real, victim_pair

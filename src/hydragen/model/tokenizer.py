@@ -112,6 +112,16 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """This thread's ``tokenizers.Tokenizer`` (the Rust one ``decode`` runs), or None."""
+        return getattr(self._tok, "backend_tokenizer", None)
+
+    @property
+    def clean_up_tokenization_spaces(self) -> bool:
+        """Whether ``decode`` rewrites the Rust tokenizer's text (" ." to "." and the like)."""
+        return bool(getattr(self._tok, "clean_up_tokenization_spaces", False))
+
 
 def _ids(value: Any) -> list[int]:
     if value is None:
