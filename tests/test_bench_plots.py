@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,21 @@ def test_replot_needs_a_folder_with_results(tmp_path, capsys):
     assert "--replot takes one results folder" in capsys.readouterr().err
     assert cli.main(["bench", "e2e", "--replot", str(tmp_path)]) == 2
     assert "e2e.json not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("blocked", ["matplotlib", "jsonschema"])
+def test_without_the_bench_extra_bench_says_what_to_install(monkeypatch, capsys, blocked):
+    """matplotlib and jsonschema are the optional bench extra: without one, `hydragen bench` stops before it
+    measures anything, naming the extra, and the code that needs one says the same when called directly."""
+    from hydragen import cli
+    from hydragen.bench import MissingBenchDependency
+    from hydragen.bench.core.plots import pyplot
+    from hydragen.bench.structured.jump_forward import is_valid
+
+    monkeypatch.setitem(sys.modules, blocked, None)  # as if not installed
+    install = "pip install 'hydragen[bench]'"
+    assert cli.main(["bench", "e2e", "--quick", "--out", "never-written"]) == 2
+    assert f"error: hydragen bench needs {blocked}, not installed: {install}" in capsys.readouterr().err
+    call = pyplot if blocked == "matplotlib" else lambda: is_valid("{}", {"type": "object"})
+    with pytest.raises(MissingBenchDependency, match=f"needs {blocked}.*{re.escape(install)}"):
+        call()

@@ -2,7 +2,8 @@
 
 One session covers the acceptance list: replies stream (the reply arrives in several pieces over time),
 the conversation is remembered and its earlier turns come from the prefix cache (the statistics line),
-Ctrl-C stops a reply but not the chat, /reset, Ctrl-D exits with status 0. A second run pipes input.
+Ctrl-C stops a reply but not the chat, /reset, Ctrl-D exits with status 0. A second run pipes input,
+with prompt_toolkit (the terminal's prompt) blocked.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ pty = pytest.importorskip("pty")  # POSIX only
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and terminal modes, not screen text
+NEWLINE = re.compile(r"\r+\n")  # a line's end on the screen (prompt_toolkit ends a prompt with \r\r\n)
 STATS = re.compile(r"\[(\d+) tokens[^\]]*\| prompt (\d+) tokens, (\d+) from the prefix cache\]")
 TIMEOUT = 300  # seconds for any one wait: generous, the test machine is shared
 SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
@@ -68,7 +70,7 @@ class Terminal:
                     data = ""
                 if not data:
                     raise AssertionError(f"the chat ended early; screen:\n{self.screen[-2000:]}")
-                self.screen += ANSI.sub("", data).replace("\r\n", "\n")
+                self.screen += NEWLINE.sub("\n", ANSI.sub("", data))
                 self.chunks.append((time.monotonic(), data))
         return m
 
@@ -139,9 +141,16 @@ def test_chat_on_a_terminal():
     assert term.wait() == 0
 
 
+# `python -m hydragen` with prompt_toolkit blocked: a piped chat never needs the terminal's prompt
+WITHOUT_PROMPT_TOOLKIT = (
+    "import runpy, sys; sys.modules['prompt_toolkit'] = None; "
+    "runpy.run_module('hydragen', run_name='__main__')"
+)
+
+
 def test_chat_piped():
     run = subprocess.run(
-        [sys.executable, "-m", "hydragen", "chat", "--temperature", "0", "--max-tokens", "40"],
+        [sys.executable, "-c", WITHOUT_PROMPT_TOOLKIT, "chat", "--temperature", "0", "--max-tokens", "40"],
         input="My name is Zorblax.\n\nWhat is my name?\n",
         capture_output=True,
         text=True,

@@ -1,4 +1,6 @@
-"""Incremental detokenizer on the embedded model's tokenizer: exact text, stable pieces, bounded work."""
+"""The detokenizers on the embedded model's tokenizer: exact text, stable pieces, bounded work. Ours
+(IncrementalDetokenizer) and the one on tokenizers' DecodeStream (StreamDetokenizer, which the engine uses
+where it is exact) face the same streams; the window's own rules are checked on ours."""
 
 from __future__ import annotations
 
@@ -6,7 +8,13 @@ import random
 
 import pytest
 
-from hydragen.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, unstable_suffix_length
+from hydragen.engine.detokenizer import (
+    REPLACEMENT,
+    IncrementalDetokenizer,
+    StreamDetokenizer,
+    new_detokenizer,
+    unstable_suffix_length,
+)
 from hydragen.engine.stop_strings import StopChecker
 from hydragen.model.default_model import default_model_path
 from hydragen.model.tokenizer import load_tokenizer
@@ -20,6 +28,7 @@ TEXTS = [
     "I don't know , he said . What 's that ? It 's fine !",
 ]
 SPECIAL_IDS = list(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ...
+KINDS = {"incremental": IncrementalDetokenizer, "stream": StreamDetokenizer}
 
 
 class CountingTokenizer:
@@ -82,25 +91,31 @@ def run_stream(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random
     return "".join(pieces)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("skip_special", [True, False])
-def test_random_sequences_decode_exactly(tok, pools, skip_special):
+def test_random_sequences_decode_exactly(tok, pools, skip_special, kind):
     """Pieces + flush equal the full decode; emitted text is never taken back and lags only by the
-    suffix that later tokens could still change."""
+    suffix that later tokens could still change (DecodeStream holds all the text since its last piece
+    while the text ends in U+FFFD)."""
     rng = random.Random(11 if skip_special else 12)
 
     def check(prefix_ids, emitted):
         full = tok.decode(prefix_ids, skip_special_tokens=skip_special)
-        assert emitted == full[: len(full) - unstable_suffix_length(full)]
+        if kind == "incremental":
+            assert emitted == full[: len(full) - unstable_suffix_length(full)]
+        else:
+            assert full.startswith(emitted) and (emitted == full or full.endswith(REPLACEMENT))
 
     for _ in range(60):
         ids = random_sequence(rng, pools, tok.vocab_size, rng.randint(1, 60))
-        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special)
+        detok = KINDS[kind](tok, skip_special_tokens=skip_special)
         text = run_stream(detok, ids, rng, check)
         assert text == tok.decode(ids, skip_special_tokens=skip_special)
         assert detok.text == text
 
 
-def test_long_runs_of_partial_characters(tok, pools):
+@pytest.mark.parametrize("kind", KINDS)
+def test_long_runs_of_partial_characters(tok, pools, kind):
     """Text that keeps ending in U+FFFD for hundreds of tokens, with characters completing now and then:
     the window must slide (checked) without ever cutting a character."""
     rng = random.Random(7)
@@ -110,7 +125,7 @@ def test_long_runs_of_partial_characters(tok, pools):
 
     for _ in range(4):
         ids = [rng.choice(pools["partial"]) for _ in range(400)]
-        assert run_stream(IncrementalDetokenizer(tok), ids, rng, check) == tok.decode(ids)
+        assert run_stream(KINDS[kind](tok), ids, rng, check) == tok.decode(ids)
 
 
 class ByteTokenizer:
@@ -195,11 +210,12 @@ def test_skipped_special_token_does_not_become_the_window_start():
     assert "".join(detok.add([i]) for i in ids) + detok.flush() == tok.decode(ids) == "a b"
 
 
-def test_real_text_round_trips(tok):
+@pytest.mark.parametrize("kind", KINDS)
+def test_real_text_round_trips(tok, kind):
     rng = random.Random(3)
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
-        assert run_stream(IncrementalDetokenizer(tok), ids, rng) == tok.decode(ids) == text
+        assert run_stream(KINDS[kind](tok), ids, rng) == tok.decode(ids) == text
 
 
 def test_prompt_context_gives_the_generated_part_of_the_joint_decode(tok, pools):
@@ -219,6 +235,50 @@ def test_unfinished_character_is_held_then_completed(tok):
     detok = IncrementalDetokenizer(tok)
     assert detok.add(ids[:1]) == " "  # the space is final, the half character is held
     assert "".join(detok.add([i]) for i in ids[1:]) + detok.flush() == "日本"
+    stream = StreamDetokenizer(tok)
+    assert stream.add(ids[:1]) == ""  # DecodeStream holds the space too
+    assert "".join(stream.add([i]) for i in ids[1:]) + stream.flush() == " 日本"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_unfinished_character_at_the_end_is_flushed(tok, kind):
+    """A sequence that ends inside a character: flush hands over what the full decode has there (DecodeStream
+    alone would never hand it over)."""
+    ids = tok.encode("ab 日本", add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith(REPLACEMENT))
+    detok = KINDS[kind](tok)
+    streamed = "".join(detok.add([i]) for i in ids[:cut])
+    assert streamed + detok.flush() == tok.decode(ids[:cut]) and detok.text == tok.decode(ids[:cut])
+
+
+def test_the_engine_streams_with_decode_stream_where_it_is_exact(tok, monkeypatch):
+    """DecodeStream is exact for a byte-level BPE decoder whose text transformers does not clean up: the
+    engine uses it there, and ours elsewhere (SentencePiece byte fallback, clean-up, no Rust backend)."""
+    from tests.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
+
+    assert isinstance(new_detokenizer(tok), StreamDetokenizer)
+    monkeypatch.setattr(type(tok), "clean_up_tokenization_spaces", True)
+    assert isinstance(new_detokenizer(tok), IncrementalDetokenizer)
+    hf = sentencepiece_bpe(INST_TEMPLATE)
+    hf.clean_up_tokenization_spaces = False
+    assert isinstance(new_detokenizer(hf), IncrementalDetokenizer)
+    assert isinstance(new_detokenizer(ByteTokenizer(1, False, False)), IncrementalDetokenizer)
+
+
+def test_decode_stream_breaks_on_byte_fallback_runs():
+    """Why not DecodeStream for SentencePiece byte fallback: byte tokens "N", "O" then a stray continuation
+    byte decode as one run, "���", so the "NO" already handed over is no longer the start of the text, and
+    DecodeStream raises (the request would fail). Ours cannot take "NO" back either (no streaming
+    detokenizer can: "N" alone is a finished character), but it streams on, its text differing only there."""
+    from tests.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
+
+    hf = sentencepiece_bpe(INST_TEMPLATE)
+    ids = [hf.convert_tokens_to_ids(t) for t in ["<0x4E>", "<0x4F>", "<0xAC>", ",", "<0x7D>", "<0x39>"]]
+    assert hf.decode(ids) == REPLACEMENT * 3 + ",}9"
+    with pytest.raises(Exception, match="Invalid prefix"):
+        StreamDetokenizer(hf).add(ids)
+    detok = IncrementalDetokenizer(hf)
+    assert "".join(detok.add([i]) for i in ids) + detok.flush() == "NO" + hf.decode(ids)[2:]
 
 
 def test_work_per_token_does_not_grow_with_length(tok):
@@ -250,8 +310,9 @@ def test_work_per_token_does_not_grow_with_length(tok):
     assert counting.tokens <= 20 * len(run)
 
 
-def test_bad_input_is_named(tok):
-    detok = IncrementalDetokenizer(tok)
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_input_is_named(tok, kind):
+    detok = KINDS[kind](tok)
     with pytest.raises(ValueError, match="integers"):
         detok.add(["a"])
     with pytest.raises(ValueError, match=">= 0"):
@@ -261,10 +322,11 @@ def test_bad_input_is_named(tok):
         detok.add([5])
 
 
-def test_stop_string_split_across_tokens(tok):
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_string_split_across_tokens(tok, kind):
     text = "The answer is 42.\nDone here, then more text follows."
     ids = tok.encode(text, add_special_tokens=False)
-    detok, stops = IncrementalDetokenizer(tok), StopChecker(["42.\nDo", "never"])
+    detok, stops = KINDS[kind](tok), StopChecker(["42.\nDo", "never"])
     emitted, hit = [], None
     for i in ids:
         safe, hit = stops.feed(detok.add([i]))

@@ -1,4 +1,5 @@
-"""Broken Hugging Face model directories: each is one ModelFileError naming the file and the problem."""
+"""Broken Hugging Face model directories: each is one ModelFileError naming the file and the problem. And
+which weight files of a directory are read: a sharded checkpoint's index decides."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hydragen import LLM
+from hydragen import LLM, SamplingParams
+from hydragen.model import loader
 from hydragen.model.errors import ModelFileError
 
 
@@ -111,3 +113,55 @@ def test_tokenizer_cache_build_says_what_and_where(monkeypatch, tmp_path, capsys
     monkeypatch.setenv("HYDRAGEN_CACHE", str(blocker))  # a cache folder that cannot be created
     load_tokenizer(default_model_path())
     assert "the cache could not be written" in capsys.readouterr().err
+
+
+def _files_read(monkeypatch) -> list[str]:
+    """The names of the weight files the loader reads from now on, in order."""
+    read: list[str] = []
+    real = loader._load_weights_file
+
+    def load(path: Path):
+        read.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(loader, "_load_weights_file", load)
+    return read
+
+
+def _mistral_consolidated(directory: Path) -> None:
+    """What Mistral's repositories ship beside the Hugging Face shards: the weights again, Mistral's names."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"layers.0.attention.wq.weight": torch.ones(64, 64)}, directory / "consolidated.safetensors")
+
+
+def test_a_sharded_checkpoint_reads_only_the_files_its_index_names(tiny_models, tmp_path, monkeypatch):
+    import transformers
+
+    sharded = tmp_path / "sharded"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(f.name for f in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    _mistral_consolidated(sharded)
+    read = _files_read(monkeypatch)
+    prompt, greedy = [[5, 17, 99, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = LLM(sharded, kv_cache_tokens=1024).generate(prompt, greedy, use_tqdm=False)
+    assert sorted(read) == shards  # each shard once, the consolidated file never
+    want = LLM(tiny_models["llama"], kv_cache_tokens=1024).generate(prompt, greedy, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+    (sharded / shards[-1]).unlink()
+    _expect(sharded, sharded / "model.safetensors.index.json", f"names weight files .*{shards[-1]}")
+
+
+def test_consolidated_weights_are_left_out_beside_hugging_face_ones(model_dir, monkeypatch):
+    """No index: the Hugging Face files are read, and a consolidated file alone is still read."""
+    _mistral_consolidated(model_dir)
+    read = _files_read(monkeypatch)
+    LLM(model_dir, kv_cache_tokens=1024)
+    assert read == ["model.safetensors"]
+    assert loader.weight_files(model_dir) == [model_dir / "model.safetensors"]
+    (model_dir / "model.safetensors").unlink()
+    assert loader.weight_files(model_dir) == [model_dir / "consolidated.safetensors"]

@@ -18,7 +18,7 @@ from hydragen.bench.quant.accuracy import plain_attention
 from hydragen.model import layer_stack, llama
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf import read_gguf
-from hydragen.model.gguf_write import float_maker, scheme_type, tensor_shapes, write_llama_gguf
+from hydragen.model.gguf_write import float_maker, model_types, scheme_type, tensor_shapes, write_llama_gguf
 from hydragen.model.linear import DenseProjection, PackedEmbedding, PackedProjection
 from hydragen.model.loader import load_model
 from hydragen.model.quant_twin import TwinProjection
@@ -143,7 +143,7 @@ def _hook_twins(net, path, monkeypatch) -> list[tuple[str, float, float]]:
 def test_every_format_stays_compact_and_matches_its_twin(tiny_ggufs, scheme, monkeypatch) -> None:
     path = tiny_ggufs[scheme]
     net, cfg, _ = load_model(path, CPU, torch.float32)
-    want = {n: scheme_type(scheme, n, s[-1], cfg.num_layers, False) for n, s in tensor_shapes(cfg)}
+    want = model_types(scheme, cfg)
     layer = net.layers[1]
     assert isinstance(layer.qkv, PackedProjection) and isinstance(net.embed, PackedEmbedding)
     types = {want["blk.1.attn_q.weight"], want["blk.1.attn_v.weight"]}
@@ -201,6 +201,46 @@ def test_the_q4_k_m_mix_is_llama_quantizes() -> None:
     assert scheme_type("Q4_K_M", "blk.5.attn_q.weight", 576, 30, False) == Q.Q5_0
     assert scheme_type("Q4_K_M", "output.weight", 576, 30, False) == Q.Q8_0
     assert scheme_type("Q4_K_M", "blk.5.attn_norm.weight", 4096, 32, False) == Q.F32
+
+
+def test_the_other_mixes_are_llama_quantizes() -> None:
+    """llama-quantize's rules beyond Q4_K_M (llama.cpp's src/llama-quant.cpp, no importance matrix): the
+    output is Q6_K in the legacy schemes too, Q4_K_S and Q2_K have their own rules, a 70B shape its own."""
+    for scheme in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q4_K_S", "Q5_K_S", "Q6_K"):
+        assert scheme_type(scheme, "output.weight", 4096, 32, False) == Q.Q6_K, scheme
+        assert scheme_type(scheme, "token_embd.weight", 4096, 32, True) == Q.Q6_K, scheme  # tied
+    assert scheme_type("Q8_0", "output.weight", 4096, 32, False) == Q.Q8_0
+    assert scheme_type("Q4_0", "token_embd.weight", 4096, 32, False) == Q.Q4_0  # untied: the scheme's
+    assert scheme_type("Q4_0", "output.weight", 576, 30, False) == Q.Q8_0  # Q6_K does not fit 576-weight rows
+    assert scheme_type("F16", "output.weight", 4096, 32, False) == Q.F16
+
+    def where(scheme: str, tensor: str, qtype: Q, layers: int = 32, gqa: int = 1) -> list[int]:
+        return [
+            i
+            for i in range(layers)
+            if scheme_type(scheme, f"blk.{i}.{tensor}.weight", 4096, layers, False, gqa) == qtype
+        ]
+
+    # Q4_K_S: Q5_K for attn_v in layers 0-3 and ffn_down in the first eighth, Q4_K elsewhere
+    assert where("Q4_K_S", "attn_v", Q.Q5_K) == [0, 1, 2, 3]
+    assert where("Q4_K_S", "ffn_down", Q.Q5_K) == [0, 1, 2, 3]
+    assert where("Q4_K_S", "ffn_down", Q.Q5_K, layers=16) == [0, 1]
+    assert where("Q4_K_S", "attn_q", Q.Q4_K) == list(range(32))
+    # Q2_K: Q3_K for ffn_down and attn_output; attn_v Q3_K, or Q4_K with >= 4 query heads per KV head
+    assert where("Q2_K", "ffn_down", Q.Q3_K) == where("Q2_K", "attn_output", Q.Q3_K) == list(range(32))
+    assert where("Q2_K", "attn_v", Q.Q3_K, gqa=2) == where("Q2_K", "attn_v", Q.Q4_K, gqa=4) == list(range(32))
+    for tensor in ("attn_q", "attn_k", "ffn_gate", "ffn_up"):
+        assert where("Q2_K", tensor, Q.Q2_K) == list(range(32))
+    # a 70B shape (80 layers, grouped KV heads): attn_v Q5_K where it would be Q3_K or Q4_K
+    assert where("Q2_K", "attn_v", Q.Q5_K, layers=80, gqa=8) == list(range(80))
+    assert where("Q4_K_S", "attn_v", Q.Q5_K, layers=80, gqa=8) == list(range(80))
+    assert where("Q4_K_M", "attn_v", Q.Q5_K, layers=80, gqa=8) == [
+        i for i in range(80) if i not in where("Q4_K_M", "attn_v", Q.Q6_K, layers=80, gqa=8)
+    ]
+    assert where("Q4_K_S", "attn_v", Q.Q5_K, layers=80, gqa=1) == [0, 1, 2, 3]  # 65B: no KV groups
+    # rows of 576 (SmolLM2): the 256-weight types fall back, Q4_K_S's Q5_K to Q5_1
+    assert scheme_type("Q4_K_S", "blk.0.attn_v.weight", 576, 30, False) == Q.Q5_1
+    assert scheme_type("Q2_K", "blk.0.ffn_down.weight", 576, 30, False) == Q.Q4_0
 
 
 def test_compact_weights_take_the_files_size(tiny_ggufs) -> None:

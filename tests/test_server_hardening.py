@@ -384,6 +384,72 @@ def test_metrics_have_latency_histograms(live):
         assert f"# TYPE {gauge} gauge" in text
 
 
+# The families /metrics served before prometheus_client wrote it (the text was built by hand): dashboards
+# read these names, types and help texts. A counter's family name is its sample's without "_total".
+METRIC_FAMILIES = [
+    ("hydragen_requests_running", "gauge", "sequences holding KV pages (decoding or prefilling)"),
+    ("hydragen_requests_waiting", "gauge", "sequences waiting for admission"),
+    ("hydragen_kv_pages_used", "gauge", "KV pages in use, held or cached (16 tokens a page)"),
+    ("hydragen_kv_pages_free", "gauge", "free KV pages"),
+    ("hydragen_kv_pages_peak", "gauge", "most KV pages in use at once since start"),
+    ("hydragen_kv_page_size", "gauge", "tokens a KV page holds"),
+    ("hydragen_prefix_cache_tokens", "gauge", "tokens held by the prefix tree (whole pages)"),
+    ("hydragen_prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens"),
+    ("hydragen_generation_tokens_per_second", "gauge", "decode rate over the last 5 s"),
+    ("hydragen_engine_healthy", "gauge", "1 while the engine takes requests"),
+    (
+        "hydragen_engine_restarting",
+        "gauge",
+        "1 while the engine is rebuilt after its tensor-parallel group broke",
+    ),
+    (
+        "hydragen_engine_restarts",
+        "counter",
+        "tries to rebuild the engine after its tensor-parallel group broke (failed ones included)",
+    ),
+    ("hydragen_prompt_tokens", "counter", "prompt tokens of admitted sequences"),
+    ("hydragen_prefill_tokens", "counter", "prompt tokens computed"),
+    ("hydragen_generation_tokens", "counter", "generated tokens"),
+    ("hydragen_requests_finished", "counter", "finished requests"),
+    ("hydragen_requests_failed", "counter", "requests ended by an engine error"),
+    ("hydragen_preemptions", "counter", "sequences preempted for memory"),
+    ("hydragen_time_to_first_token_seconds", "histogram", "time from arrival to the first generated token"),
+    (
+        "hydragen_time_per_output_token_seconds",
+        "histogram",
+        "mean time between generated tokens of a request",
+    ),
+    ("hydragen_e2e_request_latency_seconds", "histogram", "time from arrival to the last token"),
+    ("hydragen_request_queue_time_seconds", "histogram", "time from arrival until first scheduled"),
+]
+LATENCY_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+TOKEN_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+def test_metrics_families_are_the_ones_dashboards_read(live):
+    """/metrics parsed by prometheus_client: the same families, in the same order, with the same samples and
+    labels as before the text was written by the library (and no new ones, such as ``_created``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert post(live, C, OK).status_code == 200
+    families = list(text_string_to_metric_families(httpx.get(live.url + "/metrics").text))
+    assert [(f.name, f.type, f.documentation) for f in families] == METRIC_FAMILIES
+    for f in families:
+        samples = {(s.name, tuple(sorted(s.labels))) for s in f.samples}
+        if f.type == "histogram":
+            assert samples == {(f.name + "_bucket", ("le",)), (f.name + "_count", ()), (f.name + "_sum", ())}
+            le = [s.labels["le"] for s in f.samples if s.name.endswith("_bucket")]
+            bounds = TOKEN_BOUNDS if f.name == "hydragen_time_per_output_token_seconds" else LATENCY_BOUNDS
+            assert le == [*(str(float(b)) for b in bounds), "+Inf"]
+            counts = [s.value for s in f.samples if s.name.endswith("_bucket")]
+            assert counts == sorted(counts) and counts[-1] == next(
+                s.value for s in f.samples if s.name.endswith("_count")
+            )
+        else:
+            suffix = "_total" if f.type == "counter" else ""
+            assert samples == {(f.name + suffix, ())}
+
+
 def test_one_log_line_per_request_without_prompt_text(live, caplog):
     caplog.set_level(logging.INFO, logger="hydragen.server")
     secret = "my secret prompt"
@@ -454,7 +520,10 @@ def test_a_fault_in_one_request_fails_it_alone_over_http(live):
 class PairFaultTokenizer:
     """The real tokenizer, except that decoding the victim's tokens raises: the victim is recognised by a
     pair of consecutive generated ids that no other request produces (an incremental detokenizer decodes
-    short windows of recent ids, never the whole generation)."""
+    short windows of recent ids, never the whole generation). No Rust backend: the engine then detokenizes
+    with IncrementalDetokenizer, which decodes through this class (DecodeStream would bypass it)."""
+
+    backend_tokenizer = None
 
     def __init__(self, real, victim_pair: list[int]):
         self.real, self.victim_pair = real, victim_pair

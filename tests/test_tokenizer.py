@@ -124,6 +124,24 @@ def test_warm_load_hits_cache(cold, cache, monkeypatch, capsys) -> None:
     assert warm.apply_chat_template(CHAT) == tok.apply_chat_template(CHAT)
 
 
+def test_cache_key_holds_the_converters_versions(monkeypatch, tmp_path) -> None:
+    """A tokenizer converted by another transformers (or tokenizers, or gguf) is not reused: each version
+    has its own cache entry. The same file and versions keep theirs."""
+    import hydragen.model.tokenizer as tokenizer_module
+
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    installed = dict.fromkeys(("transformers", "tokenizers", "gguf"), "1.0")
+    monkeypatch.setattr(tokenizer_module, "package_version", lambda name: installed[name])
+    before = tokenizer_module._cache_dir(gguf_file)
+    assert tokenizer_module._cache_dir(gguf_file) == before
+    for name in ("transformers", "tokenizers", "gguf"):
+        installed[name] = "2.0"
+        assert tokenizer_module._cache_dir(gguf_file) != before, name
+        installed[name] = "1.0"
+    assert tokenizer_module._cache_dir(gguf_file) == before
+
+
 def test_unwritable_cache_is_skipped(ref, tmp_path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

@@ -472,6 +472,61 @@ def test_chat_shows_a_cut_call_and_runs_none(llms):
     assert chat.history[-1] == {"role": "assistant", "content": ""}  # the next line was a user turn
 
 
+class _Terminal:
+    """A chat's standard input on a terminal, and its prompts: each ``input`` takes the next scripted
+    answer (an exception is raised, as Ctrl-C and Ctrl-D raise them) and records its prompt."""
+
+    def __init__(self, answers: list) -> None:
+        self.answers, self.asked = answers, []
+
+    def isatty(self) -> bool:
+        return True
+
+    def prompt(self):
+        terminal = self
+
+        class Prompt:
+            def input(self, prompt: str) -> str:
+                terminal.asked.append(prompt)
+                answer = terminal.answers.pop(0)
+                if isinstance(answer, BaseException):
+                    raise answer
+                return answer
+
+        return Prompt()
+
+
+@pytest.mark.parametrize("key", [KeyboardInterrupt(), EOFError()], ids=["ctrl-c", "ctrl-d"])
+def test_chat_on_a_terminal_asks_for_results_at_its_prompt(llms, monkeypatch, key):
+    """On a terminal a call's result is read by the chat's prompt (the one messages use; Ctrl-C and
+    Ctrl-D raise there): an answer goes back to the model, Ctrl-C or Ctrl-D leaves the calls unanswered
+    and ends the turn but not the chat, which asks for the next message."""
+    import io
+
+    import hydragen.chat
+    from hydragen.chat import Chat
+    from hydragen.chat_tools import ChatTools
+
+    terminal = _Terminal(["Weather in Paris?", "sunny, 21 C", key, EOFError()])
+    monkeypatch.setattr(hydragen.chat, "TerminalPrompt", terminal.prompt)
+    llm = llms["qwen2"]
+    err = io.StringIO()
+    chat = Chat(
+        llm,
+        SamplingParams(temperature=0, max_tokens=1),
+        4096,
+        max_tokens=100,
+        tools=ChatTools(llm, TOOLS, {"type": "function", "function": {"name": "get_weather"}}),
+        stdin=terminal,
+        stdout=io.StringIO(),
+        stderr=err,
+    )
+    assert chat.run(0.0) == 0
+    assert terminal.asked == [">>> ", "get_weather result> ", "get_weather result> ", ">>> "]
+    assert err.getvalue().count("the calls are left unanswered") == 1
+    assert chat.history == []  # the unanswered turn is not kept
+
+
 def test_chat_tools_file_is_checked_before_loading(tmp_path, capsys, monkeypatch):
     import hydragen
     from hydragen.cli import main

@@ -10,13 +10,12 @@ turn and only the replies go to standard output.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from typing import TextIO
 
 from hydragen.chat_tools import MAX_ROUNDS, ChatTools, show_call
-from hydragen.prompt_input import PromptReader
+from hydragen.prompt_input import TerminalPrompt
 from hydragen.streaming import StreamResult, interrupt_flag, stream_request
 from hydragen.tools.session import ToolSession
 
@@ -72,9 +71,6 @@ class Chat:
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, load_s: float) -> int:
-        if self.interactive:
-            with contextlib.suppress(ImportError):
-                import readline  # noqa: F401  (line editing and history for input())
         self._warm_up()
         threads = self.llm.engine.threads
         loaded = f"{self.llm.model_path.name} loaded in {load_s:.1f} s" + (
@@ -85,21 +81,18 @@ class Chat:
             if self.interactive
             else f"{loaded}; one user turn per input line."
         )
-        reader = PromptReader()  # Ctrl-C handling for the prompt: only a terminal has one
-        with reader if self.interactive else contextlib.nullcontext():
-            return self._loop(reader)
+        if self.interactive:  # a terminal: prompts with line editing and history, one for each kind
+            self._messages, self._results = TerminalPrompt(), TerminalPrompt()
+        return self._loop()
 
-    def _loop(self, reader: PromptReader) -> int:
+    def _loop(self) -> int:
         while True:
             try:
-                line = self._read(reader)
+                line = self._read()
             except KeyboardInterrupt:  # at the prompt: a fresh line, not an exit
-                print(file=self.stdout)
                 self._note("(Ctrl-D or /exit to leave)")
                 continue
             if line is None:  # end of input: Ctrl-D or the end of a pipe
-                if self.interactive:
-                    print(file=self.stdout)
                 return 0
             line = line.strip()
             if not line:
@@ -110,10 +103,10 @@ class Chat:
                 continue
             self._turn(line)
 
-    def _read(self, reader: PromptReader) -> str | None:
+    def _read(self) -> str | None:
         if self.interactive:
             try:
-                return reader.input(">>> ")
+                return self._messages.input(">>> ")
             except EOFError:
                 return None
         line = self.stdin.readline()
@@ -150,9 +143,13 @@ class Chat:
             if not calls:
                 conversation.append({"role": "assistant", "content": text})
                 break
-            results = [self._result(call) for call in calls]
-            if any(r is None for r in results):  # end of input: the calls stay unanswered
-                return
+            results = []
+            for call in calls:
+                if (result := self._result(call)) is None:  # end of input, Ctrl-C or Ctrl-D: unanswered
+                    if self.interactive:
+                        self._note("(the calls are left unanswered; the chat goes on)")
+                    return
+                results.append(result)
             conversation.append(
                 {"role": "assistant", "content": text, "tool_calls": [c.to_openai() for c in calls]}
             )
@@ -208,11 +205,12 @@ class Chat:
         return text, calls
 
     def _result(self, call) -> str | None:
-        """The result of ``call``, typed (or piped) in; None at the end of input."""
+        """The result of ``call``, typed (or piped) in; None at the end of input, or when Ctrl-C or Ctrl-D
+        leaves the calls unanswered (the turn then ends and the chat goes on)."""
         if self.interactive:
             try:
-                return input(f"{call.name} result> ")
-            except EOFError:
+                return self._results.input(f"{call.name} result> ")
+            except (EOFError, KeyboardInterrupt):
                 return None
         line = self.stdin.readline()
         return line.rstrip("\n") if line else None

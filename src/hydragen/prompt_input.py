@@ -1,104 +1,52 @@
-"""A terminal prompt that Ctrl-C always interrupts.
+"""A terminal prompt for `hydragen chat`, read by prompt_toolkit.
 
-CPython's ``input()`` with readline draws the prompt, then waits in ``select()`` on the terminal alone, and
-looks at signals only when that wait is interrupted. A Ctrl-C that lands in between (the prompt is on screen,
-the wait has not begun) is recorded but wakes nothing: the prompt ignores it until a line is entered. On a
-busy machine that window is wide enough to hit.
+``input()`` lets the terminal turn Ctrl-C into SIGINT and looks at it only when its wait for keys is
+interrupted, so a Ctrl-C that lands after the prompt is drawn but before that wait begins is ignored until a
+line is entered. prompt_toolkit reads the terminal in raw mode, where Ctrl-C is a key like any other, and
+turns a SIGINT that still arrives (sent before raw mode began, or by ``kill``) into that same key: it has no
+such window. It also gives line editing, a history (up and down arrows) and multi-line input (Alt-Enter or
+Esc then Enter starts a new line; a text pasted where the terminal marks pastes, as xterm's kind do, keeps
+its lines).
 
-``PromptReader`` closes it. A watcher thread hears of every SIGINT through the signal wakeup fd; while a
-prompt waits and its Ctrl-C has not been handled yet, the watcher interrupts the main thread's wait with a
-signal whose handler does nothing, and readline then runs the pending Ctrl-C handler.
+prompt_toolkit is imported only here, when a prompt is made: piped input never needs it.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
+from typing import Any
 
-KICK = getattr(signal, "SIGUSR1", None)  # interrupts the main thread's select(); its handler does nothing
-KICK_EVERY_S = 0.05  # a kick can land in the same window as the Ctrl-C; the next one finds the wait
-KICK_FOR_S = 2.0  # then give up: the Ctrl-C was handled elsewhere (it raced the end of the prompt)
+CONTINUATION = "... "  # the prompt of a message's second and later lines
 
 
-def _ignore(signum: int, frame: object) -> None:
-    """The kick's handler: its only job is to make select() return EINTR."""
-
-
-class PromptReader:
-    """``input()`` for the main thread, where Ctrl-C raises KeyboardInterrupt at once, whenever it comes.
-
-    Use as a context manager around the whole session: it owns the process's signal wakeup fd and the
-    kick signal's handler while open. Off the main thread or without POSIX signals it is plain ``input()``.
-    """
+class TerminalPrompt:
+    """A prompt with its own history. ``input`` is ``input()``'s contract: the line (without its newline),
+    KeyboardInterrupt on Ctrl-C, EOFError on Ctrl-D at an empty line."""
 
     def __init__(self) -> None:
-        self._active = False
-        self._waiting = False  # a prompt is in input() now
-        self._prompt = 0  # which prompt; a kick loop stops when it changes
-        self._handled = False  # this prompt's Ctrl-C already raised KeyboardInterrupt
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import InMemoryHistory
 
-    def __enter__(self) -> PromptReader:
-        if KICK is None or threading.current_thread() is not threading.main_thread():
-            return self
-        self._main = threading.main_thread().ident
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)
-        self._old_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        self._old_kick = signal.signal(KICK, _ignore)
-        self._closing = False
-        # The watcher blocks both signals: the kernel hands them to the main thread, whose wait they break.
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, KICK})
-        try:
-            self._watcher = threading.Thread(target=self._watch, name="prompt-ctrl-c", daemon=True)
-            self._watcher.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        self._active = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._active:
-            return
-        self._active, self._closing = False, True
-        signal.set_wakeup_fd(self._old_wakeup)
-        os.write(self._write_fd, b"\0")  # wakes the watcher, which sees _closing and ends
-        self._watcher.join()
-        signal.signal(KICK, self._old_kick)
-        os.close(self._read_fd)
-        os.close(self._write_fd)
+        self._session: Any = PromptSession(
+            history=InMemoryHistory(),
+            key_bindings=_new_line_bindings(),
+            prompt_continuation=lambda width, line, wrapped: CONTINUATION.rjust(width),
+        )
 
     def input(self, prompt: str) -> str:
-        """Like ``input(prompt)``: raises KeyboardInterrupt on Ctrl-C and EOFError at the end of input."""
-        if not self._active:
-            return input(prompt)
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        self._prompt += 1
-        self._handled, self._waiting = False, True
-        try:
-            return input(prompt)
-        finally:
-            self._waiting = False
-            signal.signal(signal.SIGINT, previous)
+        # Raw mode from before the prompt is drawn: on a dumb terminal prompt_toolkit writes the prompt first,
+        # and a key typed at once would be echoed twice, by the terminal and by prompt_toolkit.
+        with self._session.input.raw_mode():
+            return self._session.prompt(prompt)
 
-    def _on_sigint(self, signum: int, frame: object) -> None:
-        self._handled = True
-        raise KeyboardInterrupt
 
-    def _watch(self) -> None:
-        while True:
-            try:
-                data = os.read(self._read_fd, 512)
-            except InterruptedError:
-                continue
-            if self._closing:
-                return
-            if signal.SIGINT in data and self._waiting:
-                self._kick_until_handled(self._prompt)
+def _new_line_bindings() -> Any:
+    """Alt-Enter (which terminals send as Esc, Enter) inserts a new line; Enter alone sends the message."""
+    from prompt_toolkit.key_binding import KeyBindings
 
-    def _kick_until_handled(self, prompt: int) -> None:
-        deadline = time.monotonic() + KICK_FOR_S
-        while self._waiting and self._prompt == prompt and not self._handled and time.monotonic() < deadline:
-            signal.pthread_kill(self._main, KICK)
-            time.sleep(KICK_EVERY_S)
+    bindings = KeyBindings()
+
+    @bindings.add("escape", "enter")
+    def _(event: Any) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return bindings

@@ -44,6 +44,10 @@ def _replot(module_name: str, folder: str) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     import importlib
 
+    from hydragen.bench import missing_dependencies, missing_message
+
+    if missing := missing_dependencies():  # before anything is measured, not when the plots are drawn
+        raise UsageError(missing_message(missing))
     rest = list(args.rest)
     if "--replot" in rest:  # `hydragen bench NAME --replot DIR`: the plots again, from DIR/NAME.json
         at = rest.index("--replot")

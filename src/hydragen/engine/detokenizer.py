@@ -18,12 +18,25 @@ The window slides when its text ends stable. If it stays unstable (a long run of
 slides to a boundary a few tokens back, once a decode up to that boundary shows that no character
 straddles it. So the final text always equals ``tokenizer.decode(all_ids)``, and the window stays short
 unless skipped special tokens keep splitting one character's bytes.
+
+The engine uses ``StreamDetokenizer`` where it is exact (``new_detokenizer``: a byte-level BPE decoder, as
+Llama 3, Qwen2 and SmolLM2 have, with no clean-up): tokenizers' own ``DecodeStream`` does the same
+window-and-hold work in Rust, and its flush adds the unfinished character it would never hand over.
+Measured on the embedded SmolLM2 tokenizer, 64 streams x 256 tokens fed one token per stream in turn, as the
+engine feeds them (16 streams each of English text from docs/, multilingual text with emoji, text with
+special tokens in it, uniform random ids), median of 9 rounds on the 2-core EPYC VM with other work
+running: IncrementalDetokenizer 17.1 us per token, StreamDetokenizer 4.3 us (DecodeStream's own step 2.0 us,
+the rest is Python), decoding the whole sequence after every token 78 us. The text of ours and of
+StreamDetokenizer equals ``tokenizer.decode(all_ids)`` on all 64 streams; DecodeStream's alone on 59 (the 5
+others end inside a character). With SentencePiece byte fallback DecodeStream raises where a stray byte
+turns characters it already handed over into U+FFFD (see below), so those tokenizers keep this one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Protocol
@@ -63,7 +76,29 @@ def unstable_suffix_length(text: str) -> int:
     return 0
 
 
-class IncrementalDetokenizer:
+class _EmittedText:
+    """What both detokenizers keep: the text handed over so far, as pieces joined on demand, and whether
+    ``flush`` has ended the sequence."""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (joined on demand, then kept joined)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def _new_ids(self, token_ids: Iterable[int]) -> list[int]:
+        """``add``'s ids, checked; adding after ``flush`` is an error."""
+        if self._finished:
+            raise ValueError(f"{type(self).__name__}.add() called after flush()")
+        return _checked_ids(token_ids)
+
+
+class IncrementalDetokenizer(_EmittedText):
     """Turns generated token ids into text piece by piece; see the module docstring.
 
     ``prompt_ids``: the prompt's last tokens are decoded as context, so the first generated token reads
@@ -74,29 +109,19 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Decoder, prompt_ids: Iterable[int] | None = None, skip_special_tokens: bool = True
     ) -> None:
+        super().__init__()
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids = _checked_ids(list(prompt_ids)[-_PROMPT_CONTEXT:] if prompt_ids is not None else [])
         self._start = 0  # first token id of the window
         self._read = len(self._ids)  # ids before this one have all their text emitted
         self._emitted = len(self._decode(0, self._read))  # characters of the window text emitted
-        self._pieces: list[str] = []
-        self._finished = False
         self._byte_runs = groups_byte_runs(tokenizer)
         self._partial: dict[int, bool] = {}  # token id -> it decodes alone to (part of) U+FFFD
 
-    @property
-    def text(self) -> str:
-        """All text emitted so far (joined on demand, then kept joined)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
-
     def add(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; returns the text that became stable (possibly empty)."""
-        if self._finished:
-            raise ValueError("IncrementalDetokenizer.add() called after flush()")
-        new_ids = _checked_ids(token_ids)
+        new_ids = self._new_ids(token_ids)
         if not new_ids:
             return ""
         self._ids.extend(new_ids)
@@ -173,6 +198,82 @@ class IncrementalDetokenizer:
             return ""
         return self._tokenizer.decode(self._ids[begin:end], skip_special_tokens=self._skip_special)
 
+
+class StreamDetokenizer(_EmittedText):
+    """``IncrementalDetokenizer``'s contract (``add``, ``flush``, ``text``; the text of ``add`` calls and
+    ``flush`` together equals ``tokenizer.decode(all_ids)``) on tokenizers' own ``DecodeStream``, which does
+    the window-and-hold work in Rust: for a tokenizer whose ``decode`` is its Rust backend's alone (no
+    ``clean_up_tokenization_spaces``); ``new_detokenizer`` picks it.
+
+    DecodeStream holds text while it ends in U+FFFD and never hands over an unfinished character left at the
+    end; ``flush`` then returns what decoding the whole sequence adds (one full decode, only then).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        super().__init__()
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._held = 0  # trailing tokens whose text DecodeStream has not handed over (if any)
+        self._backend, self._thread = None, None  # the Rust tokenizer of the thread that last called add
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        new_ids = self._new_ids(token_ids)
+        if self._thread != threading.get_ident():  # each thread decodes with its own copy (not thread-safe)
+            self._backend, self._thread = self._tokenizer.backend_tokenizer, threading.get_ident()
+        pieces = []
+        for token in new_ids:
+            piece = self._stream.step(self._backend, token)
+            if piece:
+                pieces.append(piece)
+                self._held = 0
+            else:
+                self._held += 1
+        self._ids.extend(new_ids)
+        piece = "".join(pieces)
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def flush(self) -> str:
+        if self._finished:
+            return ""
+        self._finished = True
+        if not self._held:
+            return ""
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        emitted = self.text
+        if not full.startswith(emitted):
+            raise ValueError("DecodeStream's text is not the start of the decoded sequence")
+        piece = full[len(emitted) :]
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+
+def new_detokenizer(tokenizer, skip_special_tokens: bool = True) -> Detokenizer:
+    """The detokenizer for a generated sequence: ``StreamDetokenizer`` where DecodeStream is exact (see
+    ``stream_decodes_exactly``), else ``IncrementalDetokenizer``."""
+    if stream_decodes_exactly(tokenizer):
+        return StreamDetokenizer(tokenizer, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+
+
+def stream_decodes_exactly(tokenizer) -> bool:
+    """Whether DecodeStream's pieces add up to ``tokenizer.decode``: for a byte-level BPE decoder (GPT-2's,
+    as Llama 3, Qwen2 and SmolLM2 use) with no clean-up of the decoded text. Not for SentencePiece byte
+    fallback: a byte that turns a finished character of its run back into U+FFFD (see the note on byte
+    fallback at the top) makes DecodeStream raise "Invalid prefix" where ours holds the run."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    return type(backend.decoder).__name__ == "ByteLevel"
+
+
+Detokenizer = IncrementalDetokenizer | StreamDetokenizer
 
 _GROUPING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hydragen.engine.detokenizer import IncrementalDetokenizer
+from hydragen.engine.detokenizer import Detokenizer, new_detokenizer
 from hydragen.engine.isolation import failure_message
 from hydragen.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from hydragen.engine.sequence import Request, Sequence
@@ -31,7 +31,7 @@ class StageError(RuntimeError):
 
 @dataclass
 class _TextState:
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     stops: StopChecker | None
 
 
@@ -169,9 +169,7 @@ class OutputProcessor:
             return None
         if s.out.detok is None:
             stops = s.params.stop
-            s.out.detok = _TextState(
-                IncrementalDetokenizer(self.tokenizer), StopChecker(stops) if stops else None
-            )
+            s.out.detok = _TextState(new_detokenizer(self.tokenizer), StopChecker(stops) if stops else None)
         return s.out.detok
 
     def _add_text(self, s: Sequence, tokens: list[int]) -> None:

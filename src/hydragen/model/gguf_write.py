@@ -1,10 +1,13 @@
 """Writing Llama GGUF files: a model of any shape in any supported type, with random or given weights.
 
-Two users: the tests (a tiny model whose every weight is in one GGUF type, checked against the float
-model) and ``--random-weights PRESET:SCHEME`` (a model of a real shape, e.g. Llama-3.1-8B as Q4_K_M, written
-block by block without ever holding the model in memory, then loaded like any downloaded file, by hydragen
-and by llama.cpp). Types follow llama.cpp's own mixes (``scheme_type``), and q/k rows are stored in
-llama.cpp's permuted order, so the files are what ``convert_hf_to_gguf.py`` + ``llama-quantize`` produce.
+Two users: the tests (a tiny model in each scheme, checked against the float model) and
+``--random-weights PRESET:SCHEME`` (a model of a real shape, e.g. Llama-3.1-8B as Q4_K_M, written block by
+block without ever holding the model in memory, then loaded like any downloaded file, by hydragen and by
+llama.cpp). Each tensor's type is the one llama-quantize picks for the scheme (``scheme_type``: its
+rules for Llama models and the schemes listed in ``SCHEMES``, without an importance matrix), and q/k rows
+are stored in llama.cpp's permuted order, so the files are laid out as ``convert_hf_to_gguf.py`` +
+``llama-quantize`` lay them out (the quantized values are not llama-quantize's: gguf_quantize.py rounds
+more plainly).
 """
 
 from __future__ import annotations
@@ -46,28 +49,69 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def scheme_type(scheme: str, name: str, cols: int, layers: int, tied: bool) -> Q:
-    """The GGUF type llama-quantize gives tensor ``name`` (a GGUF name) of a Llama model for ``scheme``."""
+def _fits(qtype: Q, cols: int) -> bool:
+    return cols % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def scheme_type(scheme: str, name: str, cols: int, layers: int, tied: bool, gqa: int = 1) -> Q:
+    """The GGUF type llama-quantize gives tensor ``name`` (a GGUF name, rows of ``cols`` weights) of a Llama
+    model of ``layers`` blocks with ``gqa`` query heads per key/value head, for ``scheme``, without an
+    importance matrix (llama.cpp's src/llama-quant.cpp, llama_tensor_get_type):
+
+    * norms stay F32; F32, F16 and BF16 files hold every matrix in their type;
+    * the output matrix (the embedding too when the two are tied) is Q6_K in every quantized scheme but
+      Q8_0 (Q8_0 when its rows do not split into the scheme's blocks);
+    * Q4_K_M: Q6_K for attn_v and ffn_down in the first and last eighth of the layers and every third
+      between; Q4_K_S: Q5_K for attn_v in layers 0-3 and ffn_down in the first eighth; Q2_K: Q3_K for
+      ffn_down and attn_output, and attn_v Q3_K (Q4_K with 4 or more query heads per KV head);
+    * a 70B shape (80 layers, grouped KV heads) takes Q5_K for an attn_v that would be Q3_K or Q4_K;
+    * a 256-weight type on rows of another length falls back (Q4_K to Q5_0, ...), and to F16 if that does
+      not fit either.
+    """
     base, _ = SCHEMES[scheme]
-    if base in (Q.F32, Q.F16, Q.BF16) or name.endswith("norm.weight"):
-        return base if not name.endswith("norm.weight") else Q.F32
-    qtype = base
+    if name.endswith("norm.weight"):
+        return Q.F32
+    if base in (Q.F32, Q.F16, Q.BF16):
+        return base
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    qtype = base
     if name == "output.weight" or (tied and name == "token_embd.weight"):
-        if scheme.startswith(("Q4_K", "Q5_K", "Q3_K", "Q2_K", "Q6_K")):
-            qtype = Q.Q6_K if cols % 256 == 0 else Q.Q8_0
-    elif (
-        scheme == "Q4_K_M"
-        and name.endswith(("attn_v.weight", "ffn_down.weight"))
-        and _more_bits(layer, layers)
-    ):
-        qtype = Q.Q6_K
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if cols % block:
+        if not _fits(base, cols):
+            qtype = Q.Q8_0
+        elif base != Q.Q8_0:
+            qtype = Q.Q6_K
+    elif name.endswith("attn_v.weight"):
+        if scheme == "Q2_K":
+            qtype = Q.Q4_K if gqa >= 4 else Q.Q3_K
+        elif scheme == "Q4_K_M" and _more_bits(layer, layers):
+            qtype = Q.Q6_K
+        elif scheme == "Q4_K_S" and layer < 4:
+            qtype = Q.Q5_K
+        if layers == 80 and gqa > 1 and qtype in (Q.Q3_K, Q.Q4_K):  # llama.cpp's LLM_TYPE_70B
+            qtype = Q.Q5_K
+    elif name.endswith("ffn_down.weight"):
+        if scheme == "Q2_K":
+            qtype = Q.Q3_K
+        elif scheme == "Q4_K_M" and _more_bits(layer, layers):
+            qtype = Q.Q6_K
+        elif scheme == "Q4_K_S" and layer < layers // 8:
+            qtype = Q.Q5_K
+    elif name.endswith("attn_output.weight") and scheme == "Q2_K":
+        qtype = Q.Q3_K
+    if not _fits(qtype, cols):
         qtype = _FALLBACK.get(qtype, qtype)
-        if cols % gguf.GGML_QUANT_SIZES[qtype][0]:
+        if not _fits(qtype, cols):
             qtype = Q.F16
     return qtype
+
+
+def model_types(scheme: str, cfg: ModelConfig) -> dict[str, Q]:
+    """Every tensor's type in a ``scheme`` file of shape ``cfg`` (GGUF name -> type), as ``scheme_type``."""
+    gqa = cfg.num_heads // cfg.num_kv_heads
+    return {
+        n: scheme_type(scheme, n, s[-1], cfg.num_layers, cfg.tie_word_embeddings, gqa)
+        for n, s in tensor_shapes(cfg)
+    }
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -116,7 +160,7 @@ def write_llama_gguf(
     w = gguf.GGUFWriter(str(path), "llama")
     _add_metadata(w, cfg, ftype, name or path.stem)
     shapes = list(tensor_shapes(cfg))
-    types = {n: scheme_type(scheme, n, s[-1], cfg.num_layers, cfg.tie_word_embeddings) for n, s in shapes}
+    types = model_types(scheme, cfg)
     for n, shape in shapes:
         qtype = types[n]
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -235,7 +279,9 @@ def random_gguf_file(spec: str) -> Path:
         raise ValueError(f"random-weights quantization {scheme!r} is not one of {', '.join(SCHEMES)}")
     hf_cfg, name = config_for_random_weights(shape)
     cfg = ModelConfig.from_hf(hf_cfg)
-    key = hashlib.sha256(json.dumps(hf_cfg, sort_keys=True).encode()).hexdigest()[:8]
+    # The shape and every tensor's type: a file written under other type rules is not reused.
+    types = {n: t.name for n, t in model_types(scheme, cfg).items()}
+    key = hashlib.sha256(json.dumps([hf_cfg, types], sort_keys=True).encode()).hexdigest()[:8]
     path = cache_dir() / "random-gguf" / f"{name}-{key}.{scheme}.gguf"
     if path.exists():
         return path

@@ -157,10 +157,35 @@ def read_hf_config(path: Path) -> dict:
     return cfg
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor name -> file
+
+
 def weight_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    """The weight files of a Hugging Face directory, each to be read once.
+
+    A sharded checkpoint's index names its files, and only those are read: Mistral's repositories ship
+    ``consolidated.safetensors`` beside them, the same weights again under Mistral's own names. Without an
+    index, ``consolidated*.safetensors`` is left out when other ``*.safetensors`` are there.
+    """
+    if (path / SAFETENSORS_INDEX).is_file():
+        return _indexed_files(path / SAFETENSORS_INDEX)
+    safetensors = sorted(path.glob("*.safetensors"))
+    files = [f for f in safetensors if not f.name.startswith("consolidated")] or safetensors
+    files = files or sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise ModelFileError(path, "the model directory has no *.safetensors or pytorch_model*.bin weights")
+    return files
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    """The files an index's ``weight_map`` names, each once; a missing one is a ModelFileError."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelFileError(index, "has no weight_map naming the checkpoint's files")
+    files = [index.parent / name for name in sorted(set(map(str, weight_map.values())))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelFileError(index, f"names weight files that are not in the directory: {', '.join(missing)}")
     return files
 
 

@@ -1,7 +1,8 @@
 """Tokenizer: a thin wrapper over a transformers fast tokenizer, loadable from a HF directory or a GGUF file.
 
 Converting a GGUF vocab through transformers costs ~10-20 s, so the converted tokenizer is cached on disk
-(keyed by the file's name, size and mtime) and later loads read the cached tokenizer.json in well under 1 s.
+(keyed by the file's name, size and mtime, and by the versions of the packages that convert it) and later
+loads read the cached tokenizer.json in well under 1 s.
 The cache lives in hydragen's cache folder, ``tokenizers/`` (``$HYDRAGEN_CACHE_DIR``, else the older
 ``$HYDRAGEN_CACHE``, else ``~/.cache/hydragen``: the compiled ops and random-weights files live there too);
 the one slow build says so on stderr, with the folder.
@@ -19,12 +20,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
 from hydragen.model.errors import ModelFileError, first_line
 
 _META = "hydragen_tokenizer.json"  # extra eos ids from the GGUF metadata, kept beside the cached tokenizer
+_META_FORMAT = 1  # raise when _META's content changes: old cache entries are then built again
+CONVERTERS = ("transformers", "tokenizers", "gguf")  # the packages a GGUF vocab's conversion runs
 
 
 class Tokenizer:
@@ -107,6 +112,16 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """This thread's ``tokenizers.Tokenizer`` (the Rust one ``decode`` runs), or None."""
+        return getattr(self._tok, "backend_tokenizer", None)
+
+    @property
+    def clean_up_tokenization_spaces(self) -> bool:
+        """Whether ``decode`` rewrites the Rust tokenizer's text (" ." to "." and the like)."""
+        return bool(getattr(self._tok, "clean_up_tokenization_spaces", False))
+
 
 def _ids(value: Any) -> list[int]:
     if value is None:
@@ -122,11 +137,27 @@ def _json_eos(path: Path) -> list[int]:
 
 
 def _cache_dir(gguf_path: Path) -> Path:
+    """The cache entry of ``gguf_path``'s converted tokenizer: keyed by the file (name, size, mtime) and by
+    what converts it, so another version of a converter builds its own entry instead of reusing this one."""
     from hydragen.native.build import cache_dir  # the one folder of every hydragen cache
 
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.name}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    parts = [gguf_path.name, str(st.st_size), str(st.st_mtime_ns), *_converter_versions()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / "tokenizers" / f"{gguf_path.stem}-{key}"
+
+
+def _converter_versions() -> list[str]:
+    """What the conversion depends on besides the file: transformers converts the vocab, reading it with
+    gguf; tokenizers builds and writes the tokenizer; hydragen writes its own file of extra eos ids."""
+    return [f"{name}={_installed(name)}" for name in CONVERTERS] + [f"hydragen-meta={_META_FORMAT}"]
+
+
+def _installed(name: str) -> str:
+    try:
+        return package_version(name)
+    except PackageNotFoundError:  # imported from a path without package metadata: its version is unknown
+        return "unknown"
 
 
 def _save_cache(hf_tokenizer: Any, extra_eos: list[int], target: Path) -> str | None:

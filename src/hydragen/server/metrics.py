@@ -1,14 +1,23 @@
-"""Prometheus text for /metrics: the engine's gauges and counters plus request latency histograms.
+"""/metrics of one server in Prometheus text, written by ``prometheus_client``: the engine's gauges and
+counters plus request latency histograms.
 
 Latencies are observed per engine request (one prompt of an HTTP request): time to first token, time per
 output token after the first, end to end, and time spent waiting before the scheduler first took it.
+
+The gauges and counters are the rows the app reads from the engine's published snapshot (never the live
+engine: a scrape runs on the event loop thread); the histograms are prometheus_client's own, observed by the
+engine thread. Names, types, help texts and labels are the ones dashboards already read.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 LATENCY_BUCKETS = (
     0.005,
@@ -46,37 +55,7 @@ TOKEN_BUCKETS = (
     2.5,
     5.0,
 )
-
-
-class Histogram:
-    """A cumulative Prometheus histogram; observed from the engine thread, read from the event loop."""
-
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum, self.count = 0.0, 0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self.counts[bisect.bisect_left(self.buckets, value)] += 1
-            self.sum += value
-            self.count += 1
-
-    def render(self) -> str:
-        with self._lock:
-            counts, total, count = list(self.counts), self.sum, self.count
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for le, c in zip([*map(_fmt, self.buckets), "+Inf"], counts, strict=True):
-            running += c
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {running}')
-        lines += [f"{self.name}_sum {total}", f"{self.name}_count {count}"]
-        return "\n".join(lines) + "\n"
-
-
-def _fmt(x: float) -> str:
-    return repr(float(x))
+FAMILY_KINDS = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
 
 @dataclass
@@ -91,21 +70,30 @@ class RequestTimes:
 
 
 class LatencyMetrics:
-    def __init__(self):
-        self.ttft = Histogram(
+    """The request latency histograms and the failed-request count: a collector for the server's registry.
+
+    The engine thread observes; a scrape reads. prometheus_client's histogram locks each of its values, so
+    the two threads need no lock of ours. Its ``_created`` samples are left out: the server never had them.
+    """
+
+    def __init__(self) -> None:
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, help_text, buckets=buckets, registry=None)  # in no global registry
+
+        self.ttft = histogram(
             "hydragen_time_to_first_token_seconds",
             "time from arrival to the first generated token",
             LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "hydragen_time_per_output_token_seconds",
             "mean time between generated tokens of a request",
             TOKEN_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "hydragen_e2e_request_latency_seconds", "time from arrival to the last token", LATENCY_BUCKETS
         )
-        self.queue = Histogram(
+        self.queue = histogram(
             "hydragen_request_queue_time_seconds", "time from arrival until first scheduled", LATENCY_BUCKETS
         )
         self.failed = 0  # engine requests ended by an error (not validation: those never reach it)
@@ -120,10 +108,27 @@ class LatencyMetrics:
         if t.finished is not None:
             self.e2e.observe(t.finished - t.arrival)
 
-    def render(self) -> str:
-        return "".join(h.render() for h in (self.ttft, self.tpot, self.e2e, self.queue))
+    def collect(self) -> Iterator[Metric]:
+        for histogram in (self.ttft, self.tpot, self.e2e, self.queue):
+            for family in histogram.collect():
+                family.samples = [s for s in family.samples if s.name != family.name + "_created"]
+                yield family
 
 
-def render_gauges(rows: list[tuple[str, str, str, float]]) -> str:
-    """(name, type, help, value) rows as Prometheus text."""
-    return "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {float(v)}\n" for n, t, h, v in rows)
+class SnapshotRows:
+    """(name, type, help, value) rows read from one engine snapshot, as gauge and counter families."""
+
+    def __init__(self, rows: Iterable[tuple[str, str, str, float]]) -> None:
+        self.rows = list(rows)
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, help_text, value in self.rows:
+            yield FAMILY_KINDS[kind](name, help_text, value=float(value))
+
+
+def exposition(rows: Iterable[tuple[str, str, str, float]], latency: LatencyMetrics) -> str:
+    """The /metrics text: ``rows`` (one snapshot's gauges and counters), then ``latency``'s histograms."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotRows(rows))
+    registry.register(latency)
+    return generate_latest(registry).decode()

@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from hydragen.server.engine_client import EngineClient
-from hydragen.server.metrics import LatencyMetrics, render_gauges
+from hydragen.server.metrics import LatencyMetrics, exposition
 
 
 def add_metrics_route(app: FastAPI, client: EngineClient, metrics: LatencyMetrics) -> None:
@@ -84,4 +84,4 @@ def metrics_text(client: EngineClient, metrics: LatencyMetrics) -> str:
         ),
         ("hydragen_preemptions_total", "counter", "sequences preempted for memory", st.preemptions),
     ]
-    return render_gauges(rows) + metrics.render()
+    return exposition(rows, metrics)

@@ -130,9 +130,20 @@ def _plain_axis(ax, axis: str, log: bool, values: list[float]) -> None:
         target.set_minor_formatter(NullFormatter())
 
 
+def pyplot():
+    """matplotlib.pyplot drawing into files (the Agg backend, no window); a MissingBenchDependency naming
+    the bench extra when matplotlib is not installed."""
+    from hydragen.bench import import_optional
+
+    import_optional("matplotlib").use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot(panels: list[Panel], path: Path, title: str, xlabel: str, ylabel: str, **kwargs) -> Path:
     """Panels side by side sharing the y axis, saved as one PNG (``kwargs``: see ``draw``)."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig = draw(panels, title, xlabel, ylabel, **kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,10 +166,7 @@ def draw(
     ylim_zero: bool = False,
 ):
     """The matplotlib Figure of ``plot`` (NaN values become "not measured" points with ``nan_reason``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.lines import Line2D
 
     width = FIGSIZE[0] if len(panels) == 1 else 5.2 * len(panels)

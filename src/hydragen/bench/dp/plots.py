@@ -7,7 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from hydragen.bench.core.plots import FIGSIZE, QUICK_TITLE, plain
+from hydragen.bench.core.plots import FIGSIZE, QUICK_TITLE, plain, pyplot
 
 COLORS = {"cache": "C0", "round-robin": "C1", "least-loaded": "C2", "approx": "C4"}
 NAMES = {
@@ -19,12 +19,7 @@ NAMES = {
 
 
 def _figure(title: str, quick: bool):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=120, layout="constrained")
+    fig, ax = pyplot().subplots(figsize=FIGSIZE, dpi=120, layout="constrained")
     head = f"{QUICK_TITLE}: {title}" if quick else title
     fig.suptitle("\n".join(textwrap.wrap(head, 80)), fontsize=10.5)
     if quick:
@@ -34,8 +29,7 @@ def _figure(title: str, quick: bool):
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
@@ -154,8 +148,7 @@ def sim_plots(sim: dict, measured: list[dict], out: Path) -> list[Path]:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         paths.append(_save(fig, out / fname))
     # Load balance: requests routed and time computed, busiest replica over the mean.
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.6), dpi=120, layout="constrained", sharey=True)
     head = f"Simulated: load balance as replicas grow ({grows})"
     fig.suptitle("\n".join(textwrap.wrap(f"{QUICK_TITLE}: {head}" if quick else head, 110)), fontsize=10.5)

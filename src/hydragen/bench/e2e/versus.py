@@ -181,10 +181,9 @@ def tables(data: dict, args: dict) -> str:
 
 
 def plot(data: dict, args: dict, out: Path) -> Path:
-    import matplotlib
+    from hydragen.bench.core.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     old, new = data["best"]["old"], data["best"]["new"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)

@@ -172,10 +172,9 @@ def is_valid(text: str, schema: dict) -> bool:
         value = json.loads(text)
     except json.JSONDecodeError:
         return False
-    try:
-        import jsonschema
-    except ImportError as e:  # validity needs the validator; say so rather than report a guess
-        raise SystemExit("bench structured needs jsonschema to check validity: pip install jsonschema") from e
+    from hydragen.bench import import_optional
+
+    jsonschema = import_optional("jsonschema")  # validity needs the validator: missing, it says so
     return jsonschema.Draft202012Validator(schema).is_valid(value)
 
 

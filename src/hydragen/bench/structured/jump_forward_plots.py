@@ -10,13 +10,9 @@ from hydragen.bench.structured.modes import FREE_MODES, MODE_LABELS, MODES
 
 def plots(data: dict, out: Path) -> list[Path]:
     """Tokens/s and latency per mode at each batch size; mask time per token."""
-    import matplotlib
+    from hydragen.bench.core.plots import QUICK_TITLE, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hydragen.bench.core.plots import QUICK_TITLE
-
+    plt = pyplot()
     rows = data["rows"]
     batches = sorted({r["batch"] for r in rows})
     workload = "Tool calls" if data.get("params", {}).get("workload") == "tools" else "JSON extraction"

@@ -55,10 +55,11 @@ def closed_everywhere(schema):
 
 
 def run(llm, names: list[str], samples: int, max_tokens: int, seed: int) -> list[dict]:
-    import jsonschema
-
     from hydragen import SamplingParams, StructuredOutputsParams
+    from hydragen.bench import import_optional
     from hydragen.structured.schemas import SCHEMAS
+
+    jsonschema = import_optional("jsonschema")
 
     rows = []
     for literal in (False, True):
@@ -107,12 +108,9 @@ def run(llm, names: list[str], samples: int, max_tokens: int, seed: int) -> list
 
 
 def plots(data: dict, out: Path) -> list[Path]:
-    import matplotlib
+    from hydragen.bench.core.plots import QUICK_TITLE, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hydragen.bench.core.plots import QUICK_TITLE
+    plt = pyplot()
 
     rows = data["rows"]
     fig, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")

@@ -316,12 +316,9 @@ COLUMNS = {
 
 def plots(data: dict, out: Path) -> list[Path]:
     """Compile and mask cost per case; the stream's token gaps around a slow compile, both ways."""
-    import matplotlib
+    from hydragen.bench.core.plots import QUICK_TITLE, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hydragen.bench.core.plots import QUICK_TITLE
+    plt = pyplot()
 
     prefix = QUICK_TITLE + "\n" if data.get("quick") else ""
     paths = []

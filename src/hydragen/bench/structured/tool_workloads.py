@@ -95,7 +95,9 @@ def call_problems(reply: ToolReply, tools: list[dict], named: str | None = None)
     """Why a reply's calls are not valid (empty: every call names a tool, its arguments parse as JSON and
     validate against that tool's parameters with ``jsonschema``; a call cut by max_tokens, unfinished, is
     allowed only as the last call of a reply that ended with "length", and only its name is checked)."""
-    import jsonschema
+    from hydragen.bench import import_optional
+
+    jsonschema = import_optional("jsonschema")
 
     schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
     problems = []
