@@ -83,10 +83,10 @@ def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(
     GGUF header it resolves "auto" as a replica would (float16 for blocks kept quantized) and hands the
     replicas that dtype by name, so a replica's cache is the one its budget was sized for (a float32 cache
     would take twice the memory planned)."""
+    import hydragen.llm as llm_module
     from hydragen.cli.common import engine_config_of
     from hydragen.distributed.checkpoint import read_config
     from hydragen.dp import launch
-    from hydragen.engine import llm as llm_module
 
     seen = []
     monkeypatch.setattr(llm_module, "default_kv_cache_tokens", lambda b, *a, **k: seen.append(b) or 1024)
