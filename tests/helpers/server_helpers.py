@@ -1,17 +1,24 @@
 """Helpers for server tests: a tiny random model that has a tokenizer and a chat template, and a live
-server on a loopback port in a background thread (the production server class, bound the same way)."""
+server on a loopback port in a background thread (the production server class, bound the same way), and
+``hydragen serve`` as a process (``spawn``) with its stderr read on a thread (``Lines``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tests.helpers.paths import SLOWED
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -232,3 +239,38 @@ def all_gone(pids: list[int], timeout: float = 20) -> bool:
     while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return not any(process_alive(p) for p in pids)
+
+
+def spawn(*args: str, api_key: str = "", step_delay: float | None = None) -> subprocess.Popen:
+    """``hydragen serve`` in a process; with ``step_delay``, every engine step waits that long first."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HYDRAGEN_API_KEY": api_key}
+    launcher = ["-m", "hydragen"] if step_delay is None else [SLOWED, str(step_delay)]
+    return subprocess.Popen(
+        [sys.executable, *launcher, "serve", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+class Lines:
+    """Collects a process's stderr lines on a thread."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def _read(self, proc):
+        for line in proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in:\n" + "\n".join(self.lines[-30:]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.structured_helpers import save_random_model
+from tests.helpers.structured_helpers import save_random_model
 
 # Text the byte-level tokenizers are trained on: tool calls, JSON and some prose, so merges such as
 # `", "`, `"name"` and `{"` exist and jump-forward meets real token boundaries.

@@ -24,17 +24,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_process import Lines, spawn
 
 from hydragen.cli.common import engine_config_of
 from hydragen.cli.parser import build_parser
 from hydragen.dp.launch import build_front, ready_line, serve_front
 from hydragen.server.launch import bind_socket, make_server
 from hydragen.server.options import ServerOptions
-from tests.server_helpers import LiveServer, all_gone, tiny_chat_model, wait_for_log
-from tests.tool_helpers import tiny_tool_model, tool_json
+from tests.helpers.paths import SLOWED
+from tests.helpers.server_helpers import Lines, LiveServer, all_gone, spawn, tiny_chat_model, wait_for_log
+from tests.helpers.tool_helpers import tiny_tool_model, tool_json
 
-SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
 STEP_DELAY = 0.02  # a 400-token request then runs >= 8 s on any machine
 PAGE = 16
 SHUTDOWN_GRACE = 1.0  # seconds in-flight requests get after a stop; 2 x it < 400 x STEP_DELAY

@@ -14,7 +14,6 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray Serve is an optional dependency (pip install hydragen[ray])")
 from ray import serve  # noqa: E402
-from server_helpers import HeldCalls, LiveServer, free_port, tiny_chat_model  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
 from hydragen.dp.ray_serve import (  # noqa: E402
@@ -26,6 +25,7 @@ from hydragen.dp.ray_serve import (  # noqa: E402
 )
 from hydragen.dp.router import RouteRequest  # noqa: E402
 from hydragen.server.options import ServerOptions  # noqa: E402
+from tests.helpers.server_helpers import HeldCalls, LiveServer, free_port, tiny_chat_model  # noqa: E402
 
 MODEL = "tiny"
 # Four tenants' system prompts (~250 bytes = tokens): they differ from their first page on, as the chat

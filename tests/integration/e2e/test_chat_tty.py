@@ -14,26 +14,24 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from hydragen.engine.config import DEFAULT_PAGE_SIZE
+from tests.helpers.paths import SLOWED, SRC
 
 pty = pytest.importorskip("pty")  # POSIX only
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and terminal modes, not screen text
 NEWLINE = re.compile(r"\r+\n")  # a line's end on the screen (prompt_toolkit ends a prompt with \r\r\n)
 STATS = re.compile(r"\[(\d+) tokens[^\]]*\| prompt (\d+) tokens, (\d+) from the prefix cache\]")
 TIMEOUT = 300  # seconds for any one wait: generous, the test machine is shared
-SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
 STEP_DELAY = 0.05  # seconds before each engine step: the 200-token reply Ctrl-C stops takes >= 10 s
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(TERM="dumb", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
 

@@ -13,13 +13,13 @@ import shlex
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+from tests.helpers.server_helpers import free_port
+
 README = (ROOT / "README.md").read_text()
 BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.DOTALL)
 TIMEOUT = 600  # seconds: generous, the test machine is shared

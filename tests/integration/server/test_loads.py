@@ -6,10 +6,10 @@ import threading
 import time
 
 import httpx
-from server_helpers import LiveServer, step_gate, tiny_chat_model
 
 from hydragen import LLM
 from hydragen.server.options import ServerOptions
+from tests.helpers.server_helpers import LiveServer, step_gate, tiny_chat_model
 
 
 def test_loads_report_running_waiting_and_kv_use(tiny_models, tmp_path):

@@ -12,9 +12,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_helpers import HeldCalls, LiveServer, metric, step_gate, tiny_chat_model, wait_for_log
 
 from hydragen import LLM, SamplingParams
+from tests.helpers.server_helpers import (
+    HeldCalls,
+    LiveServer,
+    metric,
+    step_gate,
+    tiny_chat_model,
+    wait_for_log,
+)
 
 openai = pytest.importorskip("openai")
 MODEL = "smol"

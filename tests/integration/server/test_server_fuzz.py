@@ -16,10 +16,10 @@ import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer, tiny_chat_model
 
 from hydragen import LLM
 from hydragen.server.options import ServerOptions
+from tests.helpers.server_helpers import LiveServer, tiny_chat_model
 
 KEY = "fuzz-key"
 LIMIT = 128 * 1024

@@ -12,11 +12,18 @@ import time
 
 import httpx
 import pytest
-from server_helpers import LiveServer, StepGate, metric, step_gate, tiny_chat_model, wait_for_log
 
 from hydragen import LLM, SamplingParams
 from hydragen.engine.sampler import derive_seed
 from hydragen.server.options import ServerOptions
+from tests.helpers.server_helpers import (
+    LiveServer,
+    StepGate,
+    metric,
+    step_gate,
+    tiny_chat_model,
+    wait_for_log,
+)
 
 openai = pytest.importorskip("openai")
 KEY = "test-key"

@@ -4,57 +4,18 @@ with requests in flight (bounded grace, then an error for what is left; a second
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import metric, tiny_chat_model
 
-SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
+from tests.helpers.server_helpers import Lines, metric, spawn, tiny_chat_model
+
 STEP_DELAY = 0.05  # seconds before every engine step: a 500-token request then runs >= 25 s on any machine
-
-
-def spawn(*args: str, api_key: str = "", step_delay: float | None = None) -> subprocess.Popen:
-    """``hydragen serve`` in a process; with ``step_delay``, every engine step waits that long first."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HYDRAGEN_API_KEY": api_key}
-    launcher = ["-m", "hydragen"] if step_delay is None else [SLOWED, str(step_delay)]
-    return subprocess.Popen(
-        [sys.executable, *launcher, "serve", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-class Lines:
-    """Collects a process's stderr lines on a thread."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.lines: list[str] = []
-        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self.thread.start()
-
-    def _read(self, proc):
-        for line in proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            for line in list(self.lines):
-                if m := re.search(pattern, line):
-                    return m
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r} in:\n" + "\n".join(self.lines[-30:]))
 
 
 @pytest.fixture(scope="module")

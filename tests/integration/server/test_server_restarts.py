@@ -18,11 +18,11 @@ import weakref
 
 import httpx
 import pytest
-from server_helpers import LiveServer, metric, tiny_chat_model
 
 from hydragen import LLM
 from hydragen.distributed.coordinator import TPGroupBroken
 from hydragen.server.options import ServerOptions
+from tests.helpers.server_helpers import LiveServer, metric, tiny_chat_model
 
 CAUSE = "tensor-parallel group is down: worker rank 1 (pid 4242) was killed by SIGKILL"
 PROMPT = "shared prefix, then a question"

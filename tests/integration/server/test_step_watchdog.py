@@ -16,7 +16,7 @@ import pytest
 from hydragen import LLM
 from hydragen.server.options import ServerOptions
 from hydragen.server.step_watchdog import StepWatchdog
-from tests.server_helpers import HeldCalls, LiveServer, metric, tiny_chat_model, wait_for_log
+from tests.helpers.server_helpers import HeldCalls, LiveServer, metric, tiny_chat_model, wait_for_log
 
 BOUND = 0.2  # seconds: the test holds the step far longer, and waits for nothing shorter
 

@@ -14,8 +14,8 @@ import pytest
 
 from hydragen import LLM
 from hydragen.structured.schemas import SCHEMAS
-from tests.server_helpers import LiveServer
-from tests.structured_helpers import assert_valid, tiny_bpe_model
+from tests.helpers.server_helpers import LiveServer
+from tests.helpers.structured_helpers import assert_valid, tiny_bpe_model
 
 # (n, temperature) per schema, cycled: every entry point sees all four combinations.
 CONFIGS = [(1, 0.0), (8, 1.0), (8, 0.0), (1, 1.0)]

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from hydragen import LLM
-from tests.server_helpers import LiveServer
-from tests.tool_helpers import arguments_parse, tiny_tool_model, tool_json
+from tests.helpers.server_helpers import LiveServer
+from tests.helpers.tool_helpers import arguments_parse, tiny_tool_model, tool_json
 
 openai = pytest.importorskip("openai")
 

@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
-from server_helpers import all_gone, process_alive
 
 from hydragen import LLM, SamplingParams
+from tests.helpers.paths import SRC
+from tests.helpers.server_helpers import all_gone, process_alive
 
 STEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
 PROMPTS = [STEM + [30, 31, 32], STEM + [40, 41], STEM, [7, 8, 9, 60, 61]]
@@ -192,8 +192,7 @@ while True:
 def test_no_worker_outlives_its_program(tiny_models, how) -> None:
     """A program that exits without close(), is stopped with Ctrl-C mid-generation, or is SIGKILLed
     mid-generation (what running out of memory is on a CPU) takes its workers with it."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
         [sys.executable, "-c", _SCRIPT, tiny_models["llama"], how],
         stdout=subprocess.PIPE,

@@ -13,10 +13,10 @@ import signal
 import time
 
 import pytest
-from server_helpers import process_alive
-from tp_faults import install, worker_environment
 
 from hydragen import LLM, SamplingParams
+from tests.helpers.server_helpers import process_alive
+from tests.helpers.tp_faults import install, worker_environment
 
 STEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
 INNOCENT = [STEM + [30, 31, 32], STEM + [40, 41], [7, 8, 9, 60, 61]]

@@ -15,24 +15,22 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import all_gone, free_port, metric, process_alive, tiny_chat_model
-from test_server_process import Lines
-from tp_faults import ENV as FAULTS_ENV
-from tp_faults import SITE as FAULTS_SITE
 
 from hydragen import LLM, SamplingParams
+from tests.helpers.paths import SLOWED, SRC
+from tests.helpers.server_helpers import Lines, all_gone, free_port, metric, process_alive, tiny_chat_model
+from tests.helpers.tp_faults import ENV as FAULTS_ENV
+from tests.helpers.tp_faults import SITE as FAULTS_SITE
 
 READY = r"ready: serving 'tiny' on (http://127\.0\.0\.1:\d+)/v1"
 PROMPT = "shared prefix, then a question"
 MAX_TOKENS = 8
 TP_TIMEOUT = 600  # seconds: the collective timeout the servers here run under
-SLOWED = str(Path(__file__).with_name("slowed_hydragen.py"))
 STEP_DELAY = 0.02  # seconds before every engine step: a request of N tokens is in flight >= N x this
-FAULTS = [  # a prompt holding the token fails its forward on those ranks (tests/tp_faults.py)
+FAULTS = [  # a prompt holding the token fails its forward on those ranks (tests/helpers/tp_faults.py)
     {"token": 250, "ranks": [0, 1], "at": 1},
     {"token": 252, "ranks": [1], "at": 1},
 ]
@@ -52,10 +50,9 @@ def expected_text(chat_model) -> str:
 
 
 def _env(faults: list[dict] | None = None) -> dict[str, str]:
-    """The servers' environment; ``faults`` are installed on every rank (tests/tp_faults.py)."""
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    """The servers' environment; ``faults`` are installed on every rank (tests/helpers/tp_faults.py)."""
     site = FAULTS_SITE if faults else ""
-    path = os.pathsep.join(p for p in [src, site, os.environ.get("PYTHONPATH", "")] if p)
+    path = os.pathsep.join(p for p in [str(SRC), site, os.environ.get("PYTHONPATH", "")] if p)
     env = {
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",

@@ -760,7 +760,9 @@ def test_the_package_ships_every_source_the_build_compiles():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()  # no tomllib on 3.10
+    from tests.helpers.paths import ROOT
+
+    text = (ROOT / "pyproject.toml").read_text()  # no tomllib on 3.10
     section = text.split("[tool.setuptools.package-data]", 1)[1]
     patterns = re.findall(r'"([^"]+)"', re.search(r"^hydragen = \[(.*?)\]", section, re.M).group(1))
     package = Path(cpp_build.__file__).resolve().parents[1]

@@ -18,6 +18,7 @@ from hydragen.attention.reference import reference_attention
 from hydragen.attention.step_work import cut_runs
 from hydragen.attention.tree_plan import build_tree_plan
 from hydragen.engine.model_runner import ModelRunner
+from tests.helpers.paths import SRC
 
 if not torch.cuda.is_available():  # conftest does this too: it must happen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -295,13 +296,11 @@ def test_kernels_compile_for_hopper_and_ampere():
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("this triton has no NVIDIA backend")
-    src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-c", COMPILE]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

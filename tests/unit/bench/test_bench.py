@@ -14,7 +14,7 @@ from hydragen.bench.e2e.decode_throughput import main as e2e_main
 from hydragen.bench.e2e.decode_throughput import run as run_e2e
 from hydragen.bench.e2e.tree_sharing import kv_tokens_needed, tree_prompts
 from hydragen.bench.e2e.tree_sharing import run as run_tree
-from tests.sampling_helpers import reference
+from tests.helpers.sampling_helpers import reference
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -62,9 +62,8 @@ def test_e2e_quick(tiny_models, tmp_path):
 def test_e2e_peers_run_in_their_own_processes_and_a_crash_is_reported(tiny_models, tmp_path, monkeypatch):
     """transformers runs and times itself in a process of its own; llama.cpp dying of SIGSEGV there (as an
     AMX build of llama-cpp-python does in llama_decode) is reported, and the run goes on without it."""
-    from crashing_peer import SegfaultingPeer
-
     from hydragen.bench.peers import llamacpp_peer
+    from tests.helpers.crashing_peer import SegfaultingPeer
 
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda model, random: None)
     monkeypatch.setattr(llamacpp_peer, "Peer", SegfaultingPeer)

@@ -8,14 +8,14 @@ import math
 import re
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 
 from hydragen.bench.core.common import QUICK_BANNER, write_table
 from hydragen.bench.core.plots import Missing, Panel, draw, label, plain
+from tests.helpers.paths import ROOT
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench-cpu"
+RESULTS = ROOT / "docs" / "results" / "bench-cpu"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -236,10 +236,9 @@ def test_both_engines_of_the_decode_table_sample_alike(monkeypatch, tmp_path, fl
 def segfaulting_llamacpp(monkeypatch):
     """llama.cpp as a peer that builds and then dies of SIGSEGV in its own process (as llama-cpp-python built
     with the AMX path does in llama_decode), after $CRASHING_PEER_CALLS calls; no llama.cpp needed."""
-    from crashing_peer import SegfaultingPeer
-
     from hydragen.bench.peers import llamacpp_peer
     from hydragen.bench.quant import accuracy as quant_accuracy
+    from tests.helpers.crashing_peer import SegfaultingPeer
 
     monkeypatch.setattr(llamacpp_peer, "unavailable", lambda path, random: None)
     monkeypatch.setattr(llamacpp_peer, "Peer", SegfaultingPeer)

@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
-from crashing_peer import CountingPeer, SegfaultingPeer, fail, step
 
 from hydragen.bench.peers.llamacpp_peer import timer
 from hydragen.bench.peers.peer_process import PeerCrashed, PeerProcess, crash_lines, exit_words, in_peer
+from tests.helpers.crashing_peer import CountingPeer, SegfaultingPeer, fail, step
 
 
 def test_a_peer_lives_in_its_own_process_with_this_ones_threads() -> None:

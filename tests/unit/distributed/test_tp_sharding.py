@@ -114,7 +114,8 @@ def test_gguf_rank_reads_exactly_its_slices(tmp_path) -> None:
     Q4_0 down projection (a column slice of a quantized tensor)."""
     import gguf
     import numpy as np
-    from test_gguf import _permute, _tiny_weights, _write_tiny
+
+    from tests.unit.model.test_gguf import _permute, _tiny_weights, _write_tiny
 
     hf = _tiny_weights(np.random.default_rng(0), bias=False)
     stored = dict(hf)

@@ -254,7 +254,7 @@ def test_an_unfinished_character_at_the_end_is_flushed(tok, kind):
 def test_the_engine_streams_with_decode_stream_where_it_is_exact(tok, monkeypatch):
     """DecodeStream is exact for a byte-level BPE decoder whose text transformers does not clean up: the
     engine uses it there, and ours elsewhere (SentencePiece byte fallback, clean-up, no Rust backend)."""
-    from tests.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
+    from tests.helpers.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
 
     assert isinstance(new_detokenizer(tok), StreamDetokenizer)
     monkeypatch.setattr(type(tok), "clean_up_tokenization_spaces", True)
@@ -270,7 +270,7 @@ def test_decode_stream_breaks_on_byte_fallback_runs():
     byte decode as one run, "���", so the "NO" already handed over is no longer the start of the text, and
     DecodeStream raises (the request would fail). Ours cannot take "NO" back either (no streaming
     detokenizer can: "N" alone is a finished character), but it streams on, its text differing only there."""
-    from tests.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
+    from tests.helpers.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
 
     hf = sentencepiece_bpe(INST_TEMPLATE)
     ids = [hf.convert_tokens_to_ids(t) for t in ["<0x4E>", "<0x4F>", "<0xAC>", ",", "<0x7D>", "<0x39>"]]
@@ -341,7 +341,7 @@ def test_sentencepiece_byte_fallback_groups():
     """A real SentencePiece byte-fallback decoder reads a run of byte tokens as one group: while the group
     ends in an unfinished character, characters it already completed read U+FFFD too. Characters spelled
     in bytes (up to three in a row), between ordinary tokens, still stream exactly."""
-    from tests.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
+    from tests.helpers.tool_helpers import INST_TEMPLATE, sentencepiece_bpe
 
     hf = sentencepiece_bpe(INST_TEMPLATE)
     byte = {b: hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_engine import VOCAB, all_tables, expected_output, fake_engine, next_token, run
 
 from hydragen import LLM, SamplingParams
 from hydragen.engine.execution import run_plan
 from hydragen.engine.step_plan import SharedRun, StepPlan, Work
+from tests.helpers.fake_engine import VOCAB, all_tables, expected_output, fake_engine, next_token, run
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 PROMPTS = [list(range(1, 12)), [5, 9, 2, 7, 7, 3, 8]]

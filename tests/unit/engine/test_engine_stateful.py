@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from fake_engine import EOS, VOCAB, PlanViolation, all_tables, check_reads, expected_output, fake_engine
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -29,6 +28,15 @@ from hydragen.dp.router import ReplicaState
 from hydragen.engine.sequence import Status
 from hydragen.engine.step_plan import SharedRun, StepPlan, Work
 from hydragen.kv.page_hash import page_hash
+from tests.helpers.fake_engine import (
+    EOS,
+    VOCAB,
+    PlanViolation,
+    all_tables,
+    check_reads,
+    expected_output,
+    fake_engine,
+)
 
 BASES = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],

@@ -15,9 +15,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from server_helpers import tiny_chat_model
 
 from hydragen import LLM, SamplingParams
+from tests.helpers.server_helpers import tiny_chat_model
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

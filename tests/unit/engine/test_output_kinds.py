@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from fake_engine import fake_engine
 
 from hydragen import SamplingParams
 from hydragen.engine.outputs import RequestOutputKind
 from hydragen.errors import ParamError
+from tests.helpers.fake_engine import fake_engine
 
 PROMPT = "Write a short list of fruits:"
 

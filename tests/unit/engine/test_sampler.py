@@ -11,7 +11,7 @@ from hydragen.engine import truncation
 from hydragen.engine.sampler import Sampler, derive_seed
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.native import build as native_build
-from tests.sampling_helpers import reference
+from tests.helpers.sampling_helpers import reference
 
 
 @pytest.fixture(autouse=True, params=["native", "torch"])

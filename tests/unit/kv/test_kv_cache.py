@@ -11,13 +11,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from fake_engine import all_tables, expected_output, fake_engine, run
 
 import hydragen.kv.manager as manager_module
 from hydragen import SamplingParams
 from hydragen.kv.manager import PageTable
 from hydragen.kv.page_hash import chain_root, page_hash, page_hashes
 from hydragen.kv.radix import Location
+from tests.helpers.fake_engine import all_tables, expected_output, fake_engine, run
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

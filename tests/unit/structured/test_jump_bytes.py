@@ -12,8 +12,8 @@ from hydragen import LLM, SamplingParams, StructuredOutputsParams
 from hydragen.structured.jump import jump_forward
 from hydragen.structured.matcher import GrammarState
 from hydragen.structured.schemas import SCHEMAS
-from tests.structured_helpers import assert_valid
-from tests.tool_helpers import tiny_tool_model
+from tests.helpers.structured_helpers import assert_valid
+from tests.helpers.tool_helpers import tiny_tool_model
 
 SO = StructuredOutputsParams
 

@@ -12,8 +12,8 @@ import pytest
 from hydragen import LLM, SamplingParams, StructuredOutputsParams
 from hydragen.errors import ParamError
 from hydragen.structured.schema_defaults import close_objects
-from tests.server_helpers import LiveServer
-from tests.structured_helpers import tiny_bpe_model
+from tests.helpers.server_helpers import LiveServer
+from tests.helpers.structured_helpers import tiny_bpe_model
 
 SO = StructuredOutputsParams
 OPEN = {

@@ -13,8 +13,8 @@ import pytest
 from hydragen import LLM, SamplingParams, StructuredOutputsParams
 from hydragen.errors import ParamError
 from hydragen.structured.schemas import SCHEMAS
-from tests.server_helpers import tiny_chat_model
-from tests.structured_helpers import assert_valid, tiny_bpe_model
+from tests.helpers.server_helpers import tiny_chat_model
+from tests.helpers.structured_helpers import assert_valid, tiny_bpe_model
 
 SO = StructuredOutputsParams
 

@@ -11,7 +11,7 @@ from hydragen.engine.sampling_params import ParamError
 from hydragen.tools.formats import HERMES
 from hydragen.tools.request import ToolRequest
 from hydragen.tools.session import ToolSession
-from tests.tool_helpers import tool_json
+from tests.helpers.tool_helpers import tool_json
 
 ADD = tool_json("add", {"a": {"type": "integer"}, "b": {"type": "integer"}})
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'

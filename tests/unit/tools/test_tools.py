@@ -21,7 +21,7 @@ from hydragen.tools.render import template_messages
 from hydragen.tools.request import ToolRequest
 from hydragen.tools.spec import ToolChoice, parse_tool_choice, parse_tools
 from hydragen.tools.stream import ToolCallStream
-from tests.tool_helpers import arguments_parse, tiny_tool_model, tool_json
+from tests.helpers.tool_helpers import arguments_parse, tiny_tool_model, tool_json
 
 WEATHER = tool_json(
     "get_weather", {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}

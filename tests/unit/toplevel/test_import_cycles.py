@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from tests.helpers.paths import SRC
 
 # The whole package, and bench/ on its own (its sub-packages are benchmark families).
 PACKAGES = ["hydragen", "hydragen.bench"]

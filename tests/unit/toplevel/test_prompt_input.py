@@ -24,7 +24,8 @@ import pytest
 pty = pytest.importorskip("pty")  # POSIX only
 pytest.importorskip("prompt_toolkit")
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from tests.helpers.paths import SRC  # noqa: E402
+
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, threading, time
@@ -66,7 +67,7 @@ class Child:
 
     def __init__(self, tmp_path: Path, mode: str, term: str, prompts: int, flag: str = "-") -> None:
         script = tmp_path / "child.py"
-        script.write_text(CHILD.format(src=SRC))
+        script.write_text(CHILD.format(src=str(SRC)))
         # No cursor position requests: this harness is no terminal emulator and would not answer them.
         env = {**os.environ, "TERM": term, "PROMPT_TOOLKIT_NO_CPR": "1"}
         self.pid, self.fd = pty.fork()
