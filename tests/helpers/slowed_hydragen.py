@@ -1,5 +1,5 @@
-"""``python tests/slowed_hydragen.py SECONDS <hydragen arguments>``: the hydragen command with an injected
-slow stage, a pause of SECONDS before every engine step.
+"""``python tests/helpers/slowed_hydragen.py SECONDS <hydragen arguments>``: the hydragen command with an
+injected slow stage, a pause of SECONDS before every engine step.
 
 Tests of a server process use it to keep requests in flight for as long as they need: a request of N
 tokens takes at least N x SECONDS, however fast the machine is.

@@ -40,7 +40,7 @@ HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # included by the sources: copied be
 # and the -march=native tuning happen to put both in one basic block, and that differs between template
 # instantiations and between CPUs: tuned for Sapphire Rapids, attend<float, float> fused the running sum
 # `l * alpha + sum` and attend<float, Half> did not, so a 16-bit cache no longer read as its float32
-# widening (tests/test_step_attention.py). What it costs: docs/performance.md.
+# widening (tests/unit/attention/test_step_attention.py). What it costs: docs/performance.md.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 EXTRA_FLAGS_ENV = "HYDRAGEN_CPP_FLAGS"  # more compiler flags, after CFLAGS (part of the build key)

@@ -1,5 +1,5 @@
 """Installs the faults of ``HYDRAGEN_TEST_FAULTS`` in every Python process started with this folder on
-PYTHONPATH (tests/tp_faults.py); inert without that variable."""
+PYTHONPATH (tests/helpers/tp_faults.py); inert without that variable."""
 
 import os
 import sys

@@ -1,6 +1,7 @@
 """A server rebuilds its engine when the engine's tensor-parallel group broke (server/engine_restarts.py),
 in one process: the break is the ``TPGroupBroken`` a dead worker raises, injected into a TP = 1 engine,
-and ``rebuild`` builds a TP = 1 LLM (tests/test_tp_server.py does it with real worker processes).
+and ``rebuild`` builds a TP = 1 LLM (tests/integration/tp/test_tp_server.py does it with real worker
+processes).
 
 The requests in flight end with the error; while the rebuild runs (held by the test) ``/health`` and new
 requests answer 503 ``engine_restarting``; the broken engine is freed before the new one is built; the new

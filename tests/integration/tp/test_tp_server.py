@@ -235,9 +235,9 @@ def test_a_group_that_keeps_dying_is_rebuilt_at_most_the_cap_then_the_engine_fai
     chat_model, tmp_path
 ) -> None:
     """A worker killed between requests is seen without a request; every rebuilt worker then dies as it
-    starts: the server tries --max-restarts-per-minute times (1 here, for time: tests/test_server_restarts.py
-    has 2, and the backoff between), then answers 503 engine_failed for good, with every worker it started
-    gone."""
+    starts: the server tries --max-restarts-per-minute times (1 here, for time:
+    tests/integration/server/test_server_restarts.py has 2, and the backoff between), then answers 503
+    engine_failed for good, with every worker it started gone."""
     doomed = tmp_path / "rebuilt-workers-die"  # while it exists, a worker dies as it loads its shard
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydragen", *_serve_args(chat_model), "--tensor-parallel-size", "2"]

@@ -2,11 +2,11 @@
 items asking for several logits rows, draft trees (tokens that share positions, each in its own KV slot,
 seeing the context and their ancestors only), and truncating the drafts away afterwards.
 
-Mostly through the fake engine (``tests/fake_engine.py``): its model's next token is a known function of
-the context, so each row's argmax says which context that row was computed on, and its runner checks that
-every item's context is in the pages the plan names and that each token reads exactly its context (a tree
-token: the context and its ancestors) at its own position. A tiny real model then checks a tree's rows
-against each path run as an ordinary item (the rotary positions and the mask together).
+Mostly through the fake engine (``tests/helpers/fake_engine.py``): its model's next token is a known
+function of the context, so each row's argmax says which context that row was computed on, and its runner
+checks that every item's context is in the pages the plan names and that each token reads exactly its
+context (a tree token: the context and its ancestors) at its own position. A tiny real model then checks a
+tree's rows against each path run as an ordinary item (the rotary positions and the mask together).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 hashes and checked against its tokens, hashes are computed once per sequence, salts keep tenants apart,
 nodes have a location, and a table can be truncated back to a computed length.
 
-All through the fake engine (``tests/fake_engine.py``): its model's output is known in advance, and its
-runner checks that every work item's context is really in the pages the plan names.
+All through the fake engine (``tests/helpers/fake_engine.py``): its model's output is known in advance,
+and its runner checks that every work item's context is really in the pages the plan names.
 """
 
 from __future__ import annotations

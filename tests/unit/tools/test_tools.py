@@ -371,9 +371,10 @@ NOTE = tool_json("note", {"title": {"type": "string", "maxLength": 8}, "body": {
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama3", "llama_sp"])
 def test_chat_returns_a_cut_call_as_the_server_does(llms, kind):
-    """Offline, as on the server (tests/test_tools_server.py::test_a_cut_call_is_the_same_streamed_and_not):
-    a greedy reply cut by max_tokens inside the call returns it as far as it was written, with
-    ``complete`` False and finish_reason "length"; cut by a stop string, it returns no call."""
+    """Offline, as on the server
+    (tests/integration/server/test_tools_server.py::test_a_cut_call_is_the_same_streamed_and_not): a greedy
+    reply cut by max_tokens inside the call returns it as far as it was written, with ``complete`` False
+    and finish_reason "length"; cut by a stop string, it returns no call."""
     llm = llms[kind]
     cut = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=60), tools=[NOTE], tool_choice="required")
     c = cut[0].outputs[0]

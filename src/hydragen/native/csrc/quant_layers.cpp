@@ -4,8 +4,8 @@
 //   qkv = quant_linear(h, norm = attn_norm, rope);  pool_k/v[layer][slots] = k, v;
 //   o = step_attention(q, pool_k[layer], pool_v[layer], the step's work items);
 //   h += o_proj(o);  h += down(swiglu(gate_up(norm(h))))
-// so its result is bit for bit the per-op path's (tests/test_quant_model.py, at 1, 2 and 3 threads): every
-// output row or tile is computed by one thread, whichever it is.
+// so its result is bit for bit the per-op path's (tests/unit/model/test_quant_model.py, at 1, 2 and 3
+// threads): every output row or tile is computed by one thread, whichever it is.
 //
 // Why one region: at batch 1 a small model's projections are a few hundred KB each, and a region per op (fork,
 // join, the dispatcher, allocations), repeated ~6 times per layer, left the memory bus idle between streams; the
