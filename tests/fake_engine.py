@@ -9,7 +9,8 @@ real packing and checks what the step's attention would read: every token sees e
 own context, each once, through the shared runs and cuts the plan chose, at its own position. A draft
 tree's token (``Work.parents``) sees the context and its ancestors only, sits at start + its depth, and
 its slot remembers that position: read as the context position of its slot, it fails the check unless it
-lies on the leading chain (depth = index).
+lies on the leading chain (depth = index). Its model may declare several layers with their attention specs
+(``layer_specs``): the plan is then packed with them, and every layer's metadata is checked the same way.
 
 Faults can be injected: forwards that fail for given requests, a fork's KV copy that fails, a step that
 raises before its commit (Ctrl-C, or every request of the step failing alone).
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
+from hydragen.attention.layer_spec import LayerSpecs, model_layer_specs
 from hydragen.engine.config import EngineConfig
 from hydragen.engine.engine import Engine
 from hydragen.engine.packing import pack
@@ -61,8 +63,9 @@ class FakePool(PagePool):
 class FakeRunner:
     """Checks every plan against the pool at forward time, then fills the slots it computes."""
 
-    def __init__(self, pool: FakePool):
+    def __init__(self, pool: FakePool, specs: LayerSpecs | None = None):
         self.pool = pool
+        self.specs = specs
         self.fail_requests: set[str] = set()  # forwards that include these requests raise
         self.raise_next: str | None = None  # "interrupt": the next forward raises KeyboardInterrupt;
         # "every request": every forward raises until the engine's step has raised (``step_raised``)
@@ -95,7 +98,7 @@ class FakeRunner:
         if bad:
             raise RuntimeError(f"injected forward failure for request {bad[0].seq.request.request_id}")
         check_shared_runs(plan, ps)
-        check_reads(plan, ps)
+        check_reads(plan, ps, self.specs)
         written = set()
         for w in plan.work:
             t = w.seq.kv
@@ -161,11 +164,19 @@ def check_shared_runs(plan: StepPlan, page_size: int) -> None:
             raise PlanViolation(f"item {i}: cut {cuts[i]} but its shared runs cover {edge} pages")
 
 
-def check_reads(plan: StepPlan, page_size: int) -> None:
+def check_reads(plan: StepPlan, page_size: int, specs: LayerSpecs | None = None) -> None:
     """Pack ``plan`` as the model runner does and check what the attention reads: each token of each item
-    sees exactly the slots of context positions [0, its position] in the item's pages, each once."""
-    batch, starts = pack(plan, page_size, "cpu")
-    meta = batch.meta
+    sees exactly the slots of context positions [0, its position] in the item's pages, each once, through
+    every layer's metadata (one per distinct spec of ``specs``)."""
+    batch, starts = pack(plan, page_size, "cpu", specs)
+    if specs is not None and len(batch.metas) != len(specs.specs):
+        raise PlanViolation(f"{len(batch.metas)} attention metadata for {len(specs.specs)} layer specs")
+    for layer in range(len(specs) if specs is not None else 1):
+        meta = batch.layer_meta(specs, layer) if specs is not None else batch.meta
+        check_meta_reads(plan, page_size, batch, starts, meta)
+
+
+def check_meta_reads(plan: StepPlan, page_size: int, batch, starts: list[int], meta) -> None:
     seen: list[list[int]] = [[] for _ in range(meta.num_tokens)]
     for kv_lo, kv_hi, tok_lo, tok_hi, causal in meta.unit_list:
         for t in range(tok_lo, tok_hi):
@@ -211,12 +222,16 @@ class FakeParallel:
         return FakePool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
 
     def make_runner(self, model, cfg, pool, device, attention):
-        return FakeRunner(pool)
+        return FakeRunner(pool, model_layer_specs(cfg))
 
 
-def fake_engine(pages: int, page_size: int, *, sharing: bool = True, context: int = 256, **options) -> Engine:
+def fake_engine(
+    pages: int, page_size: int, *, sharing: bool = True, context: int = 256, layer_specs=(), **options
+) -> Engine:
+    """The fake engine; ``layer_specs`` (AttentionSpecs) gives its model that many layers attending so."""
     cfg = SimpleNamespace(
-        num_layers=1,
+        num_layers=len(layer_specs) or 1,
+        layer_specs=tuple(layer_specs),
         num_kv_heads=1,
         head_dim=1,
         vocab_size=VOCAB,

@@ -13,6 +13,10 @@ pages are neighbours and each shared run is read for a contiguous range of query
   (``step_attention.tree_segments``); its tokens sit at position start + depth, each in its own slot.
 
 Each layer writes the step's new K/V into the pool before attending, so a chunk sees its own keys.
+
+The metadata is built once per distinct layer spec (``attention/layer_spec.py``), not per layer: specs that
+see the same keys (today every spec: the kernels compute no window yet) share one, and each layer reads the
+one of its spec (``PackedBatch.layer_meta``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hydragen.attention.layer_spec import LayerSpecs
 from hydragen.attention.step_attention import StepAttentionMeta, tree_segments
 from hydragen.engine.step_plan import StepPlan, tree_depths
 
@@ -32,13 +37,21 @@ class PackedBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] where each token's K/V is written
-    meta: StepAttentionMeta
+    metas: tuple[StepAttentionMeta, ...]  # per distinct layer spec; specs with one mask share one
     logit_rows: torch.Tensor  # [R] the tokens whose logits are wanted: each item's last Work.logit_rows
     num_prefill_tokens: int  # tokens of items that do not sample (prompt chunks before the last)
     # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables.
     tree_plan: object | None = None
     tail_lens: torch.Tensor | None = None
     shared_items: int = 0  # shared runs read by ranges of items
+
+    @property
+    def meta(self) -> StepAttentionMeta:
+        """The first spec's metadata: the step's, for a model whose layers all attend alike."""
+        return self.metas[0]
+
+    def layer_meta(self, specs: LayerSpecs, layer: int) -> StepAttentionMeta:
+        return self.metas[specs.of_layer[layer]]
 
 
 def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, int]]:
@@ -57,8 +70,13 @@ def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, in
     return out
 
 
-def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]]:
-    """The packed batch of ``plan``, and per work item its first token's index in it."""
+def pack(
+    plan: StepPlan, page_size: int, device, specs: LayerSpecs | None = None
+) -> tuple[PackedBatch, list[int]]:
+    """The packed batch of ``plan`` with a metadata per distinct spec of ``specs`` (None: one), and per work
+    item its first token's index in it."""
+    if specs is not None and (why := specs.unsupported()):
+        raise ValueError(f"cannot pack a step for this model: {why}, which the kernels do not compute yet")
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -106,11 +124,12 @@ def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]
         for lo, hi in slot_runs(first.pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
             units.append((lo, hi, starts[run.lo], starts[run.hi], 0))
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    meta = StepAttentionMeta.build(units, segments, len(ids), device)  # every spec's mask is full attention
     batch = PackedBatch(
         as_tensor(ids),
         as_tensor(pos),
         as_tensor(slots),
-        StepAttentionMeta.build(units, segments, len(ids), device),
+        (meta,) * (len(specs.specs) if specs is not None else 1),
         as_tensor(logit_rows),
         not_sampling,
         shared_items=len(plan.shared),
