@@ -3,7 +3,9 @@
 Layers of the families people run differ in how they attend: Gemma 3 alternates sliding-window and full
 layers, Gemma 2 soft-caps its scores, gpt-oss adds a learned sink logit per head, and some families scale
 the scores by something other than ``head_dim ** -0.5``. A step builds one attention metadata per distinct
-spec (not per layer: a model has one or two), and each layer reads the one of its spec.
+spec (not per layer: a model has one or two), and each layer reads the one of its spec. A metadata names
+KV slots, and layers of different KV groups (``kv/layout.py``) read different pages, so the unit is a
+layer **kind**: a (KV group, spec) pair.
 
 What the kernels compute today: the scale, on every path. A window, a soft-cap or sinks are part of the
 format (the model-families and MoE issues fill them into the kernels); until then the model runner refuses
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from hydragen.kv.layout import model_kv_layout
 
 
 @dataclass(frozen=True)
@@ -41,24 +45,29 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class LayerSpecs:
-    """A model's specs: the distinct ones, in order of first use, and which one each layer has."""
+    """A model's layer kinds: the distinct (KV group, spec) pairs in order of first use, and each layer's."""
 
-    specs: tuple[AttentionSpec, ...]
-    of_layer: tuple[int, ...]  # layer i attends by specs[of_layer[i]]
+    specs: tuple[AttentionSpec, ...]  # per kind
+    groups: tuple[int, ...]  # per kind: the KV group whose pages its layers read
+    of_layer: tuple[int, ...]  # layer i is kind of_layer[i]
 
     @classmethod
-    def per_layer(cls, specs: Iterable[AttentionSpec]) -> LayerSpecs:
-        distinct: list[AttentionSpec] = []
-        index: dict[AttentionSpec, int] = {}
+    def per_layer(cls, specs: Iterable[AttentionSpec], groups: Iterable[int] | None = None) -> LayerSpecs:
+        specs = list(specs)
+        groups = [0] * len(specs) if groups is None else list(groups)
+        if len(groups) != len(specs):
+            raise ValueError(f"{len(specs)} layer specs but {len(groups)} KV groups")
+        kinds: list[tuple[int, AttentionSpec]] = []
+        index: dict[tuple[int, AttentionSpec], int] = {}
         of_layer = []
-        for spec in specs:
-            if spec not in index:
-                index[spec] = len(distinct)
-                distinct.append(spec)
-            of_layer.append(index[spec])
-        if not distinct:
+        for kind in zip(groups, specs, strict=True):
+            if kind not in index:
+                index[kind] = len(kinds)
+                kinds.append(kind)
+            of_layer.append(index[kind])
+        if not kinds:
             raise ValueError("a model has at least one layer")
-        return cls(tuple(distinct), tuple(of_layer))
+        return cls(tuple(s for _, s in kinds), tuple(g for g, _ in kinds), tuple(of_layer))
 
     @classmethod
     def uniform(cls, num_layers: int, head_dim: int) -> LayerSpecs:
@@ -82,11 +91,12 @@ class LayerSpecs:
 
 
 def model_layer_specs(cfg) -> LayerSpecs:
-    """The specs a model config declares (``cfg.layer_specs``), else full attention in every layer."""
+    """The kinds of a model config's layers: its specs (``cfg.layer_specs``, else full attention in every
+    layer) in its KV groups (``cfg.kv_groups``, else one)."""
+    groups = model_kv_layout(cfg).group_of_layer
     declared = getattr(cfg, "layer_specs", None)
     if declared:
-        specs = LayerSpecs.per_layer(declared)
-        if len(specs) != cfg.num_layers:
-            raise ValueError(f"the model declares {len(specs)} layer specs for {cfg.num_layers} layers")
-        return specs
-    return LayerSpecs.uniform(cfg.num_layers, cfg.head_dim)
+        if len(declared) != cfg.num_layers:
+            raise ValueError(f"the model declares {len(declared)} layer specs for {cfg.num_layers} layers")
+        return LayerSpecs.per_layer(declared, groups)
+    return LayerSpecs.per_layer([AttentionSpec(scale=cfg.head_dim**-0.5)] * cfg.num_layers, groups)

@@ -66,11 +66,12 @@ def receive(group: TPGroup) -> tuple[int, torch.Tensor]:
 
 
 def pack_step(batch: PackedBatch) -> torch.Tensor:
-    """The batch as one int64 buffer: its scalars, which distinct metadata each layer spec reads, then per
-    tensor (numel, columns), then the values (the batch's tensors, then each distinct metadata's)."""
+    """The batch as one int64 buffer: its scalars, which distinct metadata each layer kind reads, then per
+    tensor (numel, columns), then the values (the batch's tensors with every KV group's slots, then each
+    distinct metadata's)."""
     distinct, index = distinct_metas(batch.metas)
-    tensors = [getattr(batch, n) for n in _BATCH_TENSORS]
-    scalars = [batch.num_prefill_tokens, len(distinct), len(index), *index]
+    tensors = [getattr(batch, n) for n in _BATCH_TENSORS] + list(batch.group_slots)
+    scalars = [batch.num_prefill_tokens, len(batch.group_slots), len(distinct), len(index), *index]
     for meta in distinct:
         tensors += [getattr(meta, n) for n in _META_TENSORS]
         scalars += [meta.num_tokens, meta.num_parts, meta.max_item_tokens, meta.slots_needed]
@@ -83,13 +84,14 @@ def pack_step(batch: PackedBatch) -> torch.Tensor:
 
 def unpack_step(payload: torch.Tensor, device: torch.device) -> PackedBatch:
     """The PackedBatch rank 0 packed, on ``device``; the torch kernel's Python lists are rebuilt too."""
-    num_prefill, num_distinct, num_specs = payload[:3].tolist()
-    at = 3
+    num_prefill, more_groups, num_distinct, num_specs = payload[:4].tolist()
+    at = 4
     index = payload[at : at + num_specs].tolist()
     at += num_specs
     meta_scalars = payload[at : at + 4 * num_distinct].view(-1, 4).tolist()
     at += 4 * num_distinct
-    names = list(_BATCH_TENSORS) + [f"{n}.{m}" for m in range(num_distinct) for n in _META_TENSORS]
+    groups = [f"slots.{g}" for g in range(1, 1 + more_groups)]
+    names = list(_BATCH_TENSORS) + groups + [f"{n}.{m}" for m in range(num_distinct) for n in _META_TENSORS]
     shapes = payload[at : at + 2 * len(names)].tolist()
     at += 2 * len(names)
     values = {}
@@ -105,7 +107,7 @@ def unpack_step(payload: torch.Tensor, device: torch.device) -> PackedBatch:
     on = {name: values[name].to(device) for name in _BATCH_TENSORS}
     return PackedBatch(
         on["input_ids"], on["positions"], on["slots"], tuple(metas[i] for i in index), on["logit_rows"],
-        num_prefill_tokens=num_prefill,
+        num_prefill_tokens=num_prefill, group_slots=tuple(values[n].to(device) for n in groups),
     )  # fmt: skip
 
 

@@ -40,8 +40,10 @@ class ModelRunner:
             raise ConfigError(
                 "model", f"this model cannot run exactly yet: {why}, which hydragen's kernels skip"
             )
-        self.layer_spec = self.specs.of_layer  # layer -> its spec's index (its metadata in a packed batch)
+        self.layer_spec = self.specs.of_layer  # layer -> its kind (its metadata in a packed batch)
         self.scales = [self.specs.specs[i].scale for i in self.layer_spec]
+        self.layer_group = pool.layout.group_of_layer if pool is not None else ()  # whose pages it reads
+        self.layer_row = pool.layout.row_of_layer if pool is not None else ()  # its row in them
         self.sampler = Sampler()
         self._settings: tuple | None = None  # (sequence ids, tensors) of the last batch sampled
         if torch.device(device).type == "cpu":
@@ -53,8 +55,10 @@ class ModelRunner:
 
     def pack(self, plan: StepPlan) -> PackedBatch:
         """The plan as one packed batch; pure decode steps also get the Triton tables on that path."""
-        batch, _ = pack(plan, self.pool.page_size, self.device, self.specs)
-        if self.use_triton:
+        pool = self.pool
+        in_group = pool.in_group if pool.groups > 1 else None
+        batch, _ = pack(plan, pool.page_size, self.device, self.specs, in_group)
+        if self.use_triton and pool.groups == 1:  # (several KV groups: the general path)
             c = self.cfg
             tables = triton_tables(
                 plan, self.pool.page_size, self.device, c.num_heads // c.num_kv_heads, c.num_kv_heads,
@@ -68,32 +72,32 @@ class ModelRunner:
     def forward(self, batch: PackedBatch) -> torch.Tensor | None:
         """Runs the model; returns logits [B, V] (fp32) at the decoding sequences' last tokens."""
         pool, metas, impl = self.pool, batch.metas, self.attention
-        spec, scales = self.layer_spec, self.scales
+        spec, scales, rows, groups = self.layer_spec, self.scales, self.layer_row, self.layer_group
 
         def attend(layer, q, k, v):
-            pool.write(layer, batch.slots, k, v)
+            row = rows[layer]
+            pool.write(row, batch.slots_of(groups[layer]), k, v)
             if impl == "none":
                 return torch.zeros_like(q)
             if batch.tree_plan is None:
                 meta = metas[spec[layer]]
-                return step_attention(q, pool.k[layer], pool.v[layer], meta, scales[layer], impl=impl)
-            return self._triton_attention(layer, q, batch)
+                return step_attention(q, pool.k[row], pool.v[row], meta, scales[layer], impl=impl)
+            return self._triton_attention(row, q, batch, scales[layer])
 
         layers = None
         if impl in ("auto", "cpp") and batch.tree_plan is None:  # every layer in one C++ call, if it can
-            layers = stack_layers(self.model, pool.k, pool.v, batch.slots, metas, spec, scales)
+            slots = (batch.slots, *batch.group_slots)
+            layers = stack_layers(self.model, pool.k, pool.v, slots, metas, spec, scales, groups, rows)
         hidden = self.model(batch.input_ids, batch.positions, attend, layers=layers, final_norm=False)
         if batch.logit_rows.numel() == 0:
             return None
         return self.model.logits(hidden[batch.logit_rows], normalized=False)
 
-    def _triton_attention(self, layer: int, q: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def _triton_attention(self, row: int, q: torch.Tensor, batch: PackedBatch, scale: float) -> torch.Tensor:
         from hydragen.attention.triton_kernels import tree_decode_attention  # optional dependency
 
         pool = self.pool
-        return tree_decode_attention(
-            q, pool.k[layer], pool.v[layer], batch.tree_plan, batch.tail_lens, self.scales[layer]
-        )
+        return tree_decode_attention(q, pool.k[row], pool.v[row], batch.tree_plan, batch.tail_lens, scale)
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], num_logprobs: int | None = None

@@ -32,6 +32,8 @@ class ModelConfig:
     # How each layer attends (window, soft-cap, sinks, scale); empty: full attention scaled by
     # head_dim ** -0.5 in every layer. A family declares it (attention/layer_spec.py).
     layer_specs: tuple[AttentionSpec, ...] = ()
+    # Each layer's KV page group (kv/layout.py); empty: one group. Sliding-window layers get their own.
+    kv_groups: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -125,7 +125,8 @@ using StoreRow = void (*)(const float*, void*, int64_t);
 at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t rope_cols,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, at::IntArrayRef counts,
                         at::TensorList norms, double eps, const at::Tensor& pool_k, const at::Tensor& pool_v,
-                        const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads, at::TensorList runs,
+                        at::TensorList group_slots, at::IntArrayRef layer_group, at::IntArrayRef layer_row,
+                        int64_t num_heads, int64_t num_kv_heads, at::TensorList runs,
                         at::TensorList pieces, at::TensorList blocks, at::TensorList tok_ptr, at::TensorList tok_parts,
                         at::IntArrayRef num_parts, at::IntArrayRef max_item_tokens, at::IntArrayRef layer_meta,
                         at::ArrayRef<double> scales, int64_t tile_min_rows, int64_t tile_min_keys, int64_t act_bits,
@@ -151,20 +152,33 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
                 layer, " names metadata ", layer_meta[layer], " of ", metas);
   }
   const auto pool_type = pool_k.scalar_type();
-  TORCH_CHECK(pool_k.dim() == 4 && pool_k.sizes() == pool_v.sizes() && pool_k.size(0) == layers &&
+  TORCH_CHECK(static_cast<int64_t>(layer_group.size()) == layers && static_cast<int64_t>(layer_row.size()) == layers,
+              "quant_layers: layer_group and layer_row hold one entry per layer");
+  TORCH_CHECK(pool_k.dim() == 4 && pool_k.sizes() == pool_v.sizes() &&
                   pool_k.size(2) == num_kv_heads && pool_v.scalar_type() == pool_type &&
                   (pool_type == at::kFloat || pool_type == at::kBFloat16 || pool_type == at::kHalf),
-              "quant_layers: pool_k/v must be float32, bfloat16 or float16 [layers, slots, kv heads, head dim]");
+              "quant_layers: pool_k/v must be float32, bfloat16 or float16 [rows, slots, kv heads, head dim]");
   const int64_t t = h.size(0), hidden = h.size(1), d = pool_k.size(3), qdim = num_heads * d,
                 kvdim = num_kv_heads * d, qkv_cols = qdim + 2 * kvdim;
   TORCH_CHECK(pool_k.stride(3) == 1 && pool_k.stride(2) == d && pool_v.stride(3) == 1 && pool_v.stride(2) == d,
               "quant_layers: each slot's K and V rows must be dense");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
-              "quant_layers: slots must be a contiguous int64 vector with one slot per token");
-  const int64_t* slot = slots.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_k.size(1), "quant_layers: slot ", slot[i], " is outside the ",
-                pool_k.size(1), " slots of the KV pool");
+  // Each KV group's slots (where its layers write the step's K/V), and each layer's group and pool row.
+  std::vector<const int64_t*> slot_of_group;
+  for (const at::Tensor& slots : group_slots) {
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
+                "quant_layers: slots must be contiguous int64 vectors with one slot per token");
+    const int64_t* slot = slots.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_k.size(1), "quant_layers: slot ", slot[i], " is outside the ",
+                  pool_k.size(1), " slots of the KV pool");
+    }
+    slot_of_group.push_back(slot);
+  }
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    TORCH_CHECK(layer_group[layer] >= 0 && static_cast<size_t>(layer_group[layer]) < slot_of_group.size() &&
+                    layer_row[layer] >= 0 && layer_row[layer] < pool_k.size(0),
+                "quant_layers: layer ", layer, " names KV group ", layer_group[layer], " row ", layer_row[layer],
+                " of ", slot_of_group.size(), " groups and ", pool_k.size(0), " rows");
   }
   hq::check_rope_tables(rope_cos, rope_sin, t, rope_cols, qkv_cols, "quant_layers");
 
@@ -275,14 +289,16 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         matmul(p.qkv, np, qkvp, false, 4 * layer);
         if (!barrier.wait()) break;
         hq::rope_range(qkvp, qkv_cols, my_rows.begin, my_rows.end, rope_cols, cos, sin, rope_cos.size(1));
+        const int64_t* slot = slot_of_group[layer_group[layer]];
+        const int64_t pool_row = layer_row[layer];
         for (int64_t r = my_rows.begin; r < my_rows.end; ++r) {  // the engine gives each token its own slot
           const float* row = qkvp + r * qkv_cols + qdim;
-          store(row, kbase + layer * k_layer + slot[r] * k_slot, kvdim);
-          store(row + kvdim, vbase + layer * v_layer + slot[r] * v_slot, kvdim);
+          store(row, kbase + pool_row * k_layer + slot[r] * k_slot, kvdim);
+          store(row + kvdim, vbase + pool_row * v_layer + slot[r] * v_slot, kvdim);
         }
         hsa::StepAttention& attention = attentions[layer_meta[layer]];
         if (tid == 0) {  // read by the items after the barrier
-          attention.set_layer(layer);
+          attention.set_layer(pool_row);
           attention.scale_ = scales[layer];
         }
         if (!barrier.wait()) break;
@@ -327,7 +343,8 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
   m.def(
       "quant_layers(Tensor h, Tensor rope_cos, Tensor rope_sin, int rope_cols, Tensor[] weights, int[] qtypes, "
-      "int[] rows, int[] counts, Tensor[] norms, float eps, Tensor pool_k, Tensor pool_v, Tensor slots, "
+      "int[] rows, int[] counts, Tensor[] norms, float eps, Tensor pool_k, Tensor pool_v, Tensor[] group_slots, "
+      "int[] layer_group, int[] layer_row, "
       "int num_heads, int num_kv_heads, Tensor[] runs, Tensor[] pieces, Tensor[] blocks, Tensor[] tok_ptr, "
       "Tensor[] tok_parts, int[] num_parts, int[] max_item_tokens, int[] layer_meta, float[] scales, "
       "int tile_min_rows, int tile_min_keys, int act_bits, int isa) -> Tensor");
