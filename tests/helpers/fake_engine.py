@@ -9,7 +9,10 @@ real packing and checks what the step's attention would read: every token sees e
 own context, each once, through the shared runs and cuts the plan chose, at its own position. A draft
 tree's token (``Work.parents``) sees the context and its ancestors only, sits at start + its depth, and
 its slot remembers that position: read as the context position of its slot, it fails the check unless it
-lies on the leading chain (depth = index).
+lies on the leading chain (depth = index). Its model may declare several layers with their attention specs
+(``layer_specs``) in several KV groups (``kv_groups``): the plan is then packed with them, every group's
+pages are checked and written as the table's are, and every layer's metadata is checked the same way in
+its group's pages.
 
 Faults can be injected: forwards that fail for given requests, a fork's KV copy that fails, a step that
 raises before its commit (Ctrl-C, or every request of the step failing alone).
@@ -21,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from hydragen.attention.layer_spec import LayerSpecs, model_layer_specs
 from hydragen.engine.config import EngineConfig
 from hydragen.engine.engine import Engine
 from hydragen.engine.packing import pack
@@ -43,13 +47,14 @@ class PlanViolation(AssertionError):
 class FakePool(PagePool):
     """A page pool whose slots remember the (position, token) written there, instead of K/V."""
 
-    def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
-        super().__init__(1, num_pages, page_size, 1, 1, torch.float32, "cpu")  # tensors of one float a slot
-        self.content: list[tuple[int, int] | None] = [None] * (num_pages * page_size)
+    def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout=None):
+        # tensors of one float a slot
+        super().__init__(num_layers, num_pages, page_size, 1, 1, torch.float32, "cpu", layout)
+        self.content: list[tuple[int, int] | None] = [None] * (len(self.refs) * page_size)
         self.fail_copies = 0  # the next that many copies (a fork taking its leader's partial page) raise
         self.failed_copies = 0
 
-    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy_physical(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.fail_copies:
             self.fail_copies -= 1
             self.failed_copies += 1
@@ -61,8 +66,9 @@ class FakePool(PagePool):
 class FakeRunner:
     """Checks every plan against the pool at forward time, then fills the slots it computes."""
 
-    def __init__(self, pool: FakePool):
+    def __init__(self, pool: FakePool, specs: LayerSpecs | None = None):
         self.pool = pool
+        self.specs = specs
         self.fail_requests: set[str] = set()  # forwards that include these requests raise
         self.raise_next: str | None = None  # "interrupt": the next forward raises KeyboardInterrupt;
         # "every request": every forward raises until the engine's step has raised (``step_raised``)
@@ -95,7 +101,8 @@ class FakeRunner:
         if bad:
             raise RuntimeError(f"injected forward failure for request {bad[0].seq.request.request_id}")
         check_shared_runs(plan, ps)
-        check_reads(plan, ps)
+        groups = range(pool.groups)
+        check_reads(plan, ps, self.specs, pool.in_group)
         written = set()
         for w in plan.work:
             t = w.seq.kv
@@ -109,20 +116,24 @@ class FakeRunner:
                 if pool.refs[p] <= 0:
                     raise PlanViolation(f"page {p} in a plan is held by nobody (freed or evicted)")
             context = w.seq.context
-            for p in range(w.start):
-                slot = w.pages[p // ps] * ps + p % ps
-                if pool.content[slot] != (p, context[p]):
-                    raise PlanViolation(
-                        f"seq {w.seq.request.request_id}/{w.seq.index} reads position {p} from slot {slot}, "
-                        f"which holds {pool.content[slot]} instead of {(p, context[p])}"
-                    )
+            for g in groups:  # each KV group's pages hold the context, as the table's do
+                pages = pool.in_group(w.pages, g)
+                for p in range(w.start):
+                    slot = pages[p // ps] * ps + p % ps
+                    if pool.content[slot] != (p, context[p]):
+                        raise PlanViolation(
+                            f"seq {w.seq.request.request_id}/{w.seq.index} reads position {p} from slot "
+                            f"{slot} (KV group {g}), which holds {pool.content[slot]}, not {(p, context[p])}"
+                        )
             positions = work_positions(w)
-            for p in range(w.start, w.end):
-                slot = w.pages[p // ps] * ps + p % ps
-                if slot in written:
-                    raise PlanViolation(f"two work items write slot {slot} in one step")
-                written.add(slot)
-                pool.content[slot] = (positions[p - w.start], w.tokens[p - w.start])
+            for g in groups:
+                pages = pool.in_group(w.pages, g)
+                for p in range(w.start, w.end):
+                    slot = pages[p // ps] * ps + p % ps
+                    if slot in written:
+                        raise PlanViolation(f"two work items write slot {slot} in one step")
+                    written.add(slot)
+                    pool.content[slot] = (positions[p - w.start], w.tokens[p - w.start])
         rows = [(w, j) for w in plan.work for j in range(len(w.tokens) - w.logit_rows, len(w.tokens))]
         if not rows:
             return None
@@ -161,12 +172,28 @@ def check_shared_runs(plan: StepPlan, page_size: int) -> None:
             raise PlanViolation(f"item {i}: cut {cuts[i]} but its shared runs cover {edge} pages")
 
 
-def check_reads(plan: StepPlan, page_size: int) -> None:
+def check_reads(plan: StepPlan, page_size: int, specs: LayerSpecs | None = None, group_pages=None) -> None:
     """Pack ``plan`` as the model runner does and check what the attention reads: each token of each item
-    sees exactly the slots of context positions [0, its position] in the item's pages, each once."""
-    batch, starts = pack(plan, page_size, "cpu")
-    meta = batch.meta
+    sees exactly the slots of context positions [0, its position] in the item's pages (its KV group's:
+    ``group_pages(pages, g)``), each once, and writes its own slot there, through every layer's metadata
+    (one per layer kind of ``specs``)."""
+    batch, starts = pack(plan, page_size, "cpu", specs, group_pages)
+    if specs is None:
+        check_meta_reads(plan, page_size, batch, starts, batch.meta, lambda pages: pages, batch.slots)
+        return
+    if len(batch.metas) != len(specs.specs):
+        raise PlanViolation(f"{len(batch.metas)} attention metadata for {len(specs.specs)} layer kinds")
+    for layer in range(len(specs)):
+        g = specs.groups[specs.of_layer[layer]]
+        in_group = (lambda pages: pages) if g == 0 else (lambda pages, g=g: group_pages(pages, g))
+        check_meta_reads(
+            plan, page_size, batch, starts, batch.layer_meta(specs, layer), in_group, batch.slots_of(g)
+        )
+
+
+def check_meta_reads(plan: StepPlan, page_size: int, batch, starts: list[int], meta, in_group, slots) -> None:
     seen: list[list[int]] = [[] for _ in range(meta.num_tokens)]
+    written = slots.tolist()
     for kv_lo, kv_hi, tok_lo, tok_hi, causal in meta.unit_list:
         for t in range(tok_lo, tok_hi):
             seen[t] += range(kv_lo, min(kv_hi, kv_lo + t - tok_lo + 1) if causal else kv_hi)
@@ -178,7 +205,10 @@ def check_reads(plan: StepPlan, page_size: int) -> None:
         name = f"seq {w.seq.request.request_id}/{w.seq.index}"
         if batch.positions[t0 : t0 + len(w.tokens)].tolist() != work_positions(w):
             raise PlanViolation(f"{name}: packed at the wrong positions")
-        slots = [w.pages[q // page_size] * page_size + q % page_size for q in range(w.end)]
+        pages = in_group(w.pages)
+        slots = [pages[q // page_size] * page_size + q % page_size for q in range(w.end)]
+        if written[t0 : t0 + len(w.tokens)] != slots[w.start :]:
+            raise PlanViolation(f"{name}: writes its tokens' K/V at the wrong slots")
         for j in range(len(w.tokens)):
             want = sorted(slots[: w.start] + [slots[w.start + a] for a in lineage(w, j)])
             if sorted(seen[t0 + j]) != want:
@@ -207,16 +237,29 @@ def work_positions(w) -> list[int]:
 class FakeParallel:
     """Engine(parallel=...) hook: the fake pool and runner instead of real ones."""
 
-    def make_pool(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
-        return FakePool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+    def make_pool(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout=None):
+        return FakePool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout)
 
     def make_runner(self, model, cfg, pool, device, attention):
-        return FakeRunner(pool)
+        return FakeRunner(pool, model_layer_specs(cfg))
 
 
-def fake_engine(pages: int, page_size: int, *, sharing: bool = True, context: int = 256, **options) -> Engine:
+def fake_engine(
+    pages: int,
+    page_size: int,
+    *,
+    sharing: bool = True,
+    context: int = 256,
+    layer_specs=(),
+    kv_groups=(),
+    **options,
+) -> Engine:
+    """The fake engine; ``layer_specs`` (AttentionSpecs) gives its model that many layers attending so, and
+    ``kv_groups`` each layer's KV group."""
     cfg = SimpleNamespace(
-        num_layers=1,
+        num_layers=len(layer_specs) or len(kv_groups) or 1,
+        layer_specs=tuple(layer_specs),
+        kv_groups=tuple(kv_groups),
         num_kv_heads=1,
         head_dim=1,
         vocab_size=VOCAB,

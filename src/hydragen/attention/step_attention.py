@@ -122,6 +122,18 @@ class StepAttentionMeta:
         )
 
 
+def distinct_metas(metas) -> tuple[list[StepAttentionMeta], list[int]]:
+    """Each metadata object of ``metas`` once (layer specs that see the same keys share one), and the index
+    of each entry's among them: what the one-call layer stack and the tensor-parallel wire carry."""
+    distinct: list[StepAttentionMeta] = []
+    where: dict[int, int] = {}
+    for m in metas:
+        if id(m) not in where:
+            where[id(m)] = len(distinct)
+            distinct.append(m)
+    return distinct, [where[id(m)] for m in metas]
+
+
 def tree_segments(
     tok_lo: int, slots: list[int], parents: tuple[int, ...]
 ) -> list[tuple[int, int, list[tuple[int, int]], int]]:
@@ -288,4 +300,4 @@ def step_attention(
     )
 
 
-__all__ = ["CPP_DTYPES", "StepAttentionMeta", "step_attention", "tree_segments"]
+__all__ = ["CPP_DTYPES", "StepAttentionMeta", "distinct_metas", "step_attention", "tree_segments"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hydragen.attention.step_attention import StepAttentionMeta
+from hydragen.attention.step_attention import StepAttentionMeta, distinct_metas
 from hydragen.distributed.group import TPGroup
 from hydragen.engine.model_runner import PackedBatch
 
@@ -66,11 +66,15 @@ def receive(group: TPGroup) -> tuple[int, torch.Tensor]:
 
 
 def pack_step(batch: PackedBatch) -> torch.Tensor:
-    """The batch as one int64 buffer: scalars, then (numel, columns) of every tensor, then their values."""
-    meta = batch.meta
-    tensors = [getattr(batch, n) for n in _BATCH_TENSORS] + [getattr(meta, n) for n in _META_TENSORS]
-    scalars = [batch.num_prefill_tokens, meta.num_tokens, meta.num_parts, meta.max_item_tokens]
-    scalars.append(meta.slots_needed)
+    """The batch as one int64 buffer: its scalars, which distinct metadata each layer kind reads, then per
+    tensor (numel, columns), then the values (the batch's tensors with every KV group's slots, then each
+    distinct metadata's)."""
+    distinct, index = distinct_metas(batch.metas)
+    tensors = [getattr(batch, n) for n in _BATCH_TENSORS] + list(batch.group_slots)
+    scalars = [batch.num_prefill_tokens, len(batch.group_slots), len(distinct), len(index), *index]
+    for meta in distinct:
+        tensors += [getattr(meta, n) for n in _META_TENSORS]
+        scalars += [meta.num_tokens, meta.num_parts, meta.max_item_tokens, meta.slots_needed]
     shapes = []
     for t in tensors:
         shapes += [t.numel(), t.shape[1] if t.dim() == 2 else 0]
@@ -80,16 +84,35 @@ def pack_step(batch: PackedBatch) -> torch.Tensor:
 
 def unpack_step(payload: torch.Tensor, device: torch.device) -> PackedBatch:
     """The PackedBatch rank 0 packed, on ``device``; the torch kernel's Python lists are rebuilt too."""
-    names = _BATCH_TENSORS + _META_TENSORS
-    num_prefill, num_tokens, num_parts, max_item_tokens, slots_needed = payload[:5].tolist()
-    shapes = payload[5 : 5 + 2 * len(names)].tolist()
-    at = 5 + 2 * len(names)
+    num_prefill, more_groups, num_distinct, num_specs = payload[:4].tolist()
+    at = 4
+    index = payload[at : at + num_specs].tolist()
+    at += num_specs
+    meta_scalars = payload[at : at + 4 * num_distinct].view(-1, 4).tolist()
+    at += 4 * num_distinct
+    groups = [f"slots.{g}" for g in range(1, 1 + more_groups)]
+    names = list(_BATCH_TENSORS) + groups + [f"{n}.{m}" for m in range(num_distinct) for n in _META_TENSORS]
+    shapes = payload[at : at + 2 * len(names)].tolist()
+    at += 2 * len(names)
     values = {}
     for i, name in enumerate(names):
         numel, cols = shapes[2 * i], shapes[2 * i + 1]
         flat = payload[at : at + numel]
         values[name] = flat.view(-1, cols) if cols else flat
         at += numel
+    metas = [
+        _unpack_meta({n: values[f"{n}.{m}"] for n in _META_TENSORS}, meta_scalars[m], device)
+        for m in range(num_distinct)
+    ]
+    on = {name: values[name].to(device) for name in _BATCH_TENSORS}
+    return PackedBatch(
+        on["input_ids"], on["positions"], on["slots"], tuple(metas[i] for i in index), on["logit_rows"],
+        num_prefill_tokens=num_prefill, group_slots=tuple(values[n].to(device) for n in groups),
+    )  # fmt: skip
+
+
+def _unpack_meta(values: dict, scalars: list[int], device: torch.device) -> StepAttentionMeta:
+    num_tokens, num_parts, max_item_tokens, slots_needed = scalars
     units, seg_tok, seg_run = values["units"], values["seg_tok"].tolist(), values["seg_run"].tolist()
     runs = [tuple(r) for r in values["runs"].tolist()]
     visible = values["seg_visible"].tolist()
@@ -97,18 +120,14 @@ def unpack_step(payload: torch.Tensor, device: torch.device) -> PackedBatch:
         (seg_tok[s], seg_tok[s + 1], runs[seg_run[s] : seg_run[s + 1]], visible[s])
         for s in range(len(visible))
     ]
-    on = {name: values[name].to(device) for name in names}
-    meta = StepAttentionMeta(
-        **{name: on[name] for name in _META_TENSORS},
+    return StepAttentionMeta(
+        **{name: values[name].to(device) for name in _META_TENSORS},
         num_tokens=num_tokens,
         num_parts=num_parts,
         max_item_tokens=max_item_tokens,
         slots_needed=slots_needed,
         unit_list=[tuple(u) for u in units.tolist()],
         segment_list=segment_list,
-    )
-    return PackedBatch(
-        on["input_ids"], on["positions"], on["slots"], meta, on["logit_rows"], num_prefill_tokens=num_prefill
     )
 
 

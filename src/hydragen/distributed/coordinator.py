@@ -2,7 +2,7 @@
 
 Rank 0 runs the Engine (scheduler, radix tree, KV manager) unchanged. Its model runner and page pool are
 subclasses that first tell the other ranks what to do: ``TPRunner.forward`` broadcasts the packed batch
-and then runs the same forward as every rank; ``TPPagePool.copy_slots`` broadcasts the slot copies of the
+and then runs the same forward as every rank; ``TPPagePool.copy_physical`` broadcasts the slot copies of the
 no-sharing baseline. Every rank's pool has the same pages and slots (holding its own KV heads), so the
 one set of block tables rank 0 builds serves all ranks.
 
@@ -142,10 +142,10 @@ class TPPagePool(PagePool):
 
     coordinator: Coordinator
 
-    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with self.coordinator.lock:
+    def copy_physical(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self.coordinator.lock:  # the slots of every group, as stored: the workers keep no page map
             self.coordinator.send(commands.COPY, commands.pack_copy(dst, src))
-            super().copy_slots(dst, src)
+            super().copy_physical(dst, src)
 
 
 class TPRunner(ModelRunner):

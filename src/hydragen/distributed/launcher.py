@@ -79,10 +79,11 @@ class TensorParallel:
 
     # ---- what the Engine builds through (see Engine(parallel=...)) ---------------------------------
     def make_pool(
-        self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device
+        self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout=None
     ) -> TPPagePool:
         """Rank 0's page pool: the same pages as every rank's, each holding this rank's KV heads."""
-        pool = TPPagePool(num_layers, num_pages, page_size, self.shard.kv_heads, head_dim, dtype, device)
+        heads = self.shard.kv_heads
+        pool = TPPagePool(num_layers, num_pages, page_size, heads, head_dim, dtype, device, layout)
         pool.coordinator = self.coordinator
         return pool
 

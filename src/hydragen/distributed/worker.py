@@ -20,6 +20,7 @@ from hydragen.distributed import commands
 from hydragen.distributed.group import TPGroup
 from hydragen.distributed.lockstep import run_step
 from hydragen.engine.model_runner import ModelRunner
+from hydragen.kv.layout import model_kv_layout
 from hydragen.kv.pool import PagePool
 
 
@@ -44,11 +45,12 @@ def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:
                 local = shard.local_config()
                 kv_dtype = commands.KV_DTYPE_CODES[kv_code]
                 pool = PagePool(
-                    cfg.num_layers, num_pages, page_size, local.num_kv_heads, cfg.head_dim, kv_dtype, device
-                )
+                    cfg.num_layers, num_pages, page_size, local.num_kv_heads, cfg.head_dim, kv_dtype, device,
+                    model_kv_layout(cfg),
+                )  # fmt: skip
                 runner = ModelRunner(model, cfg, pool, device, commands.ATTENTION_CODES[code])
             elif command == commands.COPY:
-                runner.pool.copy_slots(*commands.unpack_copy(payload, device))
+                runner.pool.copy_physical(*commands.unpack_copy(payload, device))  # rank 0 maps the groups
             elif command == commands.STEP:
                 outcome = run_step(runner.forward, runner.model, commands.unpack_step(payload, device))
                 last_error = _describe(outcome.error)

@@ -34,6 +34,7 @@ from hydragen.engine.sequence import Request, Sequence, new_request
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS
 from hydragen.engine.stats import EngineSnapshot, EngineStats
 from hydragen.engine.step_plan import StepPlan, StepResult
+from hydragen.kv.layout import model_kv_layout
 from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import PagePool
 from hydragen.kv.radix import PageEvent
@@ -79,8 +80,9 @@ class Engine:
         num_pages = max(1, (config.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS) // page_size)
         make_pool = PagePool if parallel is None else parallel.make_pool
         self.pool = make_pool(
-            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device
-        )
+            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device,
+            layout=model_kv_layout(cfg),
+        )  # fmt: skip
         self.kv = KVManager(self.pool)
         min_shared_reads = config.min_shared_reads
         self.scheduler = Scheduler(

@@ -1,7 +1,8 @@
 """The model runner: runs a packed step through the model once and samples the next tokens.
 
 The step comes packed by ``packing.py`` (every work item's tokens in one varlen batch, its attention
-metadata built once); attention for the whole step is one ``step_attention`` call per layer. Sampling is
+metadata built once per distinct layer spec); attention for the whole step is one ``step_attention`` call
+per layer, with its spec's metadata and scale. Sampling is
 one call for the batch, seeded per sequence, so a sequence's draws never depend on the rest of the batch.
 """
 
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from hydragen.attention.layer_spec import model_layer_specs
 from hydragen.attention.step_attention import step_attention
 from hydragen.engine.isolation import map_rows, sample_rows
 from hydragen.engine.packing import PackedBatch, pack, triton_tables
 from hydragen.engine.sampler import SampleOutput, Sampler
 from hydragen.engine.sequence import Sequence
 from hydragen.engine.step_plan import StepPlan
+from hydragen.errors import ConfigError
 from hydragen.kv.pool import PagePool
 from hydragen.model.layer_stack import stack_layers
 
@@ -32,7 +35,15 @@ class ModelRunner:
             from hydragen.attention.triton_kernels import check_device
 
             check_device(torch.device(device))  # fail here, not in the first decode step
-        self.scale = cfg.head_dim**-0.5
+        self.specs = model_layer_specs(cfg)
+        if why := self.specs.unsupported():
+            raise ConfigError(
+                "model", f"this model cannot run exactly yet: {why}, which hydragen's kernels skip"
+            )
+        self.layer_spec = self.specs.of_layer  # layer -> its kind (its metadata in a packed batch)
+        self.scales = [self.specs.specs[i].scale for i in self.layer_spec]
+        self.layer_group = pool.layout.group_of_layer if pool is not None else ()  # whose pages it reads
+        self.layer_row = pool.layout.row_of_layer if pool is not None else ()  # its row in them
         self.sampler = Sampler()
         self._settings: tuple | None = None  # (sequence ids, tensors) of the last batch sampled
         if torch.device(device).type == "cpu":
@@ -44,8 +55,10 @@ class ModelRunner:
 
     def pack(self, plan: StepPlan) -> PackedBatch:
         """The plan as one packed batch; pure decode steps also get the Triton tables on that path."""
-        batch, _ = pack(plan, self.pool.page_size, self.device)
-        if self.use_triton:
+        pool = self.pool
+        in_group = pool.in_group if pool.groups > 1 else None
+        batch, _ = pack(plan, pool.page_size, self.device, self.specs, in_group)
+        if self.use_triton and pool.groups == 1:  # (several KV groups: the general path)
             c = self.cfg
             tables = triton_tables(
                 plan, self.pool.page_size, self.device, c.num_heads // c.num_kv_heads, c.num_kv_heads,
@@ -58,31 +71,33 @@ class ModelRunner:
     # ---- running it ----------------------------------------------------------------------------------
     def forward(self, batch: PackedBatch) -> torch.Tensor | None:
         """Runs the model; returns logits [B, V] (fp32) at the decoding sequences' last tokens."""
-        pool, meta, impl = self.pool, batch.meta, self.attention
+        pool, metas, impl = self.pool, batch.metas, self.attention
+        spec, scales, rows, groups = self.layer_spec, self.scales, self.layer_row, self.layer_group
 
         def attend(layer, q, k, v):
-            pool.write(layer, batch.slots, k, v)
+            row = rows[layer]
+            pool.write(row, batch.slots_of(groups[layer]), k, v)
             if impl == "none":
                 return torch.zeros_like(q)
             if batch.tree_plan is None:
-                return step_attention(q, pool.k[layer], pool.v[layer], meta, self.scale, impl=impl)
-            return self._triton_attention(layer, q, batch)
+                meta = metas[spec[layer]]
+                return step_attention(q, pool.k[row], pool.v[row], meta, scales[layer], impl=impl)
+            return self._triton_attention(row, q, batch, scales[layer])
 
         layers = None
         if impl in ("auto", "cpp") and batch.tree_plan is None:  # every layer in one C++ call, if it can
-            layers = stack_layers(self.model, pool.k, pool.v, batch.slots, meta, self.scale)
+            slots = (batch.slots, *batch.group_slots)
+            layers = stack_layers(self.model, pool.k, pool.v, slots, metas, spec, scales, groups, rows)
         hidden = self.model(batch.input_ids, batch.positions, attend, layers=layers, final_norm=False)
         if batch.logit_rows.numel() == 0:
             return None
         return self.model.logits(hidden[batch.logit_rows], normalized=False)
 
-    def _triton_attention(self, layer: int, q: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def _triton_attention(self, row: int, q: torch.Tensor, batch: PackedBatch, scale: float) -> torch.Tensor:
         from hydragen.attention.triton_kernels import tree_decode_attention  # optional dependency
 
         pool = self.pool
-        return tree_decode_attention(
-            q, pool.k[layer], pool.v[layer], batch.tree_plan, batch.tail_lens, self.scale
-        )
+        return tree_decode_attention(q, pool.k[row], pool.v[row], batch.tree_plan, batch.tail_lens, scale)
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], num_logprobs: int | None = None

@@ -13,14 +13,19 @@ pages are neighbours and each shared run is read for a contiguous range of query
   (``step_attention.tree_segments``); its tokens sit at position start + depth, each in its own slot.
 
 Each layer writes the step's new K/V into the pool before attending, so a chunk sees its own keys.
+
+The metadata is built once per distinct layer spec (``attention/layer_spec.py``), not per layer: specs that
+see the same keys (today every spec: the kernels compute no window yet) share one, and each layer reads the
+one of its spec (``PackedBatch.layer_meta``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from hydragen.attention.layer_spec import LayerSpecs
 from hydragen.attention.step_attention import StepAttentionMeta, tree_segments
 from hydragen.engine.step_plan import StepPlan, tree_depths
 
@@ -32,13 +37,25 @@ class PackedBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] where each token's K/V is written
-    meta: StepAttentionMeta
+    metas: tuple[StepAttentionMeta, ...]  # per distinct layer spec; specs with one mask share one
     logit_rows: torch.Tensor  # [R] the tokens whose logits are wanted: each item's last Work.logit_rows
     num_prefill_tokens: int  # tokens of items that do not sample (prompt chunks before the last)
     # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables.
     tree_plan: object | None = None
     tail_lens: torch.Tensor | None = None
     shared_items: int = 0  # shared runs read by ranges of items
+    group_slots: tuple[torch.Tensor, ...] = ()  # KV groups 1..: each token's slot in that group's pages
+
+    def slots_of(self, group: int) -> torch.Tensor:
+        return self.slots if group == 0 else self.group_slots[group - 1]
+
+    @property
+    def meta(self) -> StepAttentionMeta:
+        """The first spec's metadata: the step's, for a model whose layers all attend alike."""
+        return self.metas[0]
+
+    def layer_meta(self, specs: LayerSpecs, layer: int) -> StepAttentionMeta:
+        return self.metas[specs.of_layer[layer]]
 
 
 def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, int]]:
@@ -57,40 +74,69 @@ def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, in
     return out
 
 
-def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]]:
-    """The packed batch of ``plan``, and per work item its first token's index in it."""
+@dataclass
+class _Reads:
+    """One KV group's side of a step: the slot each token's K/V goes to, and what each token reads."""
+
+    slots: list[int] = field(default_factory=list)
+    units: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    segments: list[tuple[int, int, list[tuple[int, int]], int]] = field(default_factory=list)
+
+    def add_item(self, w, cut: int, t0: int, pages, page_size: int) -> None:
+        """Work item ``w`` (its first token at ``t0``), its context read from ``pages`` past its cut."""
+        k = len(w.tokens)
+        own = slot_runs(pages, page_size, w.start, w.end)
+        for lo, hi in own:
+            self.slots += range(lo, hi)
+        context = slot_runs(pages, page_size, cut * page_size, w.start)
+        if w.parents is not None:  # a draft tree: context by units, ancestors per token
+            self.units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
+            self.segments += tree_segments(t0, self.slots[t0:], w.parents)
+        elif k >= UNIT_TOKENS:
+            self.units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
+            if len(own) == 1:
+                self.units.append((own[0][0], own[0][1], t0, t0 + k, 1))
+                self.segments.append((t0, t0 + k, [], 0))
+            else:
+                self.segments.append((t0, t0 + k, own, 1))
+        else:
+            self.segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1))
+
+    def add_shared(self, plan: StepPlan, starts: list[int], page_size: int, pages_of) -> None:
+        """The plan's shared runs: one non-causal unit each over its slots, for all its items' tokens."""
+        for run in plan.shared:
+            pages = pages_of(plan.work[run.lo].pages)
+            for lo, hi in slot_runs(pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
+                self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0))
+
+
+def pack(
+    plan: StepPlan, page_size: int, device, specs: LayerSpecs | None = None, group_pages=None
+) -> tuple[PackedBatch, list[int]]:
+    """The packed batch of ``plan`` with a metadata per layer kind of ``specs`` (None: one), and per work
+    item its first token's index in it. ``group_pages(pages, g)`` gives KV group g's pages beside a
+    table's (``PagePool.in_group``); a model with one group needs none."""
+    if specs is not None and (why := specs.unsupported()):
+        raise ValueError(f"cannot pack a step for this model: {why}, which the kernels do not compute yet")
+    groups = max(specs.groups) + 1 if specs is not None else 1
+    if groups > 1 and group_pages is None:
+        raise ValueError(f"a step of a model with {groups} KV groups needs their pages (group_pages)")
     ids: list[int] = []
     pos: list[int] = []
-    slots: list[int] = []
-    units: list[tuple[int, int, int, int, int]] = []
-    segments: list[tuple[int, int, list[tuple[int, int]], int]] = []
     logit_rows: list[int] = []
     starts: list[int] = []
     not_sampling = 0
+    lead = _Reads()  # group 0: the table's own pages
     cuts = plan.cuts or (0,) * len(plan.work)
     for w, cut in zip(plan.work, cuts, strict=True):
         t0, k = len(ids), len(w.tokens)
         starts.append(t0)
         ids += w.tokens
-        own = slot_runs(w.pages, page_size, w.start, w.end)
-        for lo, hi in own:
-            slots += range(lo, hi)
-        context = slot_runs(w.pages, page_size, cut * page_size, w.start)
-        if w.parents is not None:  # a draft tree: positions by depth, context by units, ancestors per token
+        if w.parents is not None:  # a draft tree: positions by depth (its parents checked first)
             pos += [w.start + d for d in tree_depths(w.parents, k)]
-            units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
-            segments += tree_segments(t0, slots[t0:], w.parents)
-        elif k >= UNIT_TOKENS:
-            pos += range(w.start, w.end)
-            units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
-            if len(own) == 1:
-                units.append((own[0][0], own[0][1], t0, t0 + k, 1))
-                segments.append((t0, t0 + k, [], 0))
-            else:
-                segments.append((t0, t0 + k, own, 1))
         else:
             pos += range(w.start, w.end)
-            segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1))
+        lead.add_item(w, cut, t0, w.pages, page_size)
         n = w.logit_rows
         if n == 1:
             logit_rows.append(t0 + k - 1)
@@ -101,19 +147,32 @@ def pack(plan: StepPlan, page_size: int, device) -> tuple[PackedBatch, list[int]
         else:
             not_sampling += k
     starts.append(len(ids))
-    for run in plan.shared:
-        first = plan.work[run.lo]
-        for lo, hi in slot_runs(first.pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
-            units.append((lo, hi, starts[run.lo], starts[run.hi], 0))
+    lead.add_shared(plan, starts, page_size, lambda pages: pages)
+    reads = [lead]
+    for g in range(1, groups):  # the same reads in each other group's pages
+        mine = _Reads()
+        for w, cut, t0 in zip(plan.work, cuts, starts, strict=False):
+            mine.add_item(w, cut, t0, group_pages(w.pages, g), page_size)
+        mine.add_shared(plan, starts, page_size, lambda pages, g=g: group_pages(pages, g))
+        reads.append(mine)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    built: dict[tuple[int, int | None], StepAttentionMeta] = {}  # per (group, mask): kinds share them
+    metas = []
+    for g, spec in zip(specs.groups, specs.specs, strict=True) if specs is not None else [(0, None)]:
+        key = (g, spec.mask_key if spec is not None else None)
+        if key not in built:  # every mask is full attention today
+            built[key] = StepAttentionMeta.build(reads[g].units, reads[g].segments, len(ids), device)
+        metas.append(built[key])
+    slots = [as_tensor(r.slots) for r in reads]
     batch = PackedBatch(
         as_tensor(ids),
         as_tensor(pos),
-        as_tensor(slots),
-        StepAttentionMeta.build(units, segments, len(ids), device),
+        slots[0],
+        tuple(metas),
         as_tensor(logit_rows),
         not_sampling,
         shared_items=len(plan.shared),
+        group_slots=tuple(slots[1:]),
     )
     return batch, starts[:-1]
 

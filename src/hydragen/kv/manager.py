@@ -356,7 +356,7 @@ class KVManager:
         """Assert every invariant (tests): each page is free, held or cached; its refcount equals the tables
         holding it; the idle count is right; tree nodes are full pages on their tables' paths."""
         pool, tree = self.pool, self.tree
-        holders = [0] * pool.num_pages
+        holders = [0] * len(pool.refs)
         for t in tables:
             for p in t.pages:
                 holders[p] += 1
@@ -370,8 +370,18 @@ class KVManager:
         for start, length in zip(pool.allocator._starts, pool.allocator._lengths, strict=True):
             free.update(range(start, start + length))
         assert len(free) == pool.allocator.free
-        for p in range(pool.num_pages):
+        beside = {}  # another group's page -> the table page it belongs to
+        for group in pool.group_pages[1:]:
+            for p, q in enumerate(group):
+                if q >= 0:
+                    assert q not in beside, f"page {q} belongs to two table pages"
+                    beside[q] = p
+        for p in range(len(pool.refs)):
             free_, held, cached = p in free, holders[p] > 0, p in tree
+            if p in beside:  # taken and freed with its table page, which is in use
+                lead = beside[p]
+                assert not (free_ or held or cached) and (holders[lead] or lead in tree), f"page {p} is stray"
+                continue
             assert free_ != (held or cached), f"page {p}: free={free_} held={held} cached={cached}"
         assert self.idle == sum(1 for p in tree.nodes if not holders[p]), "idle count is off"
         for node in tree.nodes.values():

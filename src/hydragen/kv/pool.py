@@ -8,6 +8,13 @@ reads directly.
 
 ``refs[p]`` counts the page tables that hold page p. A page nobody holds is either free (in the
 allocator) or kept by the prefix cache, which decides that (``kv/manager.py``); the pool only counts.
+
+**Layer groups** (``kv/layout.py``). A model whose layers form several KV groups has a page of every group
+for each page of a table: the page ids tables, the tree and the scheduler see are group 0's, and
+``group_pages[g][p]`` is group g's page beside page p, taken and freed with it (from the one allocator, so
+any group can use a page another gave back). The tensors are ``[rows, slots, Hkv, D]``, layer i in row
+``layout.row_of_layer[i]`` of its group's pages. ``num_pages`` and the free/used counts are in table
+pages (a page of every group each). With one group, group_pages is the identity and rows are layers.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import bisect
 from collections.abc import Iterable
 
 import torch
+
+from hydragen.kv.layout import KVLayout
 
 PageRuns = list[tuple[int, int]]  # [(first_page, end_page), ...]
 
@@ -111,17 +120,25 @@ class PagePool:
         head_dim: int,
         dtype,
         device,
+        layout: KVLayout | None = None,
     ):
         if page_size < 1 or num_pages < 1:
             raise ValueError(f"page_size and num_pages must be positive, got {page_size}, {num_pages}")
+        layout = layout or KVLayout.single(num_layers)
+        if len(layout.group_of_layer) != num_layers:
+            raise ValueError(f"a KV layout of {len(layout.group_of_layer)} layers for {num_layers} layers")
+        self.layout, self.groups = layout, layout.groups
         self.page_size, self.num_pages = page_size, num_pages
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        physical = num_pages * self.groups
+        shape = (layout.rows, physical * page_size, num_kv_heads, head_dim)
         # torch.empty reserves address space only; pages are touched when slots are first written.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.allocator = PageAllocator(num_pages)
-        self.refs = [0] * num_pages
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
+        self.allocator = PageAllocator(physical)
+        self.refs = [0] * physical
+        # group_pages[g][p]: group g's page beside table page p (-1: none); group 0's is p itself.
+        self.group_pages = [list(range(physical))] + [[-1] * physical for _ in range(self.groups - 1)]
+        self.bytes_per_token = 2 * layout.rows * self.groups * num_kv_heads * head_dim * self.k.element_size()
         self.peak_used = 0
 
     @property
@@ -130,25 +147,34 @@ class PagePool:
 
     @property
     def free_pages(self) -> int:
-        return self.allocator.free
+        return self.allocator.free // self.groups
 
     @property
     def used_pages(self) -> int:
         """Pages out of the allocator: held by page tables or kept by the prefix cache."""
-        return self.num_pages - self.allocator.free
+        return self.num_pages - self.free_pages
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
     def take(self, n: int, after: int | None = None) -> list[int]:
         """n fresh pages, each held once; right after page ``after`` when those are free (the holder's run
-        then stays one view), else best fit. Raises OutOfPages when fewer than n are free."""
+        then stays one view), else best fit. Raises OutOfPages when fewer than n are free. Each comes with
+        a page of every other group (``group_pages``)."""
         if n <= 0:
             return []
-        if after is not None and after + 1 + n <= self.num_pages and self.allocator.alloc_at(after + 1, n):
+        groups = self.groups
+        grow = groups == 1 and after is not None and after + 1 + n <= self.num_pages
+        if grow and self.allocator.alloc_at(after + 1, n):
             pages = list(range(after + 1, after + 1 + n))
         else:
-            pages = [p for a, b in self.allocator.alloc(n) for p in range(a, b)]
+            if n * groups > self.allocator.free:
+                raise OutOfPages(f"need {n} KV pages, {self.free_pages} free")
+            taken = [p for a, b in self.allocator.alloc(n * groups) for p in range(a, b)]
+            pages = taken[:n]
+            for g in range(1, groups):  # each group's pages a run of their own where the extents allow
+                for p, q in zip(pages, taken[g * n : (g + 1) * n], strict=True):
+                    self.group_pages[g][p] = q
         for p in pages:
             self.refs[p] = 1
         self.peak_used = max(self.peak_used, self.used_pages)
@@ -171,21 +197,46 @@ class PagePool:
         return dropped
 
     def free(self, pages: Iterable[int]) -> None:
-        """Give unheld pages back to the allocator."""
+        """Give unheld pages back to the allocator (with their other groups' pages)."""
         for p in pages:
             if self.refs[p]:
                 raise RuntimeError(f"KV page {p} freed while held {self.refs[p]} time(s)")
             self.allocator.release(p)
+            for g in range(1, self.groups):
+                self.allocator.release(self.group_pages[g][p])
+                self.group_pages[g][p] = -1
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V [T, Hkv, D] of one layer at ``slots`` [T] (rounded to the pool's dtype: a 16-bit
-        cache under float32 compute)."""
-        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+    def in_group(self, pages, group: int) -> tuple[int, ...]:
+        """Group ``group``'s pages beside table pages ``pages``."""
+        if group == 0:
+            return tuple(pages)
+        mine = self.group_pages[group]
+        return tuple(mine[p] for p in pages)
+
+    def write(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V [T, Hkv, D] of one layer (its ``row``, at its group's ``slots`` [T]), rounded to the
+        pool's dtype (a 16-bit cache under float32 compute)."""
+        self.k[row].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[row].index_copy_(0, slots, v.to(self.v.dtype))
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy K/V of slots ``src`` into ``dst`` in every layer (a page's computed part handed to another
-        holder; the no-sharing baseline's private copies)."""
+        """Copy K/V of table slots ``src`` into ``dst`` in every layer, each group's in its own pages (a
+        page's computed part handed to another holder; the no-sharing baseline's private copies)."""
+        if self.groups > 1:
+            dst, src = self._every_group(dst), self._every_group(src)
+        self.copy_physical(dst, src)
+
+    def _every_group(self, slots: torch.Tensor) -> torch.Tensor:
+        ps = self.page_size
+        table = slots.tolist()
+        out = list(table)
+        for g in range(1, self.groups):
+            mine = self.group_pages[g]
+            out += [mine[s // ps] * ps + s % ps for s in table]
+        return torch.tensor(out, dtype=slots.dtype, device=slots.device)
+
+    def copy_physical(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the K/V of slots ``src`` into ``dst`` in every row (slots of any group, as stored)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hydragen.attention.layer_spec import AttentionSpec
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -27,6 +29,11 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # How each layer attends (window, soft-cap, sinks, scale); empty: full attention scaled by
+    # head_dim ** -0.5 in every layer. A family declares it (attention/layer_spec.py).
+    layer_specs: tuple[AttentionSpec, ...] = ()
+    # Each layer's KV page group (kv/layout.py); empty: one group. Sliding-window layers get their own.
+    kv_groups: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:

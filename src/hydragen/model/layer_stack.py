@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydragen.attention.step_attention import CPP_DTYPES
+from hydragen.attention.step_attention import CPP_DTYPES, distinct_metas
 from hydragen.model.linear import PackedProjection
 
 # layers(h [T, hidden], rope (cos, sin, cols)) -> h after every layer (updated in place)
@@ -71,9 +71,22 @@ def packed_stack(model) -> PackedStack | None:
     return PackedStack(weights, qtypes, rows, counts, norms, act_bits, isa)
 
 
-def stack_layers(model, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, meta, scale: float):
+def stack_layers(
+    model,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slots: tuple[torch.Tensor, ...],
+    metas: tuple,
+    layer_meta: tuple[int, ...],
+    scales: list[float],
+    layer_group: tuple[int, ...],
+    layer_row: tuple[int, ...],
+):
     """The ``layers`` callable for ``LlamaModel.forward`` (the KV write and step attention inside), or None
-    when the model or the pool cannot take the one-call path."""
+    when the model or the pool cannot take the one-call path. Layer i writes its K/V at ``slots[g]`` of
+    its KV group g = ``layer_group[i]``, in row ``layer_row[i]`` of the pool, and attends by
+    ``metas[layer_meta[i]]`` scaled by ``scales[i]``: the step's metadata per layer kind, each passed to
+    the op once."""
     if not enabled() or pool_k.dtype not in CPP_DTYPES or pool_k.device.type != "cpu":
         return None
     stack = getattr(model, "_packed_stack", False)
@@ -87,17 +100,25 @@ def stack_layers(model, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch
     ops = load_ops()
     if ops is None:
         return None
-    if meta.slots_needed > pool_k.shape[1]:
-        raise ValueError(f"the step reads slot {meta.slots_needed - 1} but k/v hold {pool_k.shape[1]} slots")
+    distinct, index = distinct_metas(metas)
+    for m in distinct:
+        if m.slots_needed > pool_k.shape[1]:
+            raise ValueError(f"the step reads slot {m.slots_needed - 1} but k/v hold {pool_k.shape[1]} slots")
+    of_layer = [index[i] for i in layer_meta]
     c = model.cfg
+    names = ("work_runs", "pieces", "blocks", "tok_ptr", "tok_parts")
+    fields = [[getattr(m, f) for m in distinct] for f in names]
+    parts = [m.num_parts for m in distinct]
+    max_tokens = [m.max_item_tokens for m in distinct]
+    slots, groups, rows = list(slots), list(layer_group), list(layer_row)
 
     def layers(h: torch.Tensor, rope) -> torch.Tensor:
         cos, sin, cols = rope
         return ops.quant_layers(
             h, cos, sin, cols, stack.weights, stack.qtypes, stack.rows, stack.counts, stack.norms,
-            c.rms_norm_eps, pool_k, pool_v, slots, c.num_heads, c.num_kv_heads, meta.work_runs, meta.pieces,
-            meta.blocks, meta.tok_ptr, meta.tok_parts, meta.num_parts, meta.max_item_tokens,
-            step_work.TILE_MIN_ROWS, step_work.TILE_MIN_KEYS, float(scale), stack.act_bits, stack.isa,
+            c.rms_norm_eps, pool_k, pool_v, slots, groups, rows, c.num_heads, c.num_kv_heads, *fields, parts,
+            max_tokens, of_layer, scales, step_work.TILE_MIN_ROWS, step_work.TILE_MIN_KEYS, stack.act_bits,
+            stack.isa,
         )  # fmt: skip
 
     return layers

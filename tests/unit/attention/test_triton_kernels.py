@@ -258,8 +258,8 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
     seen = []  # (shared items, work units) of every Triton call: the shared path must really run
     inner = ModelRunner._triton_attention
 
-    def spy(self, layer, q, batch):
-        out = inner(self, layer, q, batch)
+    def spy(self, row, q, batch, scale):
+        out = inner(self, row, q, batch, scale)
         seen.append((batch.shared_items, batch.tree_plan.num_units))
         return out
 

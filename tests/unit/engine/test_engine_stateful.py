@@ -61,8 +61,9 @@ class EngineMachine(RuleBasedStateMachine):
         min_shared_reads=st.sampled_from([0, 2048]),
         chunk=st.sampled_from([2, 4, 16, 512]),
         seats=st.sampled_from([1, 2, 3, 256]),
+        kv_groups=st.sampled_from([(), (), (0, 1), (0, 1, 1)]),  # a table page per KV group
     )
-    def setup(self, page_size, pages, sharing, min_shared_reads, chunk, seats):
+    def setup(self, page_size, pages, sharing, min_shared_reads, chunk, seats, kv_groups=()):
         self.engine = fake_engine(
             pages,
             page_size,
@@ -72,6 +73,7 @@ class EngineMachine(RuleBasedStateMachine):
             prefill_budget=max(chunk, 8),
             max_wait_steps=8,
             max_num_seqs=seats,
+            kv_groups=kv_groups,
         )
         self.mirror = ReplicaState(approx_capacity=1)  # a router's view, built from KV events alone
         self.engine.publish_kv_events(

@@ -125,10 +125,12 @@ using StoreRow = void (*)(const float*, void*, int64_t);
 at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t rope_cols,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, at::IntArrayRef counts,
                         at::TensorList norms, double eps, const at::Tensor& pool_k, const at::Tensor& pool_v,
-                        const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& runs,
-                        const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
-                        const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens, int64_t tile_min_rows,
-                        int64_t tile_min_keys, double scale, int64_t act_bits, int64_t isa) {
+                        at::TensorList group_slots, at::IntArrayRef layer_group, at::IntArrayRef layer_row,
+                        int64_t num_heads, int64_t num_kv_heads, at::TensorList runs,
+                        at::TensorList pieces, at::TensorList blocks, at::TensorList tok_ptr, at::TensorList tok_parts,
+                        at::IntArrayRef num_parts, at::IntArrayRef max_item_tokens, at::IntArrayRef layer_meta,
+                        at::ArrayRef<double> scales, int64_t tile_min_rows, int64_t tile_min_keys, int64_t act_bits,
+                        int64_t isa) {
   TORCH_CHECK(counts.size() % 4 == 0 && norms.size() == counts.size() / 2,
               "quant_layers: counts holds 4 part counts per layer (qkv, o, gate_up, down), norms 2 per layer");
   TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size(),
@@ -137,21 +139,46 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
               "quant_layers: h must be a contiguous 2-D float32 tensor");
   TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_layers: act_bits must be 8 or 15, got ", act_bits);
   const int64_t layers = static_cast<int64_t>(counts.size()) / 4;
+  // The step's attention metadata per distinct layer spec, and each layer's (with its own scale).
+  const size_t metas = runs.size();
+  TORCH_CHECK(metas > 0 && pieces.size() == metas && blocks.size() == metas && tok_ptr.size() == metas &&
+                  tok_parts.size() == metas && num_parts.size() == metas && max_item_tokens.size() == metas,
+              "quant_layers: runs, pieces, blocks, tok_ptr, tok_parts, num_parts and max_item_tokens hold one "
+              "entry per attention metadata");
+  TORCH_CHECK(static_cast<int64_t>(layer_meta.size()) == layers && static_cast<int64_t>(scales.size()) == layers,
+              "quant_layers: layer_meta and scales hold one entry per layer");
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    TORCH_CHECK(layer_meta[layer] >= 0 && static_cast<size_t>(layer_meta[layer]) < metas, "quant_layers: layer ",
+                layer, " names metadata ", layer_meta[layer], " of ", metas);
+  }
   const auto pool_type = pool_k.scalar_type();
-  TORCH_CHECK(pool_k.dim() == 4 && pool_k.sizes() == pool_v.sizes() && pool_k.size(0) == layers &&
+  TORCH_CHECK(static_cast<int64_t>(layer_group.size()) == layers && static_cast<int64_t>(layer_row.size()) == layers,
+              "quant_layers: layer_group and layer_row hold one entry per layer");
+  TORCH_CHECK(pool_k.dim() == 4 && pool_k.sizes() == pool_v.sizes() &&
                   pool_k.size(2) == num_kv_heads && pool_v.scalar_type() == pool_type &&
                   (pool_type == at::kFloat || pool_type == at::kBFloat16 || pool_type == at::kHalf),
-              "quant_layers: pool_k/v must be float32, bfloat16 or float16 [layers, slots, kv heads, head dim]");
+              "quant_layers: pool_k/v must be float32, bfloat16 or float16 [rows, slots, kv heads, head dim]");
   const int64_t t = h.size(0), hidden = h.size(1), d = pool_k.size(3), qdim = num_heads * d,
                 kvdim = num_kv_heads * d, qkv_cols = qdim + 2 * kvdim;
   TORCH_CHECK(pool_k.stride(3) == 1 && pool_k.stride(2) == d && pool_v.stride(3) == 1 && pool_v.stride(2) == d,
               "quant_layers: each slot's K and V rows must be dense");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
-              "quant_layers: slots must be a contiguous int64 vector with one slot per token");
-  const int64_t* slot = slots.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_k.size(1), "quant_layers: slot ", slot[i], " is outside the ",
-                pool_k.size(1), " slots of the KV pool");
+  // Each KV group's slots (where its layers write the step's K/V), and each layer's group and pool row.
+  std::vector<const int64_t*> slot_of_group;
+  for (const at::Tensor& slots : group_slots) {
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
+                "quant_layers: slots must be contiguous int64 vectors with one slot per token");
+    const int64_t* slot = slots.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_k.size(1), "quant_layers: slot ", slot[i], " is outside the ",
+                  pool_k.size(1), " slots of the KV pool");
+    }
+    slot_of_group.push_back(slot);
+  }
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    TORCH_CHECK(layer_group[layer] >= 0 && static_cast<size_t>(layer_group[layer]) < slot_of_group.size() &&
+                    layer_row[layer] >= 0 && layer_row[layer] < pool_k.size(0),
+                "quant_layers: layer ", layer, " names KV group ", layer_group[layer], " row ", layer_row[layer],
+                " of ", slot_of_group.size(), " groups and ", pool_k.size(0), " rows");
   }
   hq::check_rope_tables(rope_cos, rope_sin, t, rope_cols, qkv_cols, "quant_layers");
 
@@ -201,9 +228,13 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   hq::QuantizedActs qa;
   const int bits = static_cast<int>(act_bits);
   hq::size_acts(t, std::max({hidden, qdim, ffn}), bits, qa);
-  hsa::StepAttention attention(qkv.narrow(1, 0, qdim).view({t, num_heads, d}), pool_k, pool_v, runs, pieces, blocks,
-                               tok_ptr, tok_parts, num_parts, max_item_tokens, tile_min_rows, tile_min_keys, scale);
-  const float* attn_out = attention.out().const_data_ptr<float>();
+  std::vector<hsa::StepAttention> attentions;  // one per metadata: its own output and partials
+  attentions.reserve(metas);
+  for (size_t m = 0; m < metas; ++m) {
+    attentions.emplace_back(qkv.narrow(1, 0, qdim).view({t, num_heads, d}), pool_k, pool_v, runs[m], pieces[m],
+                            blocks[m], tok_ptr[m], tok_parts[m], num_parts[m], max_item_tokens[m], tile_min_rows,
+                            tile_min_keys, scales[0]);
+  }
   float* hp = h.data_ptr<float>();
   float* qkvp = qkv.data_ptr<float>();
   float* np = normed.data_ptr<float>();
@@ -258,12 +289,18 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         matmul(p.qkv, np, qkvp, false, 4 * layer);
         if (!barrier.wait()) break;
         hq::rope_range(qkvp, qkv_cols, my_rows.begin, my_rows.end, rope_cols, cos, sin, rope_cos.size(1));
+        const int64_t* slot = slot_of_group[layer_group[layer]];
+        const int64_t pool_row = layer_row[layer];
         for (int64_t r = my_rows.begin; r < my_rows.end; ++r) {  // the engine gives each token its own slot
           const float* row = qkvp + r * qkv_cols + qdim;
-          store(row, kbase + layer * k_layer + slot[r] * k_slot, kvdim);
-          store(row + kvdim, vbase + layer * v_layer + slot[r] * v_slot, kvdim);
+          store(row, kbase + pool_row * k_layer + slot[r] * k_slot, kvdim);
+          store(row + kvdim, vbase + pool_row * v_layer + slot[r] * v_slot, kvdim);
         }
-        if (tid == 0) attention.set_layer(layer);  // read by the items after the barrier
+        hsa::StepAttention& attention = attentions[layer_meta[layer]];
+        if (tid == 0) {  // read by the items after the barrier
+          attention.set_layer(pool_row);
+          attention.scale_ = scales[layer];
+        }
         if (!barrier.wait()) break;
         // Attention: pieces, then blocks (which fold in the pieces' partials).
         std::atomic<int64_t>& next_piece = taken[2 * layer];
@@ -273,6 +310,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         for (int64_t i = next_block++; i < attention.num_blocks(); i = next_block++) attention.block(i);
         if (!barrier.wait()) break;
         // h += o(attention)
+        const float* attn_out = attention.out().const_data_ptr<float>();
         quantize(attn_out, qdim, p.o);
         if (!barrier.wait()) break;
         matmul(p.o, attn_out, hp, true, 4 * layer + 1);
@@ -305,9 +343,10 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
   m.def(
       "quant_layers(Tensor h, Tensor rope_cos, Tensor rope_sin, int rope_cols, Tensor[] weights, int[] qtypes, "
-      "int[] rows, int[] counts, Tensor[] norms, float eps, Tensor pool_k, Tensor pool_v, Tensor slots, "
-      "int num_heads, int num_kv_heads, Tensor runs, Tensor pieces, Tensor blocks, Tensor tok_ptr, Tensor tok_parts, "
-      "int num_parts, int max_item_tokens, int tile_min_rows, int tile_min_keys, float scale, int act_bits, "
-      "int isa) -> Tensor");
+      "int[] rows, int[] counts, Tensor[] norms, float eps, Tensor pool_k, Tensor pool_v, Tensor[] group_slots, "
+      "int[] layer_group, int[] layer_row, "
+      "int num_heads, int num_kv_heads, Tensor[] runs, Tensor[] pieces, Tensor[] blocks, Tensor[] tok_ptr, "
+      "Tensor[] tok_parts, int[] num_parts, int[] max_item_tokens, int[] layer_meta, float[] scales, "
+      "int tile_min_rows, int tile_min_keys, int act_bits, int isa) -> Tensor");
   m.impl("quant_layers", c10::DispatchKey::CPU, &quant_layers);
 }
