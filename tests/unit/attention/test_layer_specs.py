@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_engine import expected_output, fake_engine, run
 
 from hydragen import LLM, SamplingParams
 from hydragen.attention.layer_spec import AttentionSpec, LayerSpecs, model_layer_specs
@@ -35,6 +34,7 @@ from hydragen.errors import ConfigError
 from hydragen.kv.layout import KVLayout, model_kv_layout
 from hydragen.kv.pool import OutOfPages, PagePool
 from hydragen.model.config import ModelConfig
+from tests.helpers.fake_engine import expected_output, fake_engine, run
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
