@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -182,9 +182,9 @@ class LLM:
     def _normalise(self, prompts) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, str):
             prompts = [prompts]
-        elif isinstance(prompts, Seq) and prompts and all(isinstance(t, int) for t in prompts):
+        elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
             prompts = [list(prompts)]
-        if not isinstance(prompts, Seq) or isinstance(prompts, (bytes, bytearray)) or len(prompts) == 0:
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty str, list[str], list[int] or list[list[int]]")
         out = []
         for i, p in enumerate(prompts):
@@ -192,7 +192,7 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError("this model has no tokenizer files: pass prompts as token ids")
                 out.append((p, self.tokenizer.encode(p)))
-            elif isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 out.append((None, list(p)))
             else:
                 raise ValueError(
@@ -229,9 +229,9 @@ class LLM:
         API; conversations may hold assistant ``tool_calls`` and ``role: "tool"`` results. Each output then
         carries ``tool_calls`` (hydragen.tools.ToolCall, [] when the reply is text) and ``content`` (the text
         outside the calls), read by the call's ToolSession (hydragen.tools.session), as the server's."""
-        if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
             messages = [messages]
-        if not isinstance(messages, Seq) or not messages:
+        if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a non-empty list of them")
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer files")

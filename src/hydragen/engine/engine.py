@@ -30,7 +30,7 @@ from hydragen.engine.outputs import RequestOutput, RequestOutputKind
 from hydragen.engine.request_checks import check_fits, check_forced, check_request
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.scheduler import Scheduler, Sharing
-from hydragen.engine.sequence import Request, Sequence, new_request
+from hydragen.engine.sequence import Request, SequenceState, new_request
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS
 from hydragen.engine.stats import EngineSnapshot, EngineStats
 from hydragen.engine.step_plan import StepPlan, StepResult
@@ -51,7 +51,7 @@ class BatchView:
     """The last step's work as tests and benchmarks inspect it: sequences in depth-first order, shared
     runs (page_lo, page_hi, lo, hi) over them."""
 
-    seqs: list[Sequence]
+    seqs: list[SequenceState]
     shared: list[tuple[int, int, int, int]]
 
 
@@ -199,7 +199,7 @@ class Engine:
         """Append tokens to an unfinished sequence without sampling them (jump-forward's forced text).
 
         The next step computes their KV in one forward, as a multi-token extend, and samples the next
-        token after the last of them. They count as generated tokens (``Sequence.forced`` of them); a stop
+        token after the last of them. They count as generated tokens (``SequenceState.forced`` of them); a stop
         string or stop token inside them ends the sequence there, tokens and text alike.
         """
         req = self.requests.get(request_id)
@@ -263,7 +263,7 @@ class Engine:
         self.snapshot = EngineSnapshot.of(self)
         return reports
 
-    def _release(self, ended: list[Sequence]) -> None:
+    def _release(self, ended: list[SequenceState]) -> None:
         """Sequences that ended give their pages back (their computed KV stays in the prefix cache)."""
         self.stats.per_sequence_kv_tokens += sum(s.context_len - 1 for s in ended)
         self.scheduler.remove(ended)
