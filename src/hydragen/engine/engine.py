@@ -199,8 +199,8 @@ class Engine:
         """Append tokens to an unfinished sequence without sampling them (jump-forward's forced text).
 
         The next step computes their KV in one forward, as a multi-token extend, and samples the next
-        token after the last of them. They count as generated tokens (``SequenceState.forced`` of them); a stop
-        string or stop token inside them ends the sequence there, tokens and text alike.
+        token after the last of them. They count as generated tokens (``SequenceState.forced`` of them); a
+        stop string or stop token inside them ends the sequence there, tokens and text alike.
         """
         req = self.requests.get(request_id)
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].finished:
