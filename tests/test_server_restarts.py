@@ -21,8 +21,8 @@ import pytest
 from server_helpers import LiveServer, metric, tiny_chat_model
 
 from hydragen import LLM
-from hydragen.distributed.coordinator import TPGroupBroken
 from hydragen.server.options import ServerOptions
+from hydragen.tp.coordinator import TPGroupBroken
 
 CAUSE = "tensor-parallel group is down: worker rank 1 (pid 4242) was killed by SIGKILL"
 PROMPT = "shared prefix, then a question"

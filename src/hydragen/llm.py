@@ -62,7 +62,7 @@ class LLM:
     GGUF weights stay in their quantized format on CPU, and 16-bit checkpoints stay 16-bit when the model
     runs in float32 (docs/quantization.md); ``dequantize=True`` converts them to ``dtype`` at load instead
     (several times the memory: the reference the quantized kernels are measured against).
-    ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.distributed``): this one is
+    ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.tp``): this one is
     rank 0 and starts the others itself, or joins the ranks torchrun started; ``close()`` (or leaving a
     ``with`` block, or the end of the program) stops them.
     ``jump_forward`` (structured outputs): append the text a grammar forces in one multi-token extend
@@ -115,7 +115,7 @@ class LLM:
         governor = thread_governor(config.threads, dev, config.tensor_parallel_size)  # measures the load
         self.parallel = None
         if config.tensor_parallel_size > 1:
-            from hydragen.distributed.launcher import start
+            from hydragen.tp.launcher import start
 
             self.parallel = start(
                 config.model, config.tensor_parallel_size, dev, dt, config.attention, config.random_weights,

@@ -67,7 +67,7 @@ class Engine:
     def __init__(self, model, cfg, tokenizer, config: EngineConfig, *, parallel=None):
         """``cfg``: the model's configuration; ``config``: the engine's settings (``EngineConfig``; a
         ``kv_cache_tokens`` of None gets a 65,536-token cache). ``parallel``: a tensor-parallel group's rank 0
-        (``hydragen.distributed.launcher.TensorParallel``), which builds the page pool and model runner that
+        (``hydragen.tp.launcher.TensorParallel``), which builds the page pool and model runner that
         drive the other ranks; None runs in-process."""
         self.cfg, self.config = cfg, config
         self.device = device = resolve_device(config.device)

@@ -22,12 +22,12 @@ from collections.abc import Callable
 
 import torch
 
-from hydragen.distributed import commands
-from hydragen.distributed.group import CollectiveError, TPGroup, collective_timeout
-from hydragen.distributed.lockstep import RankFailed, run_step
 from hydragen.engine.model_runner import ModelRunner, PackedBatch
 from hydragen.errors import EngineBroken
 from hydragen.kv.pool import PagePool
+from hydragen.tp import commands
+from hydragen.tp.group import CollectiveError, TPGroup, collective_timeout
+from hydragen.tp.lockstep import RankFailed, run_step
 
 DEATH_GRACE_S = 1.0
 
