@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from hydragen.engine.config import EngineConfig
-from hydragen.engine.engine import Engine
+from hydragen.engine.engine import EngineCore
 from hydragen.engine.packing import pack
 from hydragen.engine.step_plan import StepPlan
 from hydragen.kv.pool import PagePool
@@ -205,7 +205,7 @@ def work_positions(w) -> list[int]:
 
 
 class FakeParallel:
-    """Engine(parallel=...) hook: the fake pool and runner instead of real ones."""
+    """EngineCore(parallel=...) hook: the fake pool and runner instead of real ones."""
 
     def make_pool(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
         return FakePool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
@@ -214,7 +214,7 @@ class FakeParallel:
         return FakeRunner(pool)
 
 
-def fake_engine(pages: int, page_size: int, *, sharing: bool = True, context: int = 256, **options) -> Engine:
+def fake_engine(pages: int, page_size: int, *, sharing: bool = True, context: int = 256, **options) -> EngineCore:
     cfg = SimpleNamespace(
         num_layers=1,
         num_kv_heads=1,
@@ -226,7 +226,7 @@ def fake_engine(pages: int, page_size: int, *, sharing: bool = True, context: in
     config = EngineConfig(
         prefix_sharing=sharing, kv_cache_tokens=pages * page_size, page_size=page_size, **options
     )
-    return Engine(None, cfg, None, config, parallel=FakeParallel())
+    return EngineCore(None, cfg, None, config, parallel=FakeParallel())
 
 
 def expected_output(
@@ -248,7 +248,7 @@ def expected_output(
     return out
 
 
-def run(engine: Engine, max_steps: int = 5_000) -> None:
+def run(engine: EngineCore, max_steps: int = 5_000) -> None:
     """Step ``engine`` until every request has finished."""
     for _ in range(max_steps):
         if not engine.has_unfinished():
@@ -257,5 +257,5 @@ def run(engine: Engine, max_steps: int = 5_000) -> None:
     raise AssertionError("engine did not finish")
 
 
-def all_tables(engine: Engine) -> list:
+def all_tables(engine: EngineCore) -> list:
     return [s.kv for s in engine.scheduler.running]

@@ -172,7 +172,7 @@ class EngineMachine(RuleBasedStateMachine):
         then_preempt=st.booleans(),
     )
     def extend(self, data, every_sample, tokens, then_preempt):
-        """Forced text (jump-forward, ``Engine.extend``; it may hold EOS) for one sample, or the same text
+        """Forced text (jump-forward, ``EngineCore.extend``; it may hold EOS) for one sample, or the same text
         for every sample of a request, as jump-forward through a grammar's fixed text does: the samples
         that share a context then follow the oldest one and fork from it. ``then_preempt``: pages run
         short right then, and the newest of those samples goes back to the queue (re-admitted with the

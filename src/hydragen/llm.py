@@ -11,8 +11,8 @@ import torch
 from tqdm.auto import tqdm
 
 from hydragen.engine.config import EngineConfig
-from hydragen.engine.engine import Engine
-from hydragen.engine.loop import EngineLoop
+from hydragen.engine.engine import EngineCore
+from hydragen.engine.loop import StepLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.errors import EngineBroken
@@ -162,8 +162,8 @@ class LLM:
             config = self.engine_config = config.replace(
                 kv_cache_tokens=default_kv_cache_tokens(bytes_per_token, dev, useful)
             )
-        self.engine = Engine(self.model, c, self.tokenizer, config, parallel=self.parallel)
-        self.loop = EngineLoop(self.engine)
+        self.engine = EngineCore(self.model, c, self.tokenizer, config, parallel=self.parallel)
+        self.loop = StepLoop(self.engine)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1); generating after

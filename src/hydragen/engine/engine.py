@@ -63,7 +63,7 @@ def _view(part: str, name: str) -> property:
     )
 
 
-class Engine:
+class EngineCore:
     def __init__(self, model, cfg, tokenizer, config: EngineConfig, *, parallel=None):
         """``cfg``: the model's configuration; ``config``: the engine's settings (``EngineConfig``; a
         ``kv_cache_tokens`` of None gets a 65,536-token cache). ``parallel``: a tensor-parallel group's rank 0

@@ -29,7 +29,7 @@ class _Tracked:
     output: RequestOutput | None = None  # the final report, once finished
 
 
-class EngineLoop:
+class StepLoop:
     def __init__(self, engine):
         self.engine = engine
         self._tracked: dict[str, _Tracked] = {}
@@ -47,7 +47,7 @@ class EngineLoop:
         on_report: OnReport | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request (``Engine.add_request``'s errors propagate)."""
+        """Queue a request (``EngineCore.add_request``'s errors propagate)."""
         req = self.engine.add_request(
             prompt_ids, params, prompt=prompt, request_id=request_id, cache_salt=cache_salt
         )
