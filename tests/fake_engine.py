@@ -214,7 +214,9 @@ class FakeParallel:
         return FakeRunner(pool)
 
 
-def fake_engine(pages: int, page_size: int, *, sharing: bool = True, context: int = 256, **options) -> EngineCore:
+def fake_engine(
+    pages: int, page_size: int, *, sharing: bool = True, context: int = 256, **options
+) -> EngineCore:
     cfg = SimpleNamespace(
         num_layers=1,
         num_kv_heads=1,

@@ -1,4 +1,4 @@
-"""The engine: a persistent prefix cache, and a step that passes data from part to part.
+"""``EngineCore``, the step core: a persistent prefix cache, and a step that passes data from part to part.
 
 ``add_request`` queues a request's n sequences. Every ``step`` is three calls, each taking the last one's
 output as data:
@@ -64,6 +64,10 @@ def _view(part: str, name: str) -> property:
 
 
 class EngineCore:
+    """The step core (vLLM V1's ``EngineCore``): requests in, one ``step()`` at a time, reports out. It owns
+    no thread and tracks no caller: ``StepLoop`` (``loop.py``) steps it for every caller, and the server
+    reaches it only through an ``EngineClient``."""
+
     def __init__(self, model, cfg, tokenizer, config: EngineConfig, *, parallel=None):
         """``cfg``: the model's configuration; ``config``: the engine's settings (``EngineConfig``; a
         ``kv_cache_tokens`` of None gets a 65,536-token cache). ``parallel``: a tensor-parallel group's rank 0

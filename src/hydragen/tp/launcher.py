@@ -77,7 +77,7 @@ class TensorParallel:
     def dead_workers(self) -> list[str]:
         return [_exit_text(rank, p) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
 
-    # ---- what the Engine builds through (see EngineCore(parallel=...)) ---------------------------------
+    # ---- what the EngineCore builds through (see EngineCore(parallel=...)) -----------------------------
     def make_pool(
         self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device
     ) -> TPPagePool:
