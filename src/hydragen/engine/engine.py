@@ -199,7 +199,7 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.unreported)
 
-    def extend(self, request_id: str, index: int, token_ids: list[int]) -> None:
+    def append_forced(self, request_id: str, index: int, token_ids: list[int]) -> None:
         """Append tokens to an unfinished sequence without sampling them (jump-forward's forced text).
 
         The next step computes their KV in one forward, as a multi-token extend, and samples the next

@@ -38,7 +38,7 @@ def check_request(prompt_ids: object, params: SamplingParams, *, vocab: int, con
 
 
 def check_forced(s, token_ids: list[int], *, vocab: int, context: int) -> None:
-    """Raises ValueError for forced tokens (``EngineCore.extend``) a sequence cannot take: ids outside the
+    """Raises ValueError for forced tokens (``EngineCore.append_forced``) a sequence cannot take: ids outside the
     vocabulary, no room left to sample after them, or text its structured-output constraint refuses."""
     if first_bad_token(token_ids, vocab) is not None:
         raise ValueError(f"token ids must lie in [0, {vocab})")

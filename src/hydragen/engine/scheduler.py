@@ -117,7 +117,7 @@ class Scheduler:
         self._budget = self.prefill_budget
         work: list[Work] = []
         forks: list[Fork] = []
-        followers = self._sibling_extends()
+        followers = self._sibling_forced_appends()
         for s in list(self.running):  # oldest first; the loop may preempt newer ones
             if s.sched.status is not Status.RUNNING or s.seq_id in followers:
                 continue
@@ -234,7 +234,7 @@ class Scheduler:
                 self.waiting.appendleft(s)
 
     # ---- siblings that share one context --------------------------------------------------------------
-    def _sibling_extends(self) -> dict[int, SequenceState]:
+    def _sibling_forced_appends(self) -> dict[int, SequenceState]:
         """Running samples of one request forced through the same text from the same context: all but the
         oldest follow it ({follower's seq_id: leader}). Only multi-token extends: there it saves work."""
         if not self.sharing.enabled:

@@ -48,7 +48,7 @@ class OutputState:
     """Owned by the output processor."""
 
     generated: list[int] = field(default_factory=list)
-    forced: int = 0  # generated tokens appended without sampling (jump-forward, extend())
+    forced: int = 0  # generated tokens appended without sampling (jump-forward, append_forced())
     logprobs: list[dict[int, float | None]] | None = None
     text: str = ""  # final text only: no later token changes it
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -16,7 +16,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt positions actually run through the model
     cache_hit_tokens: int = 0  # prompt tokens on shared pages (cached or in flight) at admission
     generated_tokens: int = 0  # tokens sampled and appended (forced ones are counted in forced_tokens)
-    forced_tokens: int = 0  # tokens appended by jump-forward (or extend()) without sampling
+    forced_tokens: int = 0  # tokens appended by jump-forward (or append_forced()) without sampling
     forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decode and extends)
     decode_steps: int = 0  # steps of decode work only
     decode_seconds: float = 0.0
