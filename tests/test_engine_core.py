@@ -1,4 +1,4 @@
-"""Engine core: paged KV that cannot fragment, whole-page caching, multi-token extend, mixed steps, no leaks.
+"""Engine core: paged KV that cannot fragment, whole-page caching, forced appends, mixed steps, no leaks.
 
 Tiny random models keep these exact and fast; outputs are compared with isolated runs.
 """
@@ -100,7 +100,7 @@ def test_forced_append_equals_decoding_one_by_one(path):
     # One logprobs entry per token: a forced one is marked {token: None} (nothing was sampled for it).
     assert len(s.logprobs) == len(s.generated)
     assert all(s.logprobs[i] == {s.generated[i]: None} for i in range(2, 7))
-    # The token sampled right after the extend, and every later one: logits match up to fp32 rounding.
+    # The token sampled right after the forced ones, and every later one: logits match up to fp32 rounding.
     for i in [0, 1, 7, 8, 9, 10, 11]:
         (t, lp), (t2, lp2) = next(iter(s.logprobs[i].items())), next(iter(ref.logprobs[i].items()))
         assert t == t2 and abs(lp - lp2) < 1e-5

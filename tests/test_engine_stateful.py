@@ -1,6 +1,6 @@
 """A randomized stateful test of the scheduler and KV manager, through the real engine with a fake model
-(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), forced extends of
-one sample or of every sample of a request alike (the text may hold EOS), aborts, and injected faults: a
+(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), forced appends to
+one sample or to every sample of a request alike (the text may hold EOS), aborts, and injected faults: a
 request whose forward fails, a fork whose KV copy fails, a step that raises before its commit (Ctrl-C, or
 every request failing alone; then everything is aborted, as ``LLM.generate`` and the server do, or the
 engine goes on), on page sizes 1, 4 and 16, pools from a few pages up and seat limits from 1.
@@ -37,8 +37,8 @@ BASES = [
 STALL_LIMIT = 64  # steps a running request may go without computing anything
 RUN = dict.fromkeys(
     [
-        "examples", "steps", "preemptions", "forks", "sibling-extend forks", "failed fork copies",
-        "raised steps", "extends", "extends of every sample", "aborts", "failed",
+        "examples", "steps", "preemptions", "forks", "forks of siblings forced alike", "failed fork copies",
+        "raised steps", "forced appends", "forced appends to every sample", "aborts", "failed",
     ],
     0,
 )  # fmt: skip
@@ -136,7 +136,7 @@ class EngineMachine(RuleBasedStateMachine):
         RUN["steps"] += 1
         plan = self.engine.last_plan
         RUN["forks"] += len(plan.forks)
-        RUN["sibling-extend forks"] += sum(1 for f in plan.forks if id(f.seq) in before)
+        RUN["forks of siblings forced alike"] += sum(1 for f in plan.forks if id(f.seq) in before)
         moved = {id(w.seq) for w in plan.work} | {id(f.seq) for f in plan.forks}
         for s in self.engine.scheduler.running:
             if id(s) in moved or before.get(id(s)) != (s.kv.computed, len(s.generated)):
@@ -172,10 +172,10 @@ class EngineMachine(RuleBasedStateMachine):
         then_preempt=st.booleans(),
     )
     def append_forced(self, data, every_sample, tokens, then_preempt):
-        """Forced text (jump-forward, ``EngineCore.append_forced``; it may hold EOS) for one sample, or the same text
-        for every sample of a request, as jump-forward through a grammar's fixed text does: the samples
-        that share a context then follow the oldest one and fork from it. ``then_preempt``: pages run
-        short right then, and the newest of those samples goes back to the queue (re-admitted with the
+        """Forced text (jump-forward, ``EngineCore.append_forced``; it may hold EOS) for one sample, or the
+        same text for every sample of a request, as jump-forward through a grammar's fixed text does: the
+        samples that share a context then follow the oldest one and fork from it. ``then_preempt``: pages
+        run short right then, and the newest of those samples goes back to the queue (re-admitted with the
         text pending, it publishes the text's pages in flight)."""
         rid, seqs = data.draw(st.sampled_from(self._forceable()))
         _, params, forced, _ = self.requests[rid]
@@ -185,8 +185,8 @@ class EngineMachine(RuleBasedStateMachine):
             if len(s.generated) + len(tokens) < params.max_tokens:
                 forced[s.index][len(s.generated)] = list(tokens)
                 self.engine.append_forced(rid, s.index, tokens)
-                RUN["extends"] += 1
-        RUN["extends of every sample"] += every_sample and len(seqs) > 1
+                RUN["forced appends"] += 1
+        RUN["forced appends to every sample"] += every_sample and len(seqs) > 1
         running = [s for s in seqs if s.sched.status is Status.RUNNING]
         if then_preempt and running:
             self._preempt(max(running, key=lambda s: s.sched.admitted))

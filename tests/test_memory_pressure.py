@@ -88,7 +88,7 @@ def test_1_one_forward_per_step_under_pressure(path, seed, default_rule, share_e
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_2_forced_appends_aborts_and_preemption_change_no_token(path, seed, share_every_common_node):
-    """Extending sequences with the very tokens they would have produced changes nothing, whatever is
+    """Forcing onto sequences the very tokens they would have produced changes nothing, whatever is
     preempted, aborted or cached around them in the same steps: outputs equal plain greedy decoding."""
     rng = random.Random(seed)
     prompts = mixed_prompts(seed + 10, 16)

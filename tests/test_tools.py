@@ -573,8 +573,9 @@ def test_bench_tool_workloads_run(llms, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama_sp"])
 def test_auto_enforces_the_call_once_the_marker_is_written(llms, kind):
-    """auto: the reply's text is free; once the call marker is in it (here appended with EngineCore.append_forced, as
-    if the model had written it), the rest is grammar-enforced and the reply parses into a valid call."""
+    """auto: the reply's text is free; once the call marker is in it (here appended with
+    EngineCore.append_forced, as if the model had written it), the rest is grammar-enforced and the reply
+    parses into a valid call."""
     llm = llms[kind]
     engine, tok = llm.engine, llm.tokenizer
     request = ToolRequest.build(TOOLS, "auto", False, llm.tool_format)

@@ -65,7 +65,7 @@ class LLM:
     ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.tp``): this one is
     rank 0 and starts the others itself, or joins the ranks torchrun started; ``close()`` (or leaving a
     ``with`` block, or the end of the program) stops them.
-    ``jump_forward`` (structured outputs): append the text a grammar forces in one multi-token extend
+    ``jump_forward`` (structured outputs): append the text a grammar forces, computed in one forward,
     instead of sampling it token by token (False: plain constrained decoding, for measurement).
     ``threads``: torch's CPU threads. None leaves torch's setting alone; ``"auto"`` (what the CLI uses)
     takes the cores other programs leave free and re-checks every few seconds (``cpu_threads.py``); an

@@ -3,7 +3,7 @@
 ``add_request`` queues a request's n sequences. Every ``step`` is three calls, each taking the last one's
 output as data:
 
-1. ``scheduler.schedule() -> StepPlan``: admission, prefill chunks, decode tokens, extends, forks,
+1. ``scheduler.schedule() -> StepPlan``: admission, prefill chunks, decode tokens, forced appends, forks,
    preemption, shared runs, and who was admitted, preempted or failed; nothing touches pages or the prefix
    tree until 3;
 2. ``run_plan(runner, structured, plan) -> StepResult``: one packed forward (a request whose work fails
@@ -202,9 +202,9 @@ class EngineCore:
     def append_forced(self, request_id: str, index: int, token_ids: list[int]) -> None:
         """Append tokens to an unfinished sequence without sampling them (jump-forward's forced text).
 
-        The next step computes their KV in one forward, as a multi-token extend, and samples the next
-        token after the last of them. They count as generated tokens (``SequenceState.forced`` of them); a
-        stop string or stop token inside them ends the sequence there, tokens and text alike.
+        The next step computes their KV in one forward, with the token sampled before them, and samples the
+        next token after the last of them. They count as generated tokens (``SequenceState.forced`` of
+        them); a stop string or stop token inside them ends the sequence there, tokens and text alike.
         """
         req = self.requests.get(request_id)
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].finished:

@@ -127,9 +127,10 @@ class OutputProcessor:
         return s.finished
 
     def append_forced(self, s: SequenceState, tokens: list[int]) -> int:
-        """Add tokens chosen without sampling (jump-forward, ``EngineCore.append_forced``); their logprobs entries
-        are ``{token: None}``: no distribution was sampled for them. They are checked one by one like sampled
-        ones: a stop token, EOS or stop string among them ends the sequence there and the rest is dropped.
+        """Add tokens chosen without sampling (jump-forward, ``EngineCore.append_forced``); their logprobs
+        entries are ``{token: None}``: no distribution was sampled for them. They are checked one by one like
+        sampled ones: a stop token, EOS or stop string among them ends the sequence there and the rest is
+        dropped.
         Returns how many were kept."""
         out = s.out
         kept = 0

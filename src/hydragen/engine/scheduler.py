@@ -3,10 +3,10 @@
 Every step it builds one frozen :class:`StepPlan`:
 
 1. **running sequences, oldest first**, each get their next tokens: a prefill chunk (at most
-   ``prefill_chunk``, within the step's ``prefill_budget``), one decode token, or a multi-token extend
-   (forced text), with the pages those positions need. When pages run short, idle cached pages are evicted,
-   then the newest running sequence is preempted (its computed pages stay cached; it resumes from them),
-   so the oldest one always makes progress;
+   ``prefill_chunk``, within the step's ``prefill_budget``), one decode token, or a decode token and the
+   forced tokens appended after it (jump-forward), with the pages those positions need. When pages run
+   short, idle cached pages are evicted, then the newest running sequence is preempted (its computed pages
+   stay cached; it resumes from them), so the oldest one always makes progress;
 2. **siblings with one context**: the other samples of a request whose prompt ends this step, and samples
    forced through the same text, do not compute it again: they sample from the leader's logits and take
    its KV after the forward (``Fork``);
@@ -178,7 +178,7 @@ class Scheduler:
             return None
         decoding = bool(s.generated) and start >= len(s.prompt_ids)
         if pending == 1 or (decoding and pending <= self.prefill_chunk):
-            k = pending  # a decode step or a forced extend
+            k = pending  # a decode token, and any forced tokens appended after it
         else:
             k = min(pending, self.prefill_chunk, self._budget)
             if k <= 0:
@@ -236,7 +236,8 @@ class Scheduler:
     # ---- siblings that share one context --------------------------------------------------------------
     def _sibling_forced_appends(self) -> dict[int, SequenceState]:
         """Running samples of one request forced through the same text from the same context: all but the
-        oldest follow it ({follower's seq_id: leader}). Only multi-token extends: there it saves work."""
+        oldest follow it ({follower's seq_id: leader}). Only forced appends (several tokens pending): there it
+        saves work."""
         if not self.sharing.enabled:
             return {}
         groups: dict[tuple, list[SequenceState]] = {}
@@ -244,7 +245,8 @@ class Scheduler:
             if s.pending > 1 and s.generated and s.computed >= len(s.prompt_ids):
                 key = (s.request.request_id, s.computed, tuple(s.generated))
                 groups.setdefault(key, []).append(s)
-        # A sample still writing pages it published in flight (re-admitted mid-extend) computes its own text:
+        # A sample still writing pages it published in flight (re-admitted amid its forced text) computes its
+        # own text:
         # a fork would drop those pages, and whoever waits on them would wait for good.
         return {f.seq_id: g[0] for g in groups.values() for f in g[1:] if not self.kv.in_flight(f.kv)}
 
