@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from hydragen.engine.config import EngineConfig
-from hydragen.engine.engine import Engine
-from hydragen.engine.loop import EngineLoop
+from hydragen.engine.engine import EngineCore
+from hydragen.engine.loop import StepLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.errors import EngineBroken
@@ -62,10 +62,10 @@ class LLM:
     GGUF weights stay in their quantized format on CPU, and 16-bit checkpoints stay 16-bit when the model
     runs in float32 (docs/quantization.md); ``dequantize=True`` converts them to ``dtype`` at load instead
     (several times the memory: the reference the quantized kernels are measured against).
-    ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.distributed``): this one is
+    ``tensor_parallel_size=N`` splits the model over N processes (``hydragen.tp``): this one is
     rank 0 and starts the others itself, or joins the ranks torchrun started; ``close()`` (or leaving a
     ``with`` block, or the end of the program) stops them.
-    ``jump_forward`` (structured outputs): append the text a grammar forces in one multi-token extend
+    ``jump_forward`` (structured outputs): append the text a grammar forces, computed in one forward,
     instead of sampling it token by token (False: plain constrained decoding, for measurement).
     ``threads``: torch's CPU threads. None leaves torch's setting alone; ``"auto"`` (what the CLI uses)
     takes the cores other programs leave free and re-checks every few seconds (``cpu_threads.py``); an
@@ -115,7 +115,7 @@ class LLM:
         governor = thread_governor(config.threads, dev, config.tensor_parallel_size)  # measures the load
         self.parallel = None
         if config.tensor_parallel_size > 1:
-            from hydragen.distributed.launcher import start
+            from hydragen.tp.launcher import start
 
             self.parallel = start(
                 config.model, config.tensor_parallel_size, dev, dt, config.attention, config.random_weights,
@@ -162,8 +162,8 @@ class LLM:
             config = self.engine_config = config.replace(
                 kv_cache_tokens=default_kv_cache_tokens(bytes_per_token, dev, useful)
             )
-        self.engine = Engine(self.model, c, self.tokenizer, config, parallel=self.parallel)
-        self.loop = EngineLoop(self.engine)
+        self.engine = EngineCore(self.model, c, self.tokenizer, config, parallel=self.parallel)
+        self.loop = StepLoop(self.engine)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1); generating after
@@ -182,9 +182,9 @@ class LLM:
     def _normalise(self, prompts) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, str):
             prompts = [prompts]
-        elif isinstance(prompts, Seq) and prompts and all(isinstance(t, int) for t in prompts):
+        elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
             prompts = [list(prompts)]
-        if not isinstance(prompts, Seq) or isinstance(prompts, (bytes, bytearray)) or len(prompts) == 0:
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty str, list[str], list[int] or list[list[int]]")
         out = []
         for i, p in enumerate(prompts):
@@ -192,7 +192,7 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError("this model has no tokenizer files: pass prompts as token ids")
                 out.append((p, self.tokenizer.encode(p)))
-            elif isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 out.append((None, list(p)))
             else:
                 raise ValueError(
@@ -229,9 +229,9 @@ class LLM:
         API; conversations may hold assistant ``tool_calls`` and ``role: "tool"`` results. Each output then
         carries ``tool_calls`` (hydragen.tools.ToolCall, [] when the reply is text) and ``content`` (the text
         outside the calls), read by the call's ToolSession (hydragen.tools.session), as the server's."""
-        if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
             messages = [messages]
-        if not isinstance(messages, Seq) or not messages:
+        if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a non-empty list of them")
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer files")

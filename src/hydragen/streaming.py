@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from hydragen.engine.loop import EngineLoop
+from hydragen.engine.loop import StepLoop
 from hydragen.engine.outputs import RequestOutput, RequestOutputKind
 from hydragen.engine.sampling_params import SamplingParams
 
@@ -52,7 +52,7 @@ class StreamResult:
 
 
 def stream_request(
-    loop: EngineLoop,
+    loop: StepLoop,
     prompt_ids: list[int],
     params: SamplingParams,
     *,

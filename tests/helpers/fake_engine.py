@@ -26,7 +26,7 @@ import torch
 
 from hydragen.attention.layer_spec import LayerSpecs, model_layer_specs
 from hydragen.engine.config import EngineConfig
-from hydragen.engine.engine import Engine
+from hydragen.engine.engine import EngineCore
 from hydragen.engine.packing import pack
 from hydragen.engine.step_plan import StepPlan
 from hydragen.kv.pool import PagePool
@@ -235,7 +235,7 @@ def work_positions(w) -> list[int]:
 
 
 class FakeParallel:
-    """Engine(parallel=...) hook: the fake pool and runner instead of real ones."""
+    """EngineCore(parallel=...) hook: the fake pool and runner instead of real ones."""
 
     def make_pool(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout=None):
         return FakePool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout)
@@ -253,7 +253,7 @@ def fake_engine(
     layer_specs=(),
     kv_groups=(),
     **options,
-) -> Engine:
+) -> EngineCore:
     """The fake engine; ``layer_specs`` (AttentionSpecs) gives its model that many layers attending so, and
     ``kv_groups`` each layer's KV group."""
     cfg = SimpleNamespace(
@@ -269,7 +269,7 @@ def fake_engine(
     config = EngineConfig(
         prefix_sharing=sharing, kv_cache_tokens=pages * page_size, page_size=page_size, **options
     )
-    return Engine(None, cfg, None, config, parallel=FakeParallel())
+    return EngineCore(None, cfg, None, config, parallel=FakeParallel())
 
 
 def expected_output(
@@ -291,7 +291,7 @@ def expected_output(
     return out
 
 
-def run(engine: Engine, max_steps: int = 5_000) -> None:
+def run(engine: EngineCore, max_steps: int = 5_000) -> None:
     """Step ``engine`` until every request has finished."""
     for _ in range(max_steps):
         if not engine.has_unfinished():
@@ -300,5 +300,5 @@ def run(engine: Engine, max_steps: int = 5_000) -> None:
     raise AssertionError("engine did not finish")
 
 
-def all_tables(engine: Engine) -> list:
+def all_tables(engine: EngineCore) -> list:
     return [s.kv for s in engine.scheduler.running]

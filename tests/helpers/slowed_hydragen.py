@@ -15,10 +15,10 @@ import sys
 import time
 
 from hydragen.cli import main
-from hydragen.engine.engine import Engine
+from hydragen.engine.engine import EngineCore
 
 delay = float(sys.argv[1])
-real_step = Engine.step
+real_step = EngineCore.step
 faults = os.environ.get("HYDRAGEN_TEST_FAULTS")
 
 
@@ -33,5 +33,5 @@ def slowed_step(self):
     return real_step(self)
 
 
-Engine.step = slowed_step
+EngineCore.step = slowed_step
 sys.exit(main(sys.argv[2:]))

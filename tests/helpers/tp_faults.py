@@ -82,7 +82,7 @@ def install(faults: list[dict], set_attribute=setattr) -> None:
 def _install_load_faults(faults: list[dict], set_attribute) -> None:
     if not faults:
         return
-    from hydragen.distributed import checkpoint
+    from hydragen.tp import checkpoint
 
     real_load = checkpoint.load_shard
 

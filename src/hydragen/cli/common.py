@@ -139,7 +139,7 @@ def load_llm(args: argparse.Namespace, config):
 
 def tp_size(args: argparse.Namespace) -> int:
     """--tensor-parallel-size, defaulting to the number of ranks when torchrun started this process."""
-    from hydragen.distributed.group import torchrun_env
+    from hydragen.tp.group import torchrun_env
 
     env = torchrun_env()
     size = args.tensor_parallel_size
@@ -157,14 +157,14 @@ def tp_size(args: argparse.Namespace) -> int:
 def torchrun_worker(args: argparse.Namespace) -> int | None:
     """Under torchrun, ranks 1..N-1 follow rank 0 instead of running the command (None on rank 0, or
     without torchrun)."""
-    from hydragen.distributed.group import torchrun_env
+    from hydragen.tp.group import torchrun_env
 
     env = torchrun_env()
     if env is None or env.rank == 0 or args.command not in ("generate", "serve", "chat"):
         return None
     config = engine_config_of(args)
-    from hydragen.distributed.launcher import run_torchrun_worker
     from hydragen.model.loader import resolve_device, resolve_dtype
+    from hydragen.tp.launcher import run_torchrun_worker
 
     return run_torchrun_worker(
         config.model, resolve_device(config.device), resolve_dtype(config.dtype), dequantize=config.dequantize

@@ -85,9 +85,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(log_level)
 
-    from hydragen.distributed.group import torchrun_env
     from hydragen.server.app import create_app
     from hydragen.server.launch import run
+    from hydragen.tp.group import torchrun_env
 
     def build_llm():
         """The LLM with the serve flags, set up to serve (built again on every restart of its group)."""

@@ -116,10 +116,10 @@ def build_front(
     ``command`` starts a replica (default ``python -m hydragen``). Reads the model's config and tokenizer,
     nothing is started yet."""
     from hydragen.cpu_threads import usable_cores
-    from hydragen.distributed.checkpoint import read_config
     from hydragen.dp.front import Front
     from hydragen.dp.prompts import RequestPrompts
     from hydragen.dp.router import Router
+    from hydragen.tp.checkpoint import read_config
 
     n = args.data_parallel_size
     config, path, _ = read_config(engine.model)

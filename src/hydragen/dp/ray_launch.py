@@ -48,9 +48,9 @@ def check(args: argparse.Namespace, tensor_parallel: int) -> list[str]:
 
 def build_from_args(args: argparse.Namespace, engine, options, api_key: str | None):
     """The Ray Serve app for these serve flags and ``engine``'s settings (``dp.ray_serve.build_app``)."""
-    from hydragen.distributed.checkpoint import read_config
     from hydragen.dp.launch import replica_kv_cache
     from hydragen.dp.ray_serve import build_app
+    from hydragen.tp.checkpoint import read_config
 
     config, _, _ = read_config(engine.model)
     threads = args.threads if isinstance(args.threads, int) else 1

@@ -32,7 +32,6 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from hydragen.distributed.checkpoint import read_config
 from hydragen.dp.asgi_call import call_asgi, http_scope
 from hydragen.dp.health import REFUSALS, server_verdict
 from hydragen.dp.kv_events import KVEventPublisher
@@ -50,6 +49,7 @@ from hydragen.server.body import read_body
 from hydragen.server.errors import APIError
 from hydragen.server.options import ServerOptions
 from hydragen.server.responses import SSE_DONE, sse
+from hydragen.tp.checkpoint import read_config
 
 log = logging.getLogger("hydragen.dp")
 RAY_PREFIX = "ray-prefix"  # Ray Serve LLM's own approximate router (PrefixCacheAffinityRouter)

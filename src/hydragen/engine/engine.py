@@ -1,9 +1,9 @@
-"""The engine: a persistent prefix cache, and a step that passes data from part to part.
+"""``EngineCore``, the step core: a persistent prefix cache, and a step that passes data from part to part.
 
 ``add_request`` queues a request's n sequences. Every ``step`` is three calls, each taking the last one's
 output as data:
 
-1. ``scheduler.schedule() -> StepPlan``: admission, prefill chunks, decode tokens, extends, forks,
+1. ``scheduler.schedule() -> StepPlan``: admission, prefill chunks, decode tokens, forced appends, forks,
    preemption, shared runs, and who was admitted, preempted or failed; nothing touches pages or the prefix
    tree until 3;
 2. ``run_plan(runner, structured, plan) -> StepResult``: one packed forward (a request whose work fails
@@ -30,7 +30,7 @@ from hydragen.engine.outputs import RequestOutput, RequestOutputKind
 from hydragen.engine.request_checks import check_fits, check_forced, check_request
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.engine.scheduler import Scheduler, Sharing
-from hydragen.engine.sequence import Request, Sequence, new_request
+from hydragen.engine.sequence import Request, SequenceState, new_request
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS
 from hydragen.engine.stats import EngineSnapshot, EngineStats
 from hydragen.engine.step_plan import StepPlan, StepResult
@@ -52,7 +52,7 @@ class BatchView:
     """The last step's work as tests and benchmarks inspect it: sequences in depth-first order, shared
     runs (page_lo, page_hi, lo, hi) over them."""
 
-    seqs: list[Sequence]
+    seqs: list[SequenceState]
     shared: list[tuple[int, int, int, int]]
 
 
@@ -64,11 +64,15 @@ def _view(part: str, name: str) -> property:
     )
 
 
-class Engine:
+class EngineCore:
+    """The step core (vLLM V1's ``EngineCore``): requests in, one ``step()`` at a time, reports out. It owns
+    no thread and tracks no caller: ``StepLoop`` (``loop.py``) steps it for every caller, and the server
+    reaches it only through an ``EngineClient``."""
+
     def __init__(self, model, cfg, tokenizer, config: EngineConfig, *, parallel=None):
         """``cfg``: the model's configuration; ``config``: the engine's settings (``EngineConfig``; a
         ``kv_cache_tokens`` of None gets a 65,536-token cache). ``parallel``: a tensor-parallel group's rank 0
-        (``hydragen.distributed.launcher.TensorParallel``), which builds the page pool and model runner that
+        (``hydragen.tp.launcher.TensorParallel``), which builds the page pool and model runner that
         drive the other ranks; None runs in-process."""
         self.cfg, self.config = cfg, config
         self.device = device = resolve_device(config.device)
@@ -197,12 +201,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.unreported)
 
-    def extend(self, request_id: str, index: int, token_ids: list[int]) -> None:
+    def append_forced(self, request_id: str, index: int, token_ids: list[int]) -> None:
         """Append tokens to an unfinished sequence without sampling them (jump-forward's forced text).
 
-        The next step computes their KV in one forward, as a multi-token extend, and samples the next
-        token after the last of them. They count as generated tokens (``Sequence.forced`` of them); a stop
-        string or stop token inside them ends the sequence there, tokens and text alike.
+        The next step computes their KV in one forward, with the token sampled before them, and samples the
+        next token after the last of them. They count as generated tokens (``SequenceState.forced`` of
+        them); a stop string or stop token inside them ends the sequence there, tokens and text alike.
         """
         req = self.requests.get(request_id)
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].finished:
@@ -265,7 +269,7 @@ class Engine:
         self.snapshot = EngineSnapshot.of(self)
         return reports
 
-    def _release(self, ended: list[Sequence]) -> None:
+    def _release(self, ended: list[SequenceState]) -> None:
         """Sequences that ended give their pages back (their computed KV stays in the prefix cache)."""
         self.stats.per_sequence_kv_tokens += sum(s.context_len - 1 for s in ended)
         self.scheduler.remove(ended)

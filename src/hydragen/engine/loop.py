@@ -1,5 +1,6 @@
-"""The one loop that steps an engine, for every caller: ``LLM.generate``, streaming (``generate`` with n = 1,
-``chat``), the server's engine thread and the benchmarks.
+"""``StepLoop``: the one loop that steps an ``EngineCore``, for every caller: ``LLM.generate``, streaming
+(``generate`` with n = 1, ``chat``), the server's engine thread and the benchmarks. It is not a thread: it
+runs on whichever thread calls it (the server's is ``InProcessClient``'s).
 
 Requests are added through it with an optional ``on_report(output)`` callback, called with each report the
 engine gives for the request (which ones: its ``SamplingParams.output_kind``; the last one has
@@ -29,7 +30,9 @@ class _Tracked:
     output: RequestOutput | None = None  # the final report, once finished
 
 
-class EngineLoop:
+class StepLoop:
+    """Steps ``engine`` (an ``EngineCore``) and routes its reports to the requests added through it."""
+
     def __init__(self, engine):
         self.engine = engine
         self._tracked: dict[str, _Tracked] = {}
@@ -47,7 +50,7 @@ class EngineLoop:
         on_report: OnReport | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request (``Engine.add_request``'s errors propagate)."""
+        """Queue a request (``EngineCore.add_request``'s errors propagate)."""
         req = self.engine.add_request(
             prompt_ids, params, prompt=prompt, request_id=request_id, cache_salt=cache_salt
         )

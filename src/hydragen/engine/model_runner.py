@@ -15,7 +15,7 @@ from hydragen.attention.step_attention import step_attention
 from hydragen.engine.isolation import map_rows, sample_rows
 from hydragen.engine.packing import PackedBatch, pack, triton_tables
 from hydragen.engine.sampler import SampleOutput, Sampler
-from hydragen.engine.sequence import Sequence
+from hydragen.engine.sequence import SequenceState
 from hydragen.engine.step_plan import StepPlan
 from hydragen.errors import ConfigError
 from hydragen.kv.pool import PagePool
@@ -100,7 +100,7 @@ class ModelRunner:
         return tree_decode_attention(q, pool.k[row], pool.v[row], batch.tree_plan, batch.tail_lens, scale)
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], num_logprobs: int | None = None
+        self, logits: torch.Tensor, seqs: list[SequenceState], num_logprobs: int | None = None
     ) -> tuple[torch.Tensor, list[dict[int, float]] | None, dict[int, str]]:
         """One token per decoding sequence (seeded per sequence: independent of the batch), its logprobs
         when asked, and {row: error} for rows that could not be sampled.
@@ -139,7 +139,7 @@ class ModelRunner:
             return _sample_output(logits, tokens, num_logprobs)
         return sample(logits, *row_args, *flags, num_logprobs=num_logprobs)
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple:
+    def _sampling_tensors(self, seqs: list[SequenceState]) -> tuple:
         """The rows' sampling settings as tensors, and which features any row uses. A decode step usually
         samples the same sequences as the step before, and a request's settings are fixed once it is
         submitted: then the last step's tensors serve again (five tensor builds a step, at batch 1 a few
@@ -151,7 +151,7 @@ class ModelRunner:
         self._settings = (key, built)
         return built
 
-    def _build_sampling_tensors(self, seqs: list[Sequence]) -> tuple:
+    def _build_sampling_tensors(self, seqs: list[SequenceState]) -> tuple:
         dev = self.device
         ps = [s.request.params for s in seqs]
         return (

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from hydragen.engine.detokenizer import Detokenizer, new_detokenizer
 from hydragen.engine.isolation import failure_message
 from hydragen.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from hydragen.engine.sequence import Request, Sequence
+from hydragen.engine.sequence import Request, SequenceState
 from hydragen.engine.step_plan import StepResult
 from hydragen.engine.stop_strings import StopChecker
 from hydragen.structured.matcher import GrammarViolation
@@ -41,7 +41,7 @@ class Appended:
     flushed), the requests that fail (a stage raised for them, named), and the tokens it added."""
 
     changed: dict[str, Request] = field(default_factory=dict)
-    ended: list[Sequence] = field(default_factory=list)
+    ended: list[SequenceState] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
     sampled: int = 0
     forced: int = 0
@@ -80,7 +80,7 @@ class OutputProcessor:
         out.ended = [s for s in out.ended if s.request.request_id not in failing]
         return out
 
-    def _append_structured(self, s: Sequence, token: int, logprobs: dict | None, structured) -> int:
+    def _append_structured(self, s: SequenceState, token: int, logprobs: dict | None, structured) -> int:
         """Append a constrained sequence's sampled token and what jump-forward adds after it; returns how
         many forced tokens it kept. A token that is not the one sampled (a boundary re-split, forced text)
         gets the logprobs entry ``{token: None}``: no distribution was sampled for it."""
@@ -116,7 +116,7 @@ class OutputProcessor:
             self.end(s, "error")
         return True
 
-    def append(self, s: Sequence, token: int, logprobs: dict[int, float] | None = None) -> bool:
+    def append(self, s: SequenceState, token: int, logprobs: dict[int, float] | None = None) -> bool:
         """Add one sampled token; returns True when the sequence is finished."""
         out = s.out
         out.generated.append(token)
@@ -126,10 +126,11 @@ class OutputProcessor:
         self._check(s, token)
         return s.finished
 
-    def append_forced(self, s: Sequence, tokens: list[int]) -> int:
-        """Add tokens chosen without sampling (jump-forward, ``Engine.extend``); their logprobs entries are
-        ``{token: None}``: no distribution was sampled for them. They are checked one by one like sampled
-        ones: a stop token, EOS or stop string among them ends the sequence there and the rest is dropped.
+    def append_forced(self, s: SequenceState, tokens: list[int]) -> int:
+        """Add tokens chosen without sampling (jump-forward, ``EngineCore.append_forced``); their logprobs
+        entries are ``{token: None}``: no distribution was sampled for them. They are checked one by one like
+        sampled ones: a stop token, EOS or stop string among them ends the sequence there and the rest is
+        dropped.
         Returns how many were kept."""
         out = s.out
         kept = 0
@@ -145,13 +146,13 @@ class OutputProcessor:
             self._check(s, t)
         return kept
 
-    def end(self, s: Sequence, reason: str) -> None:
+    def end(self, s: SequenceState, reason: str) -> None:
         """End an unfinished sequence for a reason of the engine's ("abort", "error", "stop" when a grammar
         is complete)."""
         if s.out.finish_reason is None:
             s.out.finish_reason, s.out.stop_reason = reason, None
 
-    def _check(self, s: Sequence, token: int) -> None:
+    def _check(self, s: SequenceState, token: int) -> None:
         out, p = s.out, s.params
         if not p.ignore_eos and token in self.eos_ids:
             out.finish_reason, out.stop_reason = "stop", None
@@ -164,7 +165,7 @@ class OutputProcessor:
         ):
             out.finish_reason = "length"
 
-    def _state(self, s: Sequence) -> _TextState | None:
+    def _state(self, s: SequenceState) -> _TextState | None:
         if self.tokenizer is None:
             return None
         if s.out.detok is None:
@@ -172,7 +173,7 @@ class OutputProcessor:
             s.out.detok = _TextState(new_detokenizer(self.tokenizer), StopChecker(stops) if stops else None)
         return s.out.detok
 
-    def _add_text(self, s: Sequence, tokens: list[int]) -> None:
+    def _add_text(self, s: SequenceState, tokens: list[int]) -> None:
         state = self._state(s)
         if state is not None and s.out.finish_reason is None:
             try:
@@ -182,7 +183,7 @@ class OutputProcessor:
             self._feed(s, state, piece)
 
     @staticmethod
-    def _feed(s: Sequence, state: _TextState, piece: str) -> None:
+    def _feed(s: SequenceState, state: _TextState, piece: str) -> None:
         if state.stops is None:
             s.out.text += piece
             return
@@ -194,7 +195,7 @@ class OutputProcessor:
         if hit is not None:
             s.out.finish_reason, s.out.stop_reason = "stop", hit
 
-    def finish(self, s: Sequence) -> None:
+    def finish(self, s: SequenceState) -> None:
         """Flush the held-back text of a finished sequence (a stop string found there still ends it)."""
         state = self._state(s)
         out = s.out

@@ -1,6 +1,6 @@
 """What the engine reports: one RequestOutput per request, each with its n CompletionOutputs.
 
-``generate()`` returns each request's final output. ``Engine.step()`` reports, per request, what its
+``generate()`` returns each request's final output. ``EngineCore.step()`` reports, per request, what its
 ``SamplingParams.output_kind`` asks for (vLLM's ``RequestOutputKind``): the final output only, the whole
 output after every step that changed it, or only what is new since the last report (streaming: the server
 sends exactly these pieces, it never compares sequences itself).

@@ -38,15 +38,16 @@ def check_request(prompt_ids: object, params: SamplingParams, *, vocab: int, con
 
 
 def check_forced(s, token_ids: list[int], *, vocab: int, context: int) -> None:
-    """Raises ValueError for forced tokens (``Engine.extend``) a sequence cannot take: ids outside the
-    vocabulary, no room left to sample after them, or text its structured-output constraint refuses."""
+    """Raises ValueError for forced tokens (``EngineCore.append_forced``) a sequence cannot take: ids outside
+    the vocabulary, no room left to sample after them, or text its structured-output constraint refuses."""
     if first_bad_token(token_ids, vocab) is not None:
         raise ValueError(f"token ids must lie in [0, {vocab})")
     if len(s.generated) + len(token_ids) >= s.params.max_tokens:
-        raise ValueError("extend would reach max_tokens: no room left to sample after it")
+        raise ValueError("the forced tokens would reach max_tokens: no room left to sample after them")
     if s.context_len + len(token_ids) >= context:
         raise ValueError(
-            f"extend would reach the model's context of {context} tokens: no room left to sample after it"
+            f"the forced tokens would reach the model's context of {context} tokens: no room left to sample "
+            "after them"
         )
     if s.grammar is not None and not s.grammar.fits(token_ids):
         raise ValueError("the tokens do not fit the request's structured-output constraint")

@@ -43,7 +43,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     structured_outputs: object | None = None  # a hydragen.StructuredOutputsParams: constrain the output
-    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY  # Engine.step's reports (streaming: DELTA)
+    # which of EngineCore.step's reports the request gets (streaming: DELTA)
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):

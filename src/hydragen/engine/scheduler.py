@@ -3,10 +3,10 @@
 Every step it builds one frozen :class:`StepPlan`:
 
 1. **running sequences, oldest first**, each get their next tokens: a prefill chunk (at most
-   ``prefill_chunk``, within the step's ``prefill_budget``), one decode token, or a multi-token extend
-   (forced text), with the pages those positions need. When pages run short, idle cached pages are evicted,
-   then the newest running sequence is preempted (its computed pages stay cached; it resumes from them),
-   so the oldest one always makes progress;
+   ``prefill_chunk``, within the step's ``prefill_budget``), one decode token, or a decode token and the
+   forced tokens appended after it (jump-forward), with the pages those positions need. When pages run
+   short, idle cached pages are evicted, then the newest running sequence is preempted (its computed pages
+   stay cached; it resumes from them), so the oldest one always makes progress;
 2. **siblings with one context**: the other samples of a request whose prompt ends this step, and samples
    forced through the same text, do not compute it again: they sample from the leader's logits and take
    its KV after the forward (``Fork``);
@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hydragen.engine.isolation import failure_message
-from hydragen.engine.sequence import Request, Sequence, Status
+from hydragen.engine.sequence import Request, SequenceState, Status
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS, order, plan_sharing
 from hydragen.engine.step_plan import Admission, Fork, StepPlan, StepResult, Work
 from hydragen.errors import CannotFit
@@ -69,14 +69,14 @@ class Scheduler:
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.max_wait_steps = max_wait_steps
         self.min_shared_reads = min_shared_reads
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # admission order
         self.step_count = 0
         self.preemptions = 0
         self._admissions = itertools.count()
         # What the step being planned admitted, preempted and failed (handed out in its plan).
         self._admitted: list[Admission] = []
-        self._preempted: list[Sequence] = []
+        self._preempted: list[SequenceState] = []
         self._failed: list[tuple[Request, str]] = []
         # Forks planned and not carried out yet: their reserved pages belong to the scheduler until commit
         # hands them to the fork's table, or ``abandon`` gives them back (a step that raised before commit).
@@ -87,7 +87,7 @@ class Scheduler:
         return self.kv.page_size
 
     # ---- queues -------------------------------------------------------------------------------------
-    def add(self, seqs: list[Sequence]) -> None:
+    def add(self, seqs: list[SequenceState]) -> None:
         for s in seqs:
             s.sched.arrival_step = self.step_count
         self.waiting.extend(seqs)
@@ -95,7 +95,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seqs: list[Sequence]) -> None:
+    def remove(self, seqs: list[SequenceState]) -> None:
         """Take sequences out for good (finished, failed or aborted); their pages are released, computed
         full pages kept in the prefix cache."""
         gone = {s.seq_id for s in seqs}
@@ -117,7 +117,7 @@ class Scheduler:
         self._budget = self.prefill_budget
         work: list[Work] = []
         forks: list[Fork] = []
-        followers = self._sibling_extends()
+        followers = self._sibling_forced_appends()
         for s in list(self.running):  # oldest first; the loop may preempt newer ones
             if s.sched.status is not Status.RUNNING or s.seq_id in followers:
                 continue
@@ -167,7 +167,7 @@ class Scheduler:
         return failed
 
     # ---- work for running sequences ------------------------------------------------------------------
-    def _work(self, s: Sequence) -> Work | None:
+    def _work(self, s: SequenceState) -> Work | None:
         """The tokens ``s`` computes this step and the pages for them (raises OutOfPages)."""
         t, kv = s.kv, self.kv
         if not kv.ready(t):
@@ -178,7 +178,7 @@ class Scheduler:
             return None
         decoding = bool(s.generated) and start >= len(s.prompt_ids)
         if pending == 1 or (decoding and pending <= self.prefill_chunk):
-            k = pending  # a decode step or a forced extend
+            k = pending  # a decode token, and any forced tokens appended after it
         else:
             k = min(pending, self.prefill_chunk, self._budget)
             if k <= 0:
@@ -192,7 +192,7 @@ class Scheduler:
             1 if start + k == context_len else 0,
         )  # fmt: skip
 
-    def _secure(self, s: Sequence, attempt):
+    def _secure(self, s: SequenceState, attempt):
         """Run ``attempt`` (which may raise OutOfPages), preempting the newest running sequence (possibly
         ``s`` itself) until it fits. Returns its result, or None when ``s`` was preempted or failed."""
         while True:
@@ -213,7 +213,7 @@ class Scheduler:
                 self._fail(s, e)
                 return None
 
-    def _fail(self, s: Sequence, error: Exception) -> None:
+    def _fail(self, s: SequenceState, error: Exception) -> None:
         """End ``s``'s request now (the plan reports it failed); its pages are released at once."""
         self._failed.append((s.request, failure_message("scheduling", error)))
         self.remove([x for x in s.request.seqs if x.sched.status is not Status.DONE])
@@ -234,32 +234,34 @@ class Scheduler:
                 self.waiting.appendleft(s)
 
     # ---- siblings that share one context --------------------------------------------------------------
-    def _sibling_extends(self) -> dict[int, Sequence]:
+    def _sibling_forced_appends(self) -> dict[int, SequenceState]:
         """Running samples of one request forced through the same text from the same context: all but the
-        oldest follow it ({follower's seq_id: leader}). Only multi-token extends: there it saves work."""
+        oldest follow it ({follower's seq_id: leader}). Only forced appends (several tokens pending): there it
+        saves work."""
         if not self.sharing.enabled:
             return {}
-        groups: dict[tuple, list[Sequence]] = {}
+        groups: dict[tuple, list[SequenceState]] = {}
         for s in self.running:
             if s.pending > 1 and s.generated and s.computed >= len(s.prompt_ids):
                 key = (s.request.request_id, s.computed, tuple(s.generated))
                 groups.setdefault(key, []).append(s)
-        # A sample still writing pages it published in flight (re-admitted mid-extend) computes its own text:
+        # A sample still writing pages it published in flight (re-admitted amid its forced text) computes its
+        # own text:
         # a fork would drop those pages, and whoever waits on them would wait for good.
         return {f.seq_id: g[0] for g in groups.values() for f in g[1:] if not self.kv.in_flight(f.kv)}
 
-    def _group_followers(self, followers: dict[int, Sequence], work: list[Work]):
+    def _group_followers(self, followers: dict[int, SequenceState], work: list[Work]):
         """(leader, followers) for the leaders whose work this step reaches the end of their context; the
         other followers simply wait a step."""
         sampling = {w.seq.seq_id for w in work if w.logit_rows}
-        groups: dict[int, tuple[Sequence, list[Sequence]]] = {}
+        groups: dict[int, tuple[SequenceState, list[SequenceState]]] = {}
         for s in self.running:
             leader = followers.get(s.seq_id)
             if leader is not None and leader.seq_id in sampling:
                 groups.setdefault(leader.seq_id, (leader, []))[1].append(s)
         return list(groups.values())
 
-    def _forks(self, leader: Sequence, group: list[Sequence]) -> list[Fork]:
+    def _forks(self, leader: SequenceState, group: list[SequenceState]) -> list[Fork]:
         """Reserve each follower's own pages for what it will copy from the leader (its full pages are
         shared); a follower that does not fit waits a step (running followers) or in the queue."""
         out = []
@@ -300,7 +302,7 @@ class Scheduler:
         aged = [s for s in window if self.step_count - s.sched.arrival_step >= self.max_wait_steps]
         rest = [s for s in window if self.step_count - s.sched.arrival_step < self.max_wait_steps]
         rest.sort(key=lambda s: -matches[key(s)])
-        fork_groups: dict[int, list[Sequence]] = {}
+        fork_groups: dict[int, list[SequenceState]] = {}
         for s in aged + rest:
             if seats <= 0:
                 break
@@ -332,7 +334,7 @@ class Scheduler:
         started = {s.seq_id for s in self.running}
         self.waiting = deque(s for s in self.waiting if s.seq_id not in started)
 
-    def _admit_one(self, s: Sequence, limit: int | None) -> Work | None | bool:
+    def _admit_one(self, s: SequenceState, limit: int | None) -> Work | None | bool:
         """Start ``s`` on its cached prefix (matched now: an earlier admission may have published pages in
         flight it can wait for, or evicted pages) plus its own pages for the rest of its context, all taken
         now; returns its first work, or False when it does not fit."""
@@ -353,7 +355,7 @@ class Scheduler:
         self._admit_record(s, min(shared * self.page_size, len(s.prompt_ids)))
         return self._work(s)
 
-    def _admit_record(self, s: Sequence, hit: int) -> None:
+    def _admit_record(self, s: SequenceState, hit: int) -> None:
         """Note an admission for the plan; the request's hit is the best of its samples' first admissions."""
         first = not s.sched.counted
         s.sched.counted = True
@@ -361,7 +363,7 @@ class Scheduler:
             s.request.cached_tokens = max(s.request.cached_tokens, hit)
         self._admitted.append(Admission(s, hit, first))
 
-    def _start(self, s: Sequence) -> None:
+    def _start(self, s: SequenceState) -> None:
         """A place among the running (the newest). Its page table is set up by the caller, or by the fork
         in ``commit``."""
         s.sched.status = Status.RUNNING
@@ -370,7 +372,7 @@ class Scheduler:
         if s.request.first_scheduled is None:
             s.request.first_scheduled = time.monotonic()
 
-    def _publish(self, s: Sequence, limit: int | None) -> None:
+    def _publish(self, s: SequenceState, limit: int | None) -> None:
         """Cache ``s``'s computed full pages (below the sharing limit)."""
         t = s.kv
         end = t.computed
@@ -380,7 +382,7 @@ class Scheduler:
             self.kv.publish(t, s.context, end)
 
     # ---- preemption ------------------------------------------------------------------------------------
-    def preempt(self, s: Sequence) -> None:
+    def preempt(self, s: SequenceState) -> None:
         """Send a running sequence back to wait (first in line): its computed full pages stay cached, so it
         resumes by recomputing only what was evicted meanwhile."""
         self.preemptions += 1
@@ -392,7 +394,7 @@ class Scheduler:
         s.sched.arrival_step = self.step_count - self.max_wait_steps
         self.waiting.appendleft(s)
 
-    def _release(self, s: Sequence) -> None:
+    def _release(self, s: SequenceState) -> None:
         """Release ``s``'s pages; a sequence waiting on pages ``s`` was to compute is preempted first
         (nobody else would write them)."""
         others = [x for x in self.running if x is not s and x.sched.status is Status.RUNNING]

@@ -31,7 +31,7 @@ class Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceState] = field(default_factory=list)
     arrival_time: float = 0.0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted (the scheduler)
     first_scheduled: float | None = None  # time.monotonic() when it first got a slot (the scheduler)
@@ -48,7 +48,7 @@ class OutputState:
     """Owned by the output processor."""
 
     generated: list[int] = field(default_factory=list)
-    forced: int = 0  # generated tokens appended without sampling (jump-forward, extend())
+    forced: int = 0  # generated tokens appended without sampling (jump-forward, append_forced())
     logprobs: list[dict[int, float | None]] | None = None
     text: str = ""  # final text only: no later token changes it
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -77,7 +77,7 @@ class SchedState:
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One sample of a request. Its context is prompt + generated; ``kv.computed`` leading positions of
     it hold KV, and the rest (``pending``) is what the next forwards compute."""
 
@@ -176,7 +176,7 @@ def new_request(
     )
     base_seed = params.seed if params.seed is not None else secrets.randbits(63)
     req.seqs = [
-        Sequence(req, i, derive_seed(base_seed, i), next(seq_ids), kv=PageTable(salt=cache_salt))
+        SequenceState(req, i, derive_seed(base_seed, i), next(seq_ids), kv=PageTable(salt=cache_salt))
         for i in range(params.n)
     ]
     return req

@@ -1,8 +1,8 @@
 """What the engine counts while it runs (tokens by kind, time by step kind, KV peak, preemptions), and the
 snapshot it publishes after every step for readers on other threads (the server's /metrics).
 
-A step is a *decode* step when every work item only decodes or extends (it samples, and starts past its
-prompt), a *prefill* step when none does, and *mixed* otherwise; its time and tokens go to that kind.
+A step is a *decode* step when every work item only decodes, forced tokens included (it samples, and starts
+past its prompt), a *prefill* step when none does, and *mixed* otherwise; its time and tokens go to that kind.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt positions actually run through the model
     cache_hit_tokens: int = 0  # prompt tokens on shared pages (cached or in flight) at admission
     generated_tokens: int = 0  # tokens sampled and appended (forced ones are counted in forced_tokens)
-    forced_tokens: int = 0  # tokens appended by jump-forward (or extend()) without sampling
-    forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decode and extends)
+    forced_tokens: int = 0  # tokens appended by jump-forward (or append_forced()) without sampling
+    forward_tokens: int = 0  # tokens run through the model in all (prefill chunks, decodes, forced appends)
     decode_steps: int = 0  # steps of decode work only
     decode_seconds: float = 0.0
     decode_step_tokens: int = 0  # tokens sampled in decode steps

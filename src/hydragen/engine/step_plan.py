@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydragen.engine.sequence import Request, Sequence
+from hydragen.engine.sequence import Request, SequenceState
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Work:
     an ordinary item. Nothing computed past the context is ever published; the scheduler cuts it back
     with ``KVManager.truncate`` (docs/design.md, "The formats the next issues extend")."""
 
-    seq: Sequence
+    seq: SequenceState
     pages: tuple[int, ...]  # the sequence's pages covering positions [0, start + len(tokens))
     start: int
     tokens: tuple[int, ...]
@@ -71,8 +71,8 @@ class Fork:
     samples from the leader's logits, and after the forward takes the leader's KV, sharing its first
     ``shared_pages`` pages and copying the rest into ``reserved`` (pages the scheduler took for it)."""
 
-    seq: Sequence
-    leader: Sequence
+    seq: SequenceState
+    leader: SequenceState
     shared_pages: int
     reserved: tuple[int, ...]
 
@@ -93,7 +93,7 @@ class Admission:
     """A sequence that got a seat this step: ``cached_tokens`` of its prompt lie on shared pages (cached, or
     computed by another request; a fork's is its leader's), ``first`` unless it is back after a preemption."""
 
-    seq: Sequence
+    seq: SequenceState
     cached_tokens: int
     first: bool
 
@@ -105,7 +105,7 @@ class StepPlan:
     shared: tuple[SharedRun, ...] = ()
     cuts: tuple[int, ...] = ()  # per work item: pages read through shared runs (a prefix of its table)
     admitted: tuple[Admission, ...] = ()
-    preempted: tuple[Sequence, ...] = ()  # sent back to the queue to make room (their KV stays cached)
+    preempted: tuple[SequenceState, ...] = ()  # sent back to the queue to make room (their KV stays cached)
     failed: tuple[tuple[Request, str], ...] = ()  # requests that failed while planned, and why
 
     @property
@@ -113,7 +113,7 @@ class StepPlan:
         return not self.work
 
     @property
-    def samplers(self) -> list[tuple[Sequence, int]]:
+    def samplers(self) -> list[tuple[SequenceState, int]]:
         """(sequence, index of the work item whose logits it samples from), in work order then forks."""
         rows = [(w.seq, i) for i, w in enumerate(self.work) if w.logit_rows]
         index = {w.seq.seq_id: i for i, w in enumerate(self.work)}
@@ -140,7 +140,7 @@ class StepResult:
     failed in the forward or in sampling."""
 
     plan: StepPlan  # without the work and forks of requests whose forward failed
-    samplers: tuple[Sequence, ...] = ()  # the sequences that sampled, in the order of ``tokens``
+    samplers: tuple[SequenceState, ...] = ()  # the sequences that sampled, in the order of ``tokens``
     tokens: tuple[int, ...] = ()
     logprobs: tuple[dict[int, float] | None, ...] = ()  # per sampler, when its request asked for them
     failed: tuple[tuple[Request, str], ...] = ()  # requests that failed running, and why
@@ -149,4 +149,4 @@ class StepResult:
     # work order, its sequence and the raw logits [n, V] (fp32, before any constraint mask or temperature)
     # of its last n tokens, row i for token len(tokens) - n + i; the last row is the one sampled above.
     # Views of the forward's output, never copied; empty when no item asks for more than one row.
-    row_logits: tuple[tuple[Sequence, torch.Tensor], ...] = ()
+    row_logits: tuple[tuple[SequenceState, torch.Tensor], ...] = ()

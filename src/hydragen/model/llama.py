@@ -111,7 +111,7 @@ class LlamaModel(nn.Module):
                 h = h.add_(self.reduce(layer.down(mlp)))
         return rms_norm(h, self.norm, eps) if final_norm else h
 
-    # Hooks a tensor-parallel shard overrides (hydragen.distributed.sharded_model): a vocabulary shard's
+    # Hooks a tensor-parallel shard overrides (hydragen.tp.sharded_model): a vocabulary shard's
     # lookup, and the sum over ranks of a row-parallel projection's partial output.
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids).to(self.norm.dtype)

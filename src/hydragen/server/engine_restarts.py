@@ -56,7 +56,7 @@ class GroupRestarts:
     @staticmethod
     def broke_group(exc: BaseException) -> bool:
         """Whether ``exc``, or an exception it came from, says the tensor-parallel group is down."""
-        from hydragen.distributed.coordinator import TPGroupBroken
+        from hydragen.tp.coordinator import TPGroupBroken
 
         seen: set[int] = set()
         cur: BaseException | None = exc

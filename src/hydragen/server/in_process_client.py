@@ -1,7 +1,7 @@
 """``InProcessClient``: the ``EngineClient`` of an ``LLM`` in this process, stepped on a thread of its own.
 
 Why the name: it is not an engine but the server's client of one (``engine_client``); the engine itself is
-``Engine``, the loop that steps it ``EngineLoop``. The engine is not thread-safe, so only this client's
+``EngineCore``, the loop that steps it ``StepLoop``. The engine is not thread-safe, so only this client's
 thread touches it: the event loop submits requests and aborts through a queue of commands, and each
 request's reports (the engine's DELTA outputs, passed on as they are) come back on its ``RequestStream``.
 After every step the thread wakes each event loop once with all of that step's reports, not once per

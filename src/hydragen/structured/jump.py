@@ -2,7 +2,7 @@
 
 The grammar's automaton is never walked token by token through a forced run: llguidance computes the
 forced bytes from the current state in one call (its lexer/parser does the compressed-FSM step), and
-the tokens for them come back as the engine's multi-token extend, computed in one forward.
+the tokens for them are appended to the sequence (``EngineCore``'s forced append), computed in one forward.
 
 Boundary: the sampled token was chosen before the forced text was known, so ``sampled + forced`` may not
 be how the tokenizer splits that text (a sampled ``"`` followed by forced ``,"age":`` is canonically

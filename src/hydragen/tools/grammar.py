@@ -9,8 +9,8 @@ JSON Schemas and the call format.
   bare-JSON format (llama3_json) a reply that starts with ``{`` is a call.
 
 Each function is its own alternative, ``{"name": "f", "arguments": <f's schema>}``, so the name and the
-keys are literal text: once the name is decided, jump-forward appends ``", "arguments": {"key": `` in
-one extend, and with a single candidate (a named function, or one tool) the whole wrapper is forced.
+keys are literal text: once the name is decided, jump-forward appends ``", "arguments": {"key": `` at
+once, and with a single candidate (a named function, or one tool) the whole wrapper is forced.
 """
 
 from __future__ import annotations

@@ -186,8 +186,8 @@ def test_front_routes_on_the_exact_ids_the_replica_computes(kind, tmp_path):
     """For completions and chats (with tools and tool history), the ids the front routes on are the ids
     the server submits to its engine."""
     from hydragen import LLM
-    from hydragen.distributed.checkpoint import read_config
     from hydragen.dp.prompts import RequestPrompts
+    from hydragen.tp.checkpoint import read_config
 
     path = tiny_tool_model(
         kind, tmp_path / "model"

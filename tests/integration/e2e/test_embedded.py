@@ -110,7 +110,7 @@ def test_logprobs_agree_with_sharing_on_and_off_alone_batched_and_warm(request, 
     exactness`); a wrong merge, mask or position shows up as 1e-2 or more in float32, and as many
     changed tokens in the quantized model."""
     from hydragen.bench.e2e.sharing_exactness import compare, make_prompts, run_mode
-    from hydragen.engine.engine import Engine
+    from hydragen.engine.engine import EngineCore
 
     llm = request.getfixturevalue(llm)
     prompts = make_prompts(6, seed=0)
@@ -119,7 +119,7 @@ def test_logprobs_agree_with_sharing_on_and_off_alone_batched_and_warm(request, 
     e = llm.engine
     kv_dtype = str(e.pool.k.dtype).removeprefix("torch.")
     config = e.config.replace(prefix_sharing=False, kv_cache_tokens=8192, kv_cache_dtype=kv_dtype)
-    off.engine = Engine(e.model, e.cfg, e.tokenizer, config)
+    off.engine = EngineCore(e.model, e.cfg, e.tokenizer, config)
     reference = run_mode(off, prompts, "off-alone", params)
     runs = {
         "off-batched": run_mode(off, prompts, "off-batched", params),

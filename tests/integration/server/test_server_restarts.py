@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from hydragen import LLM
-from hydragen.distributed.coordinator import TPGroupBroken
 from hydragen.server.options import ServerOptions
+from hydragen.tp.coordinator import TPGroupBroken
 from tests.helpers.server_helpers import LiveServer, metric, tiny_chat_model
 
 CAUSE = "tensor-parallel group is down: worker rank 1 (pid 4242) was killed by SIGKILL"

@@ -25,7 +25,6 @@ import torch
 
 from hydragen import LLM, SamplingParams
 from hydragen.attention.layer_spec import AttentionSpec, LayerSpecs, model_layer_specs
-from hydragen.distributed import commands
 from hydragen.engine import model_runner
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.engine.packing import pack
@@ -34,6 +33,7 @@ from hydragen.errors import ConfigError
 from hydragen.kv.layout import KVLayout, model_kv_layout
 from hydragen.kv.pool import OutOfPages, PagePool
 from hydragen.model.config import ModelConfig
+from hydragen.tp import commands
 from tests.helpers.fake_engine import expected_output, fake_engine, run
 
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Engine core: paged KV that cannot fragment, whole-page caching, multi-token extend, mixed steps, no leaks.
+"""Engine core: paged KV that cannot fragment, whole-page caching, forced appends, mixed steps, no leaks.
 
 Tiny random models keep these exact and fast; outputs are compared with isolated runs.
 """
@@ -79,7 +79,7 @@ def test_the_last_prompt_token_is_always_computed(path):
     assert again.cached_prompt_tokens == 12 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def test_multi_token_extend_equals_decoding_one_by_one(path):
+def test_forced_append_equals_decoding_one_by_one(path):
     prompt = [5, 17, 29, 41, 53, 65, 77]
     params = SamplingParams(max_tokens=12, logprobs=0, **GREEDY)
     ref = LLM(path, kv_cache_tokens=2048).generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -88,7 +88,7 @@ def test_multi_token_extend_equals_decoding_one_by_one(path):
     req = eng.add_request(prompt, params)
     while len(req.seqs[0].generated) < 2:
         eng.step()
-    eng.extend(req.request_id, 0, ref.token_ids[2:7])  # 5 forced tokens, then sample the 8th
+    eng.append_forced(req.request_id, 0, ref.token_ids[2:7])  # 5 forced tokens, then sample the 8th
     seen = []
     inner = eng.runner.pack
     eng.runner.pack = lambda plan: seen.append([len(w.tokens) for w in plan.work]) or inner(plan)
@@ -100,21 +100,21 @@ def test_multi_token_extend_equals_decoding_one_by_one(path):
     # One logprobs entry per token: a forced one is marked {token: None} (nothing was sampled for it).
     assert len(s.logprobs) == len(s.generated)
     assert all(s.logprobs[i] == {s.generated[i]: None} for i in range(2, 7))
-    # The token sampled right after the extend, and every later one: logits match up to fp32 rounding.
+    # The token sampled right after the forced ones, and every later one: logits match up to fp32 rounding.
     for i in [0, 1, 7, 8, 9, 10, 11]:
         (t, lp), (t2, lp2) = next(iter(s.logprobs[i].items())), next(iter(ref.logprobs[i].items()))
         assert t == t2 and abs(lp - lp2) < 1e-5
 
 
-def test_extend_is_validated(path):
+def test_append_forced_is_validated(path):
     eng = LLM(path, kv_cache_tokens=2048).engine
     req = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
     with pytest.raises(ValueError, match="max_tokens"):
-        eng.extend(req.request_id, 0, [1, 2, 3, 4])
+        eng.append_forced(req.request_id, 0, [1, 2, 3, 4])
     with pytest.raises(ValueError, match="token ids"):
-        eng.extend(req.request_id, 0, [10**6])
+        eng.append_forced(req.request_id, 0, [10**6])
     with pytest.raises(ValueError, match="no unfinished sequence"):
-        eng.extend("nope", 0, [1])
+        eng.append_forced("nope", 0, [1])
 
 
 def test_n1_stores_its_prompt_once(path):

@@ -449,7 +449,7 @@ def test_a_row_of_nan_logits_fails_alone_and_says_why(temperature):
     assert tokens[2] >= 40
 
 
-def test_a_sample_readmitted_mid_extend_leaves_no_page_that_nobody_writes(path):
+def test_a_sample_readmitted_mid_forced_append_leaves_no_page_that_nobody_writes(path):
     """Both samples of a request are forced through the same text; pages run short and the newer sample goes
     back to the queue. Re-admitted, it publishes the text's pages to the prefix cache before computing them
     (in flight: others wait for them) and computes them a chunk at a time beside its sibling. Once both
@@ -461,7 +461,7 @@ def test_a_sample_readmitted_mid_extend_leaves_no_page_that_nobody_writes(path):
     a = engine.add_request([5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True))
     engine.step()
     for s in a.seqs:
-        engine.extend(a.request_id, s.index, [40, 41, 42, 43, 44, 45])
+        engine.append_forced(a.request_id, s.index, [40, 41, 42, 43, 44, 45])
     engine.scheduler.preempt(a.seqs[1])  # what the scheduler does when a running sequence cannot grow
     engine.step()
     engine.step()

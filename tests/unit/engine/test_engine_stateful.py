@@ -1,6 +1,6 @@
 """A randomized stateful test of the scheduler and KV manager, through the real engine with a fake model
-(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), forced extends of
-one sample or of every sample of a request alike (the text may hold EOS), aborts, and injected faults: a
+(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), forced appends to
+one sample or to every sample of a request alike (the text may hold EOS), aborts, and injected faults: a
 request whose forward fails, a fork whose KV copy fails, a step that raises before its commit (Ctrl-C, or
 every request failing alone; then everything is aborted, as ``LLM.generate`` and the server do, or the
 engine goes on), on page sizes 1, 4 and 16, pools from a few pages up and seat limits from 1.
@@ -45,8 +45,8 @@ BASES = [
 STALL_LIMIT = 64  # steps a running request may go without computing anything
 RUN = dict.fromkeys(
     [
-        "examples", "steps", "preemptions", "forks", "sibling-extend forks", "failed fork copies",
-        "raised steps", "extends", "extends of every sample", "aborts", "failed",
+        "examples", "steps", "preemptions", "forks", "forks of siblings forced alike", "failed fork copies",
+        "raised steps", "forced appends", "forced appends to every sample", "aborts", "failed",
     ],
     0,
 )  # fmt: skip
@@ -146,7 +146,7 @@ class EngineMachine(RuleBasedStateMachine):
         RUN["steps"] += 1
         plan = self.engine.last_plan
         RUN["forks"] += len(plan.forks)
-        RUN["sibling-extend forks"] += sum(1 for f in plan.forks if id(f.seq) in before)
+        RUN["forks of siblings forced alike"] += sum(1 for f in plan.forks if id(f.seq) in before)
         moved = {id(w.seq) for w in plan.work} | {id(f.seq) for f in plan.forks}
         for s in self.engine.scheduler.running:
             if id(s) in moved or before.get(id(s)) != (s.kv.computed, len(s.generated)):
@@ -164,7 +164,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.outputs[rid] = None
             RUN["aborts"] += 1
 
-    def _extendable(self) -> list[tuple[str, list]]:
+    def _forceable(self) -> list[tuple[str, list]]:
         """(request id, its samples that can take forced text now), for live requests that have some."""
         out = []
         for rid, (_, _, _, req) in self.requests.items():
@@ -174,29 +174,29 @@ class EngineMachine(RuleBasedStateMachine):
                     out.append((rid, seqs))
         return out
 
-    @precondition(lambda self: self._extendable())
+    @precondition(lambda self: self._forceable())
     @rule(
         data=st.data(),
         every_sample=st.booleans(),
         tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
         then_preempt=st.booleans(),
     )
-    def extend(self, data, every_sample, tokens, then_preempt):
-        """Forced text (jump-forward, ``Engine.extend``; it may hold EOS) for one sample, or the same text
-        for every sample of a request, as jump-forward through a grammar's fixed text does: the samples
-        that share a context then follow the oldest one and fork from it. ``then_preempt``: pages run
-        short right then, and the newest of those samples goes back to the queue (re-admitted with the
+    def append_forced(self, data, every_sample, tokens, then_preempt):
+        """Forced text (jump-forward, ``EngineCore.append_forced``; it may hold EOS) for one sample, or the
+        same text for every sample of a request, as jump-forward through a grammar's fixed text does: the
+        samples that share a context then follow the oldest one and fork from it. ``then_preempt``: pages
+        run short right then, and the newest of those samples goes back to the queue (re-admitted with the
         text pending, it publishes the text's pages in flight)."""
-        rid, seqs = data.draw(st.sampled_from(self._extendable()))
+        rid, seqs = data.draw(st.sampled_from(self._forceable()))
         _, params, forced, _ = self.requests[rid]
         if not every_sample:
             seqs = [data.draw(st.sampled_from(seqs))]
         for s in seqs:
             if len(s.generated) + len(tokens) < params.max_tokens:
                 forced[s.index][len(s.generated)] = list(tokens)
-                self.engine.extend(rid, s.index, tokens)
-                RUN["extends"] += 1
-        RUN["extends of every sample"] += every_sample and len(seqs) > 1
+                self.engine.append_forced(rid, s.index, tokens)
+                RUN["forced appends"] += 1
+        RUN["forced appends to every sample"] += every_sample and len(seqs) > 1
         running = [s for s in seqs if s.sched.status is Status.RUNNING]
         if then_preempt and running:
             self._preempt(max(running, key=lambda s: s.sched.admitted))
@@ -373,11 +373,11 @@ def test_found_a_failed_request_whose_sample_was_sent_back_to_the_queue():
     m.step(steps=3)
     m.inject(_Draws(m, "4"), fault="forward", abort_after=False)
     m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
-    m.extend(_Draws(m, ("3", 0)), every_sample=False, then_preempt=False, tokens=[1, 1, 1, 1, 1, 1])
+    m.append_forced(_Draws(m, ("3", 0)), every_sample=False, then_preempt=False, tokens=[1, 1, 1, 1, 1, 1])
     m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=3, n=2, suffix=[1, 1, 1, 6])
     m.step(steps=2)
     m.inject(_Draws(m, "6"), fault="forward", abort_after=False)
-    m.extend(_Draws(m, ("3", 0)), every_sample=False, then_preempt=False, tokens=[1])
+    m.append_forced(_Draws(m, ("3", 0)), every_sample=False, then_preempt=False, tokens=[1])
     m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
     m.add(settle=False, base=0, cut=0, ignore_eos=False, max_tokens=1, n=1, suffix=[])
     m.step(steps=2)
@@ -395,7 +395,7 @@ def test_found_a_fork_that_dropped_pages_in_flight():
     m = EngineMachine()
     m.setup(sharing=True, pages=64, page_size=1, min_shared_reads=2048, chunk=4, seats=256)
     m.add(settle=True, base=0, cut=3, ignore_eos=True, max_tokens=20, n=2, suffix=[])
-    m.extend(_Draws(m, ("0", 0)), every_sample=True, then_preempt=True, tokens=[5, 6, 7, 8, 9, 10])
+    m.append_forced(_Draws(m, ("0", 0)), every_sample=True, then_preempt=True, tokens=[5, 6, 7, 8, 9, 10])
     m.step(steps=2)
     through_the_text = m.requests["0"][3].seqs[0].context[:10] + [11]
     m.add(settle=False, base=0, cut=0, ignore_eos=True, max_tokens=3, n=1, suffix=through_the_text)

@@ -7,7 +7,7 @@ as a test through the engine (``docs/design.md``, "engine core v3", has the list
 4. a failure inside the scheduler's hand-off for one request leaking its pages, failing others;
 5. sampling settings cached by ``id()`` of sequences (a new request sampled with an old one's settings);
 6. /metrics and the tokenizer shared between threads (``test_server*.py``, ``test_tokenizer.py``);
-7. extend() past the context, a stop string inside forced text, mixed steps counted as decode.
+7. append_forced() past the context, a stop string inside forced text, mixed steps counted as decode.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def test_1_one_forward_per_step_under_pressure(path, seed, default_rule, share_e
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_2_forced_extends_aborts_and_preemption_change_no_token(path, seed, share_every_common_node):
-    """Extending sequences with the very tokens they would have produced changes nothing, whatever is
+def test_2_forced_appends_aborts_and_preemption_change_no_token(path, seed, share_every_common_node):
+    """Forcing onto sequences the very tokens they would have produced changes nothing, whatever is
     preempted, aborted or cached around them in the same steps: outputs equal plain greedy decoding."""
     rng = random.Random(seed)
     prompts = mixed_prompts(seed + 10, 16)
@@ -113,7 +113,7 @@ def test_2_forced_extends_aborts_and_preemption_change_no_token(path, seed, shar
             for s in r.seqs:
                 gen, full = len(s.generated), want[k].outputs[s.index].token_ids
                 if not s.finished and gen and s.pending == 1 and gen + 4 < len(full) and rng.random() < 0.3:
-                    eng.extend(r.request_id, s.index, full[gen : gen + rng.randrange(2, 5)])
+                    eng.append_forced(r.request_id, s.index, full[gen : gen + rng.randrange(2, 5)])
     for k, r in enumerate(reqs):
         if k in victims and r.seqs[0].finish_reason == "abort":
             continue
@@ -205,15 +205,15 @@ def test_5_sequential_requests_keep_their_own_sampling_settings(path):
         assert got.outputs[0].token_ids == fresh[i % 3].outputs[0].token_ids, i
 
 
-def test_7a_extend_past_the_context_is_refused(path):
+def test_7a_append_forced_past_the_context_is_refused(path):
     llm = LLM(path, kv_cache_tokens=4096)
     eng = llm.engine
     context = llm.config.max_position_embeddings
     req = eng.add_request([3] * (context - 10), SamplingParams(max_tokens=20, **GREEDY))
     eng.step()  # 503 tokens now
     with pytest.raises(ValueError, match="context"):
-        eng.extend(req.request_id, 0, [4] * 9)  # 512: no room left to sample after it
-    eng.extend(req.request_id, 0, [4] * 8)  # 511: one token left to sample
+        eng.append_forced(req.request_id, 0, [4] * 9)  # 512: no room left to sample after it
+    eng.append_forced(req.request_id, 0, [4] * 8)  # 511: one token left to sample
     run(eng)
     assert req.error is None and len(req.seqs[0].generated) == 10
     assert req.seqs[0].finish_reason == "length"
@@ -229,7 +229,7 @@ def test_7b_a_stop_string_inside_forced_text_ends_it_everywhere(tiny_chat_dir):
     eng.step()
     forced = tok.encode("abcENDxyz", add_special_tokens=False)
     before = len(req.seqs[0].generated)
-    eng.extend(req.request_id, 0, forced)
+    eng.append_forced(req.request_id, 0, forced)
     outs = []
     while eng.has_unfinished():
         outs += eng.step()

@@ -1,4 +1,4 @@
-"""What ``Engine.step`` reports per request (``SamplingParams.output_kind``, vLLM's RequestOutputKind).
+"""What ``EngineCore.step`` reports per request (``SamplingParams.output_kind``, vLLM's RequestOutputKind).
 
 The server streams DELTA reports as they come and the CLI prints CUMULATIVE ones, so the pieces must add up to
 exactly the final output: tokens, text (stop strings held back until they cannot start a stop), logprobs,

@@ -85,8 +85,8 @@ def test_data_parallel_budgets_each_replica_for_the_cache_it_will_get(
     would take twice the memory planned)."""
     import hydragen.llm as llm_module
     from hydragen.cli.common import engine_config_of
-    from hydragen.distributed.checkpoint import read_config
     from hydragen.dp import launch
+    from hydragen.tp.checkpoint import read_config
 
     seen = []
     monkeypatch.setattr(llm_module, "default_kv_cache_tokens", lambda b, *a, **k: seen.append(b) or 1024)

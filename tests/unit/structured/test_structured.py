@@ -266,7 +266,7 @@ def test_stop_string_inside_forced_text(bpe_llm):
         assert c.text.startswith('{"title":"') and '"year"' not in c.text
 
 
-def test_extend_checks_the_grammar(bpe_llm):
+def test_append_forced_checks_the_grammar(bpe_llm):
     engine = bpe_llm.engine
     tok = engine.tokenizer
     req = engine.add_request(
@@ -274,8 +274,8 @@ def test_extend_checks_the_grammar(bpe_llm):
     )
     try:
         with pytest.raises(ValueError, match="constraint"):
-            engine.extend(req.request_id, 0, tok.encode("abc", add_special_tokens=False))
-        engine.extend(req.request_id, 0, tok.encode("12", add_special_tokens=False))
+            engine.append_forced(req.request_id, 0, tok.encode("abc", add_special_tokens=False))
+        engine.append_forced(req.request_id, 0, tok.encode("12", add_special_tokens=False))
         while engine.has_unfinished():
             engine.step()
         assert re.fullmatch("12[0-9]*", req.seqs[0].text)

@@ -574,8 +574,9 @@ def test_bench_tool_workloads_run(llms, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama_sp"])
 def test_auto_enforces_the_call_once_the_marker_is_written(llms, kind):
-    """auto: the reply's text is free; once the call marker is in it (here appended with Engine.extend, as
-    if the model had written it), the rest is grammar-enforced and the reply parses into a valid call."""
+    """auto: the reply's text is free; once the call marker is in it (here appended with
+    EngineCore.append_forced, as if the model had written it), the rest is grammar-enforced and the reply
+    parses into a valid call."""
     llm = llms[kind]
     engine, tok = llm.engine, llm.tokenizer
     request = ToolRequest.build(TOOLS, "auto", False, llm.tool_format)
@@ -584,7 +585,7 @@ def test_auto_enforces_the_call_once_the_marker_is_written(llms, kind):
     params = request.sampling_params(SamplingParams(temperature=1.0, seed=2, max_tokens=200), constraint)
     req = engine.add_request(request.prompt_ids(tok, ASK), params)
     lead = tok.encode("Let me check.\n" + llm.tool_format.trigger, add_special_tokens=False)
-    engine.extend(req.request_id, 0, lead)
+    engine.append_forced(req.request_id, 0, lead)
     while engine.has_unfinished():
         engine.step()
     c = req.seqs[0]

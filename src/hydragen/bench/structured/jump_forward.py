@@ -7,7 +7,7 @@ after another) and batch 32 (all at once):
 
 * ``unconstrained``: the same prompts, no schema (the model writes what it likes, up to max_tokens);
 * ``no_jump``: the schema enforced by masks, every token sampled (forced text token by token);
-* ``jump``: the schema enforced, forced text appended by jump-forward (one extend per run).
+* ``jump``: the schema enforced, forced text appended by jump-forward (one forced append per run).
 
 Reported: output tokens/s, mean and p99 request latency, the fraction of output tokens forced, grammar
 mask time per token (mean, p99), compile time per schema (cold), the validity rate (parses and

@@ -20,7 +20,7 @@ CALLS = 200
 def probe(world: int, hidden: int, rows: list[int]) -> list[dict]:
     """Per-call all-reduce time for each row count, from a fresh group of ``world`` processes."""
     store = tempfile.mkdtemp(prefix="hydragen-allreduce-")
-    from hydragen.distributed.launcher import worker_env
+    from hydragen.tp.launcher import worker_env
 
     env = worker_env(OMP_NUM_THREADS="1")
     args = [str(world), store, str(hidden), *map(str, rows)]
@@ -43,7 +43,7 @@ def probe(world: int, hidden: int, rows: list[int]) -> list[dict]:
 def _main(argv: list[str]) -> None:
     import torch
 
-    from hydragen.distributed.group import join_group
+    from hydragen.tp.group import join_group
 
     rank, world, store, hidden = int(argv[0]), int(argv[1]), argv[2], int(argv[3])
     torch.set_num_threads(1)

@@ -117,7 +117,7 @@ def run(model, tps: list[int], batches: list[int], prompt_len: int, max_tokens: 
     if model is None:
         model = out / "tp_bench_config.json"
         model.write_text(json.dumps(QUICK_SHAPE if quick else DEFAULT_SHAPE, indent=2))
-    from hydragen.distributed.launcher import threads_per_rank
+    from hydragen.tp.launcher import threads_per_rank
 
     threads_before = torch.get_num_threads()
     rows = []

@@ -16,12 +16,12 @@ import traceback
 
 import torch
 
-from hydragen.distributed import commands
-from hydragen.distributed.group import TPGroup
-from hydragen.distributed.lockstep import run_step
 from hydragen.engine.model_runner import ModelRunner
 from hydragen.kv.layout import model_kv_layout
 from hydragen.kv.pool import PagePool
+from hydragen.tp import commands
+from hydragen.tp.group import TPGroup
+from hydragen.tp.lockstep import run_step
 
 
 def serve_rank(group: TPGroup, model, cfg, shard, dtype: torch.dtype) -> int:

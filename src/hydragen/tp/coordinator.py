@@ -1,6 +1,6 @@
 """Rank 0's side of tensor parallelism: the one scheduler drives every rank, step by step.
 
-Rank 0 runs the Engine (scheduler, radix tree, KV manager) unchanged. Its model runner and page pool are
+Rank 0 runs the EngineCore (scheduler, radix tree, KV manager) unchanged. Its model runner and page pool are
 subclasses that first tell the other ranks what to do: ``TPRunner.forward`` broadcasts the packed batch
 and then runs the same forward as every rank; ``TPPagePool.copy_physical`` broadcasts the slot copies of the
 no-sharing baseline. Every rank's pool has the same pages and slots (holding its own KV heads), so the
@@ -22,12 +22,12 @@ from collections.abc import Callable
 
 import torch
 
-from hydragen.distributed import commands
-from hydragen.distributed.group import CollectiveError, TPGroup, collective_timeout
-from hydragen.distributed.lockstep import RankFailed, run_step
 from hydragen.engine.model_runner import ModelRunner, PackedBatch
 from hydragen.errors import EngineBroken
 from hydragen.kv.pool import PagePool
+from hydragen.tp import commands
+from hydragen.tp.group import CollectiveError, TPGroup, collective_timeout
+from hydragen.tp.lockstep import RankFailed, run_step
 
 DEATH_GRACE_S = 1.0
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from hydragen.attention.step_attention import StepAttentionMeta, distinct_metas
-from hydragen.distributed.group import TPGroup
 from hydragen.engine.model_runner import PackedBatch
+from hydragen.tp.group import TPGroup
 
 STEP, COPY, SETUP, NOOP, STOP, REPORT = range(6)
 NAMES = {STEP: "step", COPY: "copy", SETUP: "setup", NOOP: "noop", STOP: "stop", REPORT: "report"}

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hydragen.distributed.group import CollectiveError
 from hydragen.engine.model_runner import PackedBatch
+from hydragen.tp.group import CollectiveError
 
 
 class RankFailed(RuntimeError):

@@ -3,7 +3,7 @@
 Two ways in:
 
 * **spawned** (plain ``tensor_parallel_size``): this process is rank 0 and starts ranks 1..N-1 itself as
-  ``python -m hydragen.distributed.spawned`` processes, meeting them through a file store in a private
+  ``python -m hydragen.tp.spawned`` processes, meeting them through a file store in a private
   temporary folder. Each reports "started", then "loaded" (or the error that stopped it) on a pipe, so a
   worker that cannot load its shard is a clear error here, not a timeout. The workers are reaped on
   ``close()``, at interpreter exit, on error and when they die; they exit by themselves if this process
@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 
-from hydragen.distributed.checkpoint import load_shard, read_config
-from hydragen.distributed.coordinator import Coordinator, TPPagePool, TPRunner
-from hydragen.distributed.group import TPGroup, join_group, torchrun_env
-from hydragen.distributed.sharding import Shard, check_split
-from hydragen.distributed.worker import serve_rank
 from hydragen.model.loader import keeps_compact, random_config, random_gguf_or
+from hydragen.tp.checkpoint import load_shard, read_config
+from hydragen.tp.coordinator import Coordinator, TPPagePool, TPRunner
+from hydragen.tp.group import TPGroup, join_group, torchrun_env
+from hydragen.tp.sharding import Shard, check_split
+from hydragen.tp.worker import serve_rank
 
 START_TIMEOUT_S = float(os.environ.get("HYDRAGEN_TP_START_TIMEOUT", "600"))
 
@@ -77,7 +77,7 @@ class TensorParallel:
     def dead_workers(self) -> list[str]:
         return [_exit_text(rank, p) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
 
-    # ---- what the Engine builds through (see Engine(parallel=...)) ---------------------------------
+    # ---- what the EngineCore builds through (see EngineCore(parallel=...)) -----------------------------
     def make_pool(
         self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout=None
     ) -> TPPagePool:
@@ -237,7 +237,7 @@ def _spawn(rank, world, init_method, model, device, dtype, random_weights, dequa
     threads = str(threads_per_rank(world))
     env = worker_env(OMP_NUM_THREADS=threads, HYDRAGEN_TP_THREADS=threads)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hydragen.distributed.spawned", json.dumps(spec)],
+        [sys.executable, "-m", "hydragen.tp.spawned", json.dumps(spec)],
         env=env,
         pass_fds=(write_fd,),
         stdin=subprocess.DEVNULL,

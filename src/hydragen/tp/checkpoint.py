@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-from hydragen.distributed.sharded_model import ShardedLlamaModel
-from hydragen.distributed.sharding import Shard, SplitBlocks
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError, first_line
 from hydragen.model.heap import release_freed_memory
@@ -32,6 +30,8 @@ from hydragen.model.loader import (
     weight_files,
 )
 from hydragen.model.qtensor import QuantTensor
+from hydragen.tp.sharded_model import ShardedLlamaModel
+from hydragen.tp.sharding import Shard, SplitBlocks
 
 
 class SafetensorsFiles:

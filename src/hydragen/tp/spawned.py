@@ -1,4 +1,4 @@
-"""A worker process that ``launcher.start`` spawned: ``python -m hydragen.distributed.spawned SPEC``.
+"""A worker process that ``launcher.start`` spawned: ``python -m hydragen.tp.spawned SPEC``.
 
 It ignores Ctrl-C (the terminal sends it to the whole process group; rank 0 decides and tells the workers),
 dies with its parent, reports "started" / "loaded" / "error ..." on the status pipe, then follows rank 0.
@@ -44,10 +44,10 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from hydragen.distributed.checkpoint import load_shard
-    from hydragen.distributed.group import join_group
-    from hydragen.distributed.worker import serve_rank
     from hydragen.model.loader import resolve_dtype
+    from hydragen.tp.checkpoint import load_shard
+    from hydragen.tp.group import join_group
+    from hydragen.tp.worker import serve_rank
 
     torch.set_num_threads(int(os.environ.get("HYDRAGEN_TP_THREADS", "1")))
     report("started")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hydragen.distributed.group import TPGroup
 from hydragen.model.llama import LlamaModel
+from hydragen.tp.group import TPGroup
 
 
 class ShardedLlamaModel(LlamaModel):

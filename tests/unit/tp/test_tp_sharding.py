@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hydragen import LLM
-from hydragen.distributed.checkpoint import load_shard
-from hydragen.distributed.sharding import Shard, TPSplitError, check_split
 from hydragen.model.loader import load_model
+from hydragen.tp.checkpoint import load_shard
+from hydragen.tp.sharding import Shard, TPSplitError, check_split
 
 CPU = torch.device("cpu")
 
