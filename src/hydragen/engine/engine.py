@@ -16,44 +16,24 @@ output as data:
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from hydragen.engine.config import EngineConfig
 from hydragen.engine.execution import run_plan
 from hydragen.engine.isolation import failure_message
-from hydragen.engine.model_runner import ModelRunner
-from hydragen.engine.output_processor import OutputProcessor, StageError
+from hydragen.engine.output_processor import StageError
 from hydragen.engine.outputs import RequestOutput, RequestOutputKind
+from hydragen.engine.parts import build_parts
 from hydragen.engine.request_checks import check_fits, check_forced, check_request
 from hydragen.engine.sampling_params import SamplingParams
-from hydragen.engine.scheduler import Scheduler, Sharing
 from hydragen.engine.sequence import Request, SequenceState, new_request
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS
 from hydragen.engine.stats import EngineSnapshot, EngineStats
 from hydragen.engine.step_plan import StepPlan, StepResult
-from hydragen.kv.layout import model_kv_layout
-from hydragen.kv.manager import KVManager
-from hydragen.kv.pool import PagePool
 from hydragen.kv.radix import PageEvent
-from hydragen.model.linear import keeps_quantized_weights
-from hydragen.model.loader import resolve_device, resolve_dtype, resolve_kv_dtype
-from hydragen.structured.controller import StructuredOutputs
 
-DEFAULT_KV_CACHE_TOKENS = 65536
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
-log = logging.getLogger("hydragen.engine")
-
-
-@dataclass
-class BatchView:
-    """The last step's work as tests and benchmarks inspect it: sequences in depth-first order, shared
-    runs (page_lo, page_hi, lo, hi) over them."""
-
-    seqs: list[SequenceState]
-    shared: list[tuple[int, int, int, int]]
 
 
 def _view(part: str, name: str) -> property:
@@ -70,41 +50,15 @@ class EngineCore:
     reaches it only through an ``EngineClient``."""
 
     def __init__(self, model, cfg, tokenizer, config: EngineConfig, *, parallel=None):
-        """``cfg``: the model's configuration; ``config``: the engine's settings (``EngineConfig``; a
-        ``kv_cache_tokens`` of None gets a 65,536-token cache). ``parallel``: a tensor-parallel group's rank 0
-        (``hydragen.tp.launcher.TensorParallel``), which builds the page pool and model runner that
-        drive the other ranks; None runs in-process."""
+        """``cfg``: the model's configuration; ``config``: the engine's settings (``EngineConfig``).
+        ``parallel``: a tensor-parallel group's rank 0 (``hydragen.tp.launcher.TensorParallel``), which
+        builds the page pool and model runner that drive the other ranks; None runs in-process. The parts
+        and who owns what: ``parts.py``."""
         self.cfg, self.config = cfg, config
-        self.device = device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype)
-        quantized = model is not None and keeps_quantized_weights(model)  # (a test's fake engine has none)
-        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, quantized)
+        parts = build_parts(model, cfg, tokenizer, config, parallel, DEFAULT_MIN_SHARED_READS)
+        self.device, self.pool, self.kv, self.scheduler = parts.device, parts.pool, parts.kv, parts.scheduler
+        self.runner, self.outputs, self.structured = parts.runner, parts.outputs, parts.structured
         self.prefix_sharing = config.prefix_sharing
-        page_size = config.page_size
-        num_pages = max(1, (config.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS) // page_size)
-        make_pool = PagePool if parallel is None else parallel.make_pool
-        self.pool = make_pool(
-            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device,
-            layout=model_kv_layout(cfg),
-        )  # fmt: skip
-        self.kv = KVManager(self.pool)
-        min_shared_reads = config.min_shared_reads
-        self.scheduler = Scheduler(
-            self.kv,
-            Sharing(enabled=config.prefix_sharing, limit=config.share_limit),
-            max_num_seqs=config.max_num_seqs,
-            prefill_chunk=config.prefill_chunk,
-            prefill_budget=config.prefill_budget,
-            max_wait_steps=config.max_wait_steps,
-            min_shared_reads=DEFAULT_MIN_SHARED_READS if min_shared_reads is None else min_shared_reads,
-        )
-        make_runner = ModelRunner if parallel is None else parallel.make_runner
-        self.runner = make_runner(model, cfg, self.pool, device, config.attention)
-        eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
-        self.outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
-        self.structured = StructuredOutputs(
-            tokenizer, cfg.vocab_size, eos, config.jump_forward, config.literal_json_schema
-        )
         self.requests: dict[str, Request] = {}  # the requests not reported finished yet
         self.unreported: dict[str, Request] = {}  # changed between steps (failed, ended by forced text)
         self.stats = EngineStats()
@@ -119,10 +73,7 @@ class EngineCore:
     step_count = property(lambda self: self.scheduler.step_count)
     min_shared_reads = property(lambda self: self.scheduler.min_shared_reads)
 
-    @property
-    def batch(self) -> BatchView:
-        p = self.last_plan
-        return BatchView([w.seq for w in p.work], [(r.page_lo, r.page_hi, r.lo, r.hi) for r in p.shared])
+    batch = property(lambda self: self.last_plan.view())  # the last step's work, as tests inspect it
 
     # The parts' swappable pieces, as tests inject faults through them: surfaces that outlive rewrites.
     sampler = _view("runner", "sampler")

@@ -98,6 +98,14 @@ class Admission:
     first: bool
 
 
+@dataclass
+class BatchView:
+    """A step's sequences in depth-first order, and its shared runs (page_lo, page_hi, lo, hi) over them."""
+
+    seqs: list[SequenceState]
+    shared: list[tuple[int, int, int, int]]
+
+
 @dataclass(frozen=True)
 class StepPlan:
     work: tuple[Work, ...] = ()  # depth-first order of their page tables
@@ -111,6 +119,11 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.work
+
+    def view(self) -> BatchView:
+        """The work as tests and benchmarks inspect it (``EngineCore.batch``)."""
+        runs = [(r.page_lo, r.page_hi, r.lo, r.hi) for r in self.shared]
+        return BatchView([w.seq for w in self.work], runs)
 
     @property
     def samplers(self) -> list[tuple[SequenceState, int]]:
