@@ -1,6 +1,6 @@
 """``StepLoop``: the one loop that steps an ``EngineCore``, for every caller: ``LLM.generate``, streaming
 (``generate`` with n = 1, ``chat``), the server's engine thread and the benchmarks. It is not a thread: it
-runs on whichever thread calls it (the server's is ``InProcessClient``'s).
+runs on whichever thread calls it (the server's is ``InProcessClient``'s ``EngineThread``).
 
 Requests are added through it with an optional ``on_report(output)`` callback, called with each report the
 engine gives for the request (which ones: its ``SamplingParams.output_kind``; the last one has

@@ -3,7 +3,7 @@
 A worker rank that dies (on a CPU, running out of memory is a SIGKILL from the kernel) or hangs past the
 collective timeout ends the group for good: its gloo connections cannot be mended. The rest of the server
 is sound, so it builds the engine again with the options it was started with: new worker processes, the
-model loaded again, an empty prefix cache. The engine thread (``InProcessClient``) ends its requests in flight
+model loaded again, an empty prefix cache. The engine thread (``EngineThread``) ends its requests in flight
 with an error first, and answers 503 ``engine_restarting`` while this runs.
 
 Order matters for memory: the broken LLM is closed (its workers stopped, or killed if they hang, and

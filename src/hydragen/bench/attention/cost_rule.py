@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hydragen.attention.step_attention import StepAttentionMeta, step_attention
-from hydragen.bench.core.common import machine_description, say_quick, write_table
+from hydragen.bench.core.common import machine_description, publish, say_quick
 from hydragen.bench.core.plots import Panel, plot
 from hydragen.engine.sharing import DEFAULT_MIN_SHARED_READS, MERGE_ROW_TOKENS, sharing_pays
 
@@ -141,11 +141,11 @@ def run(
         "private_ms is the in-place time."
     )
     params = dict(shape=shape, threshold=threshold, holders=holders, tokens=tokens, tails=tails)
-    md = write_table(
+    publish(
         rows,
         COLUMNS,
         out,
-        "cost_rule",
+        RESULT_NAME,
         "Cost rule: a shared unit vs reading in place per sequence",
         notes,
         quick=quick,
@@ -153,10 +153,9 @@ def run(
             "four points of tiny nodes, timed once each: the fitted constants are not a calibration, and "
             "sharing nodes of 16-64 tokens is slower, as the rule expects."
         ),
+        plots=plots,
         params=params,
     )
-    plots({"rows": rows, "params": params, "quick": quick}, out)
-    print(md)
     print(notes)
     return rows
 

@@ -44,8 +44,8 @@ from hydragen.bench.core.common import (
     machine_description,
     matmul_rate,
     memory_bandwidth,
+    publish,
     say_quick,
-    write_table,
 )
 
 RESULT_NAME = "attention"  # attention.json, attention.md
@@ -390,12 +390,17 @@ def _run(
         notes.append(
             f"{len(skipped)} point(s) skipped; OOM guard budget {budget / 2**30:.2f} GiB of baseline KV."
         )
-    params = dict(plot_suffix=suffix[len(suffix) // 2] if suffix else 0, shapes=list(shapes), impl=impl)
-    md = write_table(
+    params = dict(
+        plot_suffix=suffix[len(suffix) // 2] if suffix else 0,
+        shapes=list(shapes),
+        impl=impl,
+        measured_on=where,
+    )
+    publish(
         rows,
         COLUMNS,
         out,
-        "attention",
+        RESULT_NAME,
         "Attention microbenchmark: shared-prefix (hydragen) vs per-sequence SDPA, decode (Nq = 1)",
         "\n\n".join(notes),
         quick=quick,
@@ -404,10 +409,9 @@ def _run(
             "overhead than in reading KV, so hydragen's speedups below 1 say nothing about real shapes: the "
             "shared read pays for long prefixes and large batches (the full run goes to 16K and 256)."
         ),
+        plots=plots,
         params=params,
     )
-    plots({"rows": rows, "params": params, "quick": quick, "machine": where}, out)
-    print(md)
     return rows
 
 

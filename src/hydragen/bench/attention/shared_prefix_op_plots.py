@@ -35,7 +35,7 @@ def plots(data: dict, out: Path) -> list[Path]:
             else:
                 missing.append(Missing(name, r["batch"], str(r.get("status", "not run"))))
         panels.append(Panel(series, shape_words(shape), missing, hline=(1.0, "same speed")))
-    machine = data.get("machine", "")
+    machine = data.get("params", {}).get("measured_on") or data.get("machine", "")  # on CUDA: the GPU
     paths = [
         plot(
             panels,

@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: machine description, measured rates, result tables, quick-run warnings."""
+"""Shared benchmark plumbing: machine description, measured rates, result tables (and publishing them with
+their plots), quick-run warnings."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -152,6 +154,32 @@ def read_results(folder: Path, name: str) -> dict:
     data.setdefault("params", {})
     data.setdefault("quick", False)
     return data
+
+
+def publish(
+    rows: list[dict],
+    columns: list[str],
+    out: Path,
+    name: str,
+    title: str,
+    notes: str = "",
+    *,
+    plots: Callable[[dict, Path], list[Path]],
+    quick: bool = False,
+    quick_note: str = "",
+    params: dict | None = None,
+) -> list[Path]:
+    """How a benchmark ends: its table written (``write_table``), its plots drawn, the Markdown printed.
+    Returns the plots' paths.
+
+    The plots are drawn from the JSON just written, read back as ``--replot`` reads it, so a replot of the
+    folder draws what the run drew: whatever a plot shows has to be in the JSON."""
+    md = write_table(
+        rows, columns, out, name, title, notes, quick=quick, quick_note=quick_note, params=params
+    )
+    paths = plots(read_results(out, name), out)
+    print(md)
+    return paths
 
 
 def memory_bandwidth(mib: int = 512, device="cpu", repeats: int = 5) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hydragen.bench.core.common import machine_description, matmul_rate, say_quick, touch_kv_pool, write_table
+from hydragen.bench.core.common import machine_description, matmul_rate, publish, say_quick, touch_kv_pool
 from hydragen.bench.core.plots import Missing, label, plot_lines
 from hydragen.bench.peers.peer_process import PeerCrashed, PeerProcess, in_peer
 
@@ -243,11 +243,11 @@ def run(
         peer_max_n=peer_max_n,
         skipped=skipped,
     )
-    md = write_table(
+    publish(
         rows,
         cols,
         out,
-        "e2e",
+        RESULT_NAME,
         f"End-to-end decoding ({name}{', random weights' if random_weights else ''}, T={new_tokens})",
         f"device {device}, {dtype}; matmul rate {rate / 1e9:.1f} GFLOP/s; decode_tok_s = n(T-1)/(t_T - t_1); "
         "vs_nosharing and of_ceiling compare decode throughput with sharing off and with attention skipped.",
@@ -257,10 +257,9 @@ def run(
             "3 steps: ratios between modes (vs_nosharing below 1, of_ceiling above 1) are noise here; the "
             "full run decodes 64 tokens after a 2,048-token prompt."
         ),
+        plots=plots,
         params=params,
     )
-    plots({"rows": rows, "params": params, "quick": quick}, out)
-    print(md)
     return rows
 
 

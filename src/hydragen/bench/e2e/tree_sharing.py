@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from hydragen.bench.core.common import machine_description, say_quick, touch_kv_pool, write_table
+from hydragen.bench.core.common import machine_description, publish, say_quick, touch_kv_pool
 from hydragen.bench.core.plots import Missing, label, plot_lines
 
 RESULT_NAME = "tree"  # tree.json, tree.md
@@ -176,11 +176,11 @@ def run(
         memory_matched=k_mem,
         page_size=page_size,
     )
-    md = write_table(
+    publish(
         rows,
         cols,
         out,
-        "tree",
+        RESULT_NAME,
         f"Hierarchical sharing (F={F} few-shot, problems of L={L}, k={k} samples, T={T})",
         f"model {model or 'embedded SmolLM2-135M'}; one-level with {counts[-1]} problems needs {budget} KV "
         f"tokens; tree sharing fits {k_mem} problems in that memory. vs_onelevel_max and time_saved compare "
@@ -192,10 +192,9 @@ def run(
             "fixed cost, so negative time_saved and ratios below 1 are expected at this size; same_seqs "
             "compares temperature-1 samples of two or four sequences. The full run uses F=1024, L=512."
         ),
+        plots=plots,
         params=params,
     )
-    plots({"rows": rows, "params": params, "quick": quick}, out)
-    print(md)
     return rows
 
 

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydragen.bench.core.common import machine_description, say_quick, write_table
+from hydragen.bench.core.common import machine_description, publish, say_quick
 from hydragen.bench.core.plots import label, plot_lines
 from hydragen.bench.longdoc.document import (
     COLORS,
@@ -277,11 +277,11 @@ def run(
     ]
     title = f"Long document, many questions (document {setup.doc_tokens} tokens, {num_facts} facts)"
     prm = dict(doc_tokens=setup.doc_tokens, num_facts=num_facts, questions=list(questions), modes=list(modes))
-    md = write_table(
+    publish(
         rows,
         cols,
         out,
-        "longdoc",
+        RESULT_NAME,
         title,
         notes,
         quick=quick,
@@ -289,10 +289,9 @@ def run(
             "a 215-token document with 6 facts and 3 questions: accuracy moves in steps of 1/3 and the "
             "speedups rest on one or three requests; the full run asks 16 questions about 1,545 tokens."
         ),
+        plots=plots,
         params=prm,
     )
-    plots({"rows": rows, "params": prm, "quick": quick}, out)
-    print(md)
     if not match:
         raise RuntimeError("answers differ between sharing on and off: attention is not exact")
     if not consistent:

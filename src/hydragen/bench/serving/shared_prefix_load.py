@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from hydragen.bench.core.common import say_quick, write_table
+from hydragen.bench.core.common import publish, say_quick
 from hydragen.bench.core.plots import LABELS, plot_lines
 from hydragen.bench.core.stats import percentile
 from hydragen.bench.serving.server_process import start_server
@@ -213,20 +213,18 @@ def run(args) -> list[dict]:
         "4 requests of 4 tokens: rates and latencies are dominated by HTTP and start-up, and a p99 of 4 "
         "requests is all but their maximum; the hit rate is what this run checks."
     )
-    print(
-        write_table(
-            rows,
-            cols,
-            out,
-            "serve",
-            title,
-            "ttft/tpot in seconds",
-            quick=quick,
-            quick_note=quick_note,
-            params=params,
-        )
+    publish(
+        rows,
+        cols,
+        out,
+        RESULT_NAME,
+        title,
+        "ttft/tpot in seconds",
+        plots=plots,
+        quick=quick,
+        quick_note=quick_note,
+        params=params,
     )
-    plots({"rows": rows, "params": params, "quick": quick}, out)
     return rows
 
 

@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from hydragen.bench.core.common import say_quick, write_table
+from hydragen.bench.core.common import publish, say_quick
 
 RESULT_NAME = "schema_defaults"
 COLUMNS = [
@@ -162,11 +162,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.max_tokens}. "
         "with_extra_keys: of the outputs that ended, those holding a key that no schema object names."
     )
-    md = write_table(
-        rows, COLUMNS, args.out, RESULT_NAME, "Schema defaults", notes, quick=args.quick, params=params
+    paths = publish(
+        rows,
+        COLUMNS,
+        args.out,
+        RESULT_NAME,
+        "Schema defaults",
+        notes,
+        plots=plots,
+        quick=args.quick,
+        params=params,
     )
-    print(md)
-    for path in plots(json.loads((args.out / f"{RESULT_NAME}.json").read_text()), args.out):
+    for path in paths:
         print(path)
 
 

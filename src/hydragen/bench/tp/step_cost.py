@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hydragen.bench.core.common import machine_description, say_quick, write_table
+from hydragen.bench.core.common import machine_description, publish, say_quick
 from hydragen.bench.core.plots import plot_lines
 
 RESULT_NAME = "tp"
@@ -165,11 +165,19 @@ def run(model, tps: list[int], batches: list[int], prompt_len: int, max_tokens: 
         "a 32-token prompt and batches of 1-4 on a small random model: a step is a few milliseconds, so the "
         "all-reduces dominate it and TP = 2 is slower than TP = 1 (on a 2-core machine it is at any size)."
     )
-    md = write_table(
-        rows, columns, out, RESULT_NAME, title, notes, quick=quick, quick_note=quick_note, params=params
+    paths = publish(
+        rows,
+        columns,
+        out,
+        RESULT_NAME,
+        title,
+        notes,
+        plots=plots,
+        quick=quick,
+        quick_note=quick_note,
+        params=params,
     )
-    print(md)
-    for path in plots({"rows": rows, "quick": quick, "params": params}, out):
+    for path in paths:
         print(path)
     return rows
 
