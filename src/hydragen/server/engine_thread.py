@@ -254,9 +254,11 @@ class EngineThread:
                 self.in_flight.pop(command.request_id)
                 self._abort_in_engine(command.request_id)
             elif isinstance(command, FailAll):
-                for rid, tracked in self.in_flight.items():
+                for rid, _ in self.in_flight.items():
+                    tracked = self.in_flight.pop(rid)
+                    if tracked is None:  # ended meanwhile: an abort that failed failed the engine, and it
+                        continue  # ended every request in flight with that failure
                     self.in_flight.send(tracked, command.error)
-                    self.in_flight.remove(rid)
                     self._abort_in_engine(rid)
 
     def _abort_in_engine(self, request_id: str) -> None:

@@ -122,3 +122,58 @@ def test_a_stream_raises_the_error_that_ends_its_request(llm):
     finally:
         client.shutdown()
         del engine.step
+
+
+def test_an_abort_that_fails_while_everything_is_failed_ends_each_stream_once(llm):
+    """The grace period runs out (``fail_all``) and the engine's abort of the first request raises: the
+    engine has failed, so the second request ends with that failure. Each stream raises one error and
+    ends, a new request is refused with the engine's real failure, and the engine thread lives on. (It
+    used to remove the second request twice: the KeyError ended the thread's loop mid-queue.)"""
+    client = InProcessClient(llm)
+    engine, armed, gate = llm.engine, threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():  # once both are in flight, the next step waits until they are failed
+        if armed.is_set():
+            assert gate.wait(60)
+        return step()
+
+    def failing_abort(request_id: str) -> bool:
+        raise RuntimeError("injected abort failure")
+
+    engine.step, llm.loop.abort = held_step, failing_abort
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+
+    async def drain(stream) -> APIError:
+        with pytest.raises(APIError) as raised:
+            async for report in stream:
+                assert not report.finished
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return raised.value
+
+    async def run():
+        first = await client.submit(PROMPTS[0], params, None)
+        await anext(first)
+        second = await client.submit(PROMPTS[1], params, None)
+        armed.set()
+        client.fail_all(APIError(503, "going away", code="shutting_down"))
+        gate.set()
+        armed.clear()
+        errors = [await asyncio.wait_for(drain(s), 60) for s in (first, second)]
+        assert "going away" in str(errors[0]) and "engine failed" in str(errors[1])
+        assert "abort" in str(errors[1])
+
+        async def later():
+            stream = await client.submit(PROMPTS[2], params, None)
+            return await drain(stream)
+
+        with pytest.raises(APIError, match="no more requests: abort failed: RuntimeError: injected abort"):
+            await asyncio.wait_for(later(), 60)  # answered with the engine's real failure
+        assert client._thread.alive  # its command loop went on
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.shutdown()
+        del engine.step, llm.loop.abort
