@@ -4,10 +4,12 @@ slow stage, a pause of SECONDS before every engine step.
 Tests of a server process use it to keep requests in flight for as long as they need: a request of N
 tokens takes at least N x SECONDS, however fast the machine is.
 
-With ``HYDRAGEN_TEST_FAULTS=DIR`` in its environment, a test can also fault one process of several (the
+With ``HYDRAGEN_TEST_STALLS=DIR`` in its environment, a test can also fault one process of several (the
 replicas of a data-parallel front) by its pid, before any of its steps: while ``DIR/<pid>.stall`` exists the
 step waits (stuck for exactly as long as the test keeps the file), and while ``DIR/<pid>.fail`` exists the
 step raises (an engine failure no request explains).
+
+(Not ``HYDRAGEN_TEST_FAULTS``: that one is ``tests/tp_faults.py``'s, JSON faults a server may run under too.)
 """
 
 import os
@@ -19,13 +21,13 @@ from hydragen.engine.engine import Engine
 
 delay = float(sys.argv[1])
 real_step = Engine.step
-faults = os.environ.get("HYDRAGEN_TEST_FAULTS")
+stalls = os.environ.get("HYDRAGEN_TEST_STALLS")
 
 
 def slowed_step(self):
     time.sleep(delay)
-    if faults:
-        mine = os.path.join(faults, str(os.getpid()))
+    if stalls:
+        mine = os.path.join(stalls, str(os.getpid()))
         while os.path.exists(mine + ".stall"):
             time.sleep(0.01)
         if os.path.exists(mine + ".fail"):
