@@ -16,7 +16,9 @@ logits, as a model that overflows computes them).
 A fault at a worker's start, for a group the server rebuilds: ``{"at": "load", "ranks": [1], "action":
 "kill", "while_exists": PATH}``. While PATH exists, a listed rank that reaches its shard's load (after it
 joined the group) SIGKILLs itself (``"kill"``: a group that keeps dying at start) or waits there until
-PATH is gone (``"stall"``: the test sees the rebuild in progress for as long as it looks).
+PATH is gone (``"stall"``: the test sees the rebuild in progress for as long as it looks). Rank 0 may not
+be done joining when a worker is (gloo's handshake is not symmetric): a kill there breaks rank 0's join
+or, later, its wait for "loaded"; the launcher names the dead worker either way.
 """
 
 from __future__ import annotations

@@ -107,10 +107,13 @@ class TPGroup:
         return [bytes(p.tolist()).rstrip(b"\0").decode(errors="replace") for p in parts]
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's CPU tensor ``x`` into every rank's ``x`` (the control channel)."""
+        """Rank 0's CPU tensor ``x`` into every rank's ``x`` (the control channel: rank 0's commands)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.control.broadcast([x], opts).wait()
+        try:
+            self.control.broadcast([x], opts).wait()
+        except Exception as e:
+            raise CollectiveError(f"broadcast failed: {e}") from e
         return x
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from hydragen.model.loader import keeps_compact, random_config, random_gguf_or
 from hydragen.tp.checkpoint import load_shard, read_config
-from hydragen.tp.coordinator import Coordinator, TPPagePool, TPRunner
+from hydragen.tp.coordinator import DEATH_GRACE_S, Coordinator, TPPagePool, TPRunner
 from hydragen.tp.group import TPGroup, join_group, torchrun_env
 from hydragen.tp.sharding import Shard, check_split
 from hydragen.tp.worker import serve_rank
@@ -177,7 +177,7 @@ def start(
             pipes.append(pipe)
         _await(procs, pipes, "started")
         tp = _start_rank0(
-            model, world, device, dtype, random_weights, init_method, procs, store_dir, dequantize
+            model, world, device, dtype, random_weights, init_method, procs, store_dir, dequantize, pipes
         )
     except BaseException:
         for p in procs:
@@ -198,9 +198,23 @@ def start(
 
 
 def _start_rank0(
-    model, world, device, dtype, random_weights, init_method, procs=(), store_dir=None, dequantize=False
+    model,
+    world,
+    device,
+    dtype,
+    random_weights,
+    init_method,
+    procs=(),
+    store_dir=None,
+    dequantize=False,
+    pipes=(),
 ):
-    group = join_group(0, world, init_method, device)
+    try:
+        group = join_group(0, world, init_method, device)
+    except Exception as e:
+        if (dead := _dead_worker(procs, pipes, DEATH_GRACE_S)) is not None:
+            raise RuntimeError(f"tensor-parallel {dead} while starting") from e
+        raise
     try:
         net, cfg, path, shard = load_shard(model, 0, world, device, dtype, random_weights, dequantize)
     except BaseException:
@@ -277,6 +291,30 @@ def _await(procs: list[subprocess.Popen], pipes, stage: str) -> None:
             raise RuntimeError(
                 f"tensor-parallel workers {sorted(waiting)} not {stage} after {START_TIMEOUT_S} s"
             )
+
+
+def _dead_worker(procs: list[subprocess.Popen], pipes, grace: float) -> str | None:
+    """The first spawned worker whose status pipe closes unreported within ``grace`` seconds (it died),
+    described; None when none does (those that report something live on, for now).
+
+    Rank 0 asks when its own join failed. gloo's handshake is not symmetric: a worker's join can return
+    while rank 0's is still reading its side of it, so a worker that dies right after joining (running out
+    of memory as it loads its shard) can fail rank 0's join ("Connection closed by peer") instead of being
+    seen at the wait for "loaded". Its death closes its status pipe as it closes its sockets, so the pipe
+    tells, within a moment, whether that is what happened."""
+    deadline = time.monotonic() + grace
+    waiting = dict(enumerate(pipes, start=1))
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select(list(waiting.values()), [], [], left)
+        for rank, pipe in list(waiting.items()):
+            if pipe not in ready:
+                continue
+            if pipe.readline():  # a report ("loaded", or its own error): it did not die here
+                del waiting[rank]
+                continue
+            procs[rank - 1].wait(timeout=5)
+            return _exit_text(rank, procs[rank - 1])
+    return None
 
 
 def run_torchrun_worker(

@@ -119,7 +119,7 @@ def faults(tmp_path_factory) -> Path:
 def cluster(model_dir, faults):
     argv = ["--model", model_dir, "--data-parallel-size", "2", "--threads", "1", "--kv-cache-tokens", "4096"]
     argv += ["--step-timeout", str(STEP_TIMEOUT)]
-    live = LiveFront(argv, STEP_DELAY, env={"HYDRAGEN_TEST_FAULTS": str(faults)})
+    live = LiveFront(argv, STEP_DELAY, env={"HYDRAGEN_TEST_STALLS": str(faults)})
     # A stalled replica stays out of rotation, unrestarted, until the test that stalls it says otherwise.
     live.front.health.restart_after = 0
     yield live

@@ -1,11 +1,12 @@
 """Tensor parallelism end to end on CPU (gloo, spawned worker processes): the same greedy tokens as TP = 1,
-logits within 1e-5, prefix-cache hits and sharing off under TP, a killed worker turning into errors, and
-no worker left behind after close, exit or Ctrl-C."""
+logits within 1e-5, prefix-cache hits and sharing off under TP, a killed worker turning into errors (also
+one that dies as the group forms), and no worker left behind after close, exit or Ctrl-C."""
 
 from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,8 +17,11 @@ import pytest
 import torch
 
 from hydragen import LLM, SamplingParams
+from hydragen.tp import launcher
+from hydragen.tp.group import CollectiveError
 from tests.helpers.paths import SRC
 from tests.helpers.server_helpers import all_gone, process_alive
+from tests.helpers.tp_faults import worker_environment
 
 STEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
 PROMPTS = [STEM + [30, 31, 32], STEM + [40, 41], STEM, [7, 8, 9, 60, 61]]
@@ -157,6 +161,36 @@ def test_killed_worker_is_an_error_for_every_request_not_a_hang(tiny_models, mon
             llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
     assert time.monotonic() - start < TP_TIMEOUT / 4
     llm.close()
+
+
+def test_a_worker_that_dies_as_the_group_forms_is_named_not_the_handshake_it_broke(
+    tiny_models, monkeypatch, tmp_path
+) -> None:
+    """gloo's handshake is not symmetric: a worker can be done joining while rank 0 still reads its side of
+    it, and a worker that dies then (killed as it loads its shard, as running out of memory does) fails
+    rank 0's join. Here rank 0's join always ends that way: it fails once the worker's sockets are closed.
+    The error names the worker and its signal, as for a worker that dies at any other point of its start,
+    and the dead worker is reaped."""
+    monkeypatch.setenv("HYDRAGEN_TP_TIMEOUT", str(TP_TIMEOUT))
+    doomed = tmp_path / "workers-die-at-load"
+    doomed.touch()
+    kill = {"at": "load", "ranks": [1], "action": "kill", "while_exists": str(doomed)}
+    worker_environment(monkeypatch, [kill])
+    real_join = launcher.join_group
+
+    def join_that_the_dying_worker_breaks(rank, world, init_method, device):
+        group = real_join(rank, world, init_method, device)
+        with pytest.raises(CollectiveError):  # returns once the worker (loading, then killed) is gone
+            group.all_reduce(torch.zeros(1))
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer")
+
+    monkeypatch.setattr(launcher, "join_group", join_that_the_dying_worker_breaks)
+    died = r"^tensor-parallel worker rank 1 \(pid (\d+)\) was killed by SIGKILL while starting$"
+    with pytest.raises(RuntimeError, match=died) as failed:
+        LLM(tiny_models["llama"], kv_cache_tokens=2048, tensor_parallel_size=2)
+    assert "Connection closed by peer" in str(failed.value.__cause__)
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(int(re.match(died, str(failed.value)).group(1)), os.WNOHANG)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Per-request isolation under tensor parallelism (spawned gloo workers, tiny Llama): a request whose
 forward fails on every rank, on rank 0 only or on a worker only ends alone with the outcome one process
 gives it, the group goes on serving; a hung worker, or one killed inside a step, ends the group with an
-error for every request in flight, within a bound the test sets, and leaves no process behind.
+error for every request in flight, within a bound the test sets, and leaves no process behind; a worker
+killed between steps is named by the command that finds it gone.
 
 Faults are keyed on a poison token in the victim's prompt (``tp_faults.py``); a packed step holding it
 fails part-way through the forward, after some of the step's all-reduces, on the chosen ranks."""
@@ -13,8 +14,12 @@ import signal
 import time
 
 import pytest
+import torch
 
 from hydragen import LLM, SamplingParams
+from hydragen.tp import commands
+from hydragen.tp.coordinator import Coordinator, TPGroupBroken
+from hydragen.tp.group import TPGroup
 from tests.helpers.server_helpers import process_alive
 from tests.helpers.tp_faults import install, worker_environment
 
@@ -180,3 +185,29 @@ def test_a_worker_killed_inside_a_step_fails_every_request_in_flight(tiny_models
         assert not llm.engine.has_unfinished()
     finally:
         llm.close()
+
+
+def test_a_worker_killed_between_steps_is_named_by_the_command_that_finds_it_gone() -> None:
+    """Rank 0's next command (a broadcast on the control channel) fails as the dead worker's sockets close,
+    a moment before its process can be reaped: the group is down naming the worker, as when an all-reduce
+    fails (they wait the same grace for the death to show), not "the ranks could not finish a step"."""
+
+    class PeerGone:  # a gloo group whose peer closed its connections
+        def broadcast(self, tensors, opts):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4513")
+
+    looks = []
+
+    def dead_workers() -> list[str]:  # reapable from the third look on: after the broadcast failed
+        looks.append(1)
+        return ["worker rank 1 (pid 4242) was killed by SIGKILL"] if len(looks) >= 3 else []
+
+    gone = PeerGone()
+    coordinator = Coordinator(TPGroup(0, 2, torch.device("cpu"), gone, gone), dead_workers)
+    try:
+        named = r"group is down: worker rank 1 \(pid 4242\) was killed by SIGKILL$"
+        with pytest.raises(TPGroupBroken, match=named):
+            coordinator.send(commands.NOOP)
+        assert len(looks) == 3  # before the command, when it failed, and once the death showed
+    finally:
+        coordinator.stop()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +29,7 @@ from tests.helpers.tp_faults import SITE as FAULTS_SITE
 READY = r"ready: serving 'tiny' on (http://127\.0\.0\.1:\d+)/v1"
 PROMPT = "shared prefix, then a question"
 MAX_TOKENS = 8
+STREAM_TOKENS = 400  # a stream's tokens: each takes STEP_DELAY at least, so it is in flight >= 8 s
 TP_TIMEOUT = 600  # seconds: the collective timeout the servers here run under
 STEP_DELAY = 0.02  # seconds before every engine step: a request of N tokens is in flight >= N x this
 FAULTS = [  # a prompt holding the token fails its forward on those ranks (tests/helpers/tp_faults.py)
@@ -49,8 +51,23 @@ def expected_text(chat_model) -> str:
     return out[0].outputs[0].text
 
 
-def _env(faults: list[dict] | None = None) -> dict[str, str]:
-    """The servers' environment; ``faults`` are installed on every rank (tests/helpers/tp_faults.py)."""
+@pytest.fixture(scope="module")
+def stream_tokens(chat_model) -> list[int]:
+    """What TP = 1 generates for PROMPT, greedily, over a stream's STREAM_TOKENS; TP = 2 generates the same:
+    its logits are within 1e-5 of TP = 1's, far below the gap between any of these steps' top two."""
+    llm = LLM(chat_model, kv_cache_tokens=2048)
+    params = SamplingParams(temperature=0, max_tokens=STREAM_TOKENS, ignore_eos=True, logprobs=2)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    for step in out.logprobs:
+        first, second = sorted(step.values(), reverse=True)[:2]
+        assert first - second > 1e-4
+    return out.token_ids
+
+
+def _env(faults: list[dict] | None = None, stalls: Path | None = None) -> dict[str, str]:
+    """The servers' environment; ``faults`` are installed on every rank (tests/helpers/tp_faults.py);
+    ``stalls``: the folder where a slowed server looks for its hold, stall and fail files
+    (tests/helpers/slowed_hydragen.py)."""
     site = FAULTS_SITE if faults else ""
     path = os.pathsep.join(p for p in [str(SRC), site, os.environ.get("PYTHONPATH", "")] if p)
     env = {
@@ -62,6 +79,8 @@ def _env(faults: list[dict] | None = None) -> dict[str, str]:
     }
     if faults:
         env[FAULTS_ENV] = json.dumps(faults)
+    if stalls is not None:
+        env["HYDRAGEN_TEST_STALLS"] = str(stalls)
     return env
 
 
@@ -96,8 +115,10 @@ def _concurrently(calls: dict) -> dict:
 
 
 def _stream_events(url: str, started: threading.Event) -> list[str]:
-    """A long streamed completion's ``data:`` payloads; ``started`` is set at its first one."""
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    """A long streamed completion's ``data:`` payloads; ``started`` is set at its first one. Greedy, so that
+    its tokens are ``stream_tokens``, none of them poison (sampled ones would hit one sooner or later)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": STREAM_TOKENS, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -148,7 +169,7 @@ def _wait_for_metric(url: str, name: str, value: float, timeout: float = 60) -> 
 
 
 def test_serve_tp2_fails_a_request_alone_and_restarts_the_group_a_killed_worker_broke(
-    chat_model, expected_text, tmp_path
+    chat_model, expected_text, stream_tokens, tmp_path
 ) -> None:
     held = tmp_path / "hold-the-rebuilt-worker"  # while it exists, a rebuilt worker waits at its load
     faults = [*FAULTS, {"at": "load", "ranks": [1], "action": "stall", "while_exists": str(held)}]
@@ -157,9 +178,10 @@ def test_serve_tp2_fails_a_request_alone_and_restarts_the_group_a_killed_worker_
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(faults),
+        env=_env(faults, stalls=tmp_path),
     )
     lines = Lines(proc)
+    hold = tmp_path / f"{proc.pid}.hold"  # while it exists, the server's steps do nothing (slowed_hydragen)
     try:
         url = lines.wait_for(READY).group(1)
         workers = _descendants(proc.pid)
@@ -170,14 +192,21 @@ def test_serve_tp2_fails_a_request_alone_and_restarts_the_group_a_killed_worker_
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert again.json()["choices"][0]["text"] == expected_text
 
-        # Requests whose forward fails get their own error; the one sent with them completes.
-        replies = _concurrently(
-            {
-                "every rank": lambda: _complete(url, [60, 61, 250, 62]),
-                "worker only": lambda: _complete(url, [70, 71, 252, 72]),
-                "innocent": lambda: _complete(url),
-            }
-        )
+        # Requests whose forward fails get their own error; the one sent with them completes. They share
+        # one step: the poisoned two alone in a step would be an engine failure (every request of the step
+        # failing alone is not one request's fault), so the steps are held until all three wait.
+        replies: dict = {}
+        calls = {
+            "every rank": lambda: _complete(url, [60, 61, 250, 62]),
+            "worker only": lambda: _complete(url, [70, 71, 252, 72]),
+            "innocent": lambda: _complete(url),
+        }
+        hold.touch()
+        sent = threading.Thread(target=lambda: replies.update(_concurrently(calls)))
+        sent.start()
+        _wait_for_metric(url, "hydragen_requests_waiting", 3)
+        hold.unlink()
+        sent.join(timeout=120)
         for name, token in [("every rank", 250), ("worker only", 252)]:
             error = replies[name].json()["error"]
             assert replies[name].status_code == 500 and error["code"] == "request_failed", error
@@ -186,7 +215,9 @@ def test_serve_tp2_fails_a_request_alone_and_restarts_the_group_a_killed_worker_
         assert replies["innocent"].json()["choices"][0]["text"] == expected_text
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
-        # SIGKILL (running out of memory, on a CPU) during three requests: each gets an error event.
+        # SIGKILL (running out of memory, on a CPU) during three requests: each gets an error event. Their
+        # tokens hold no poison token: only the kill can end them.
+        assert not {f["token"] for f in FAULTS} & set(stream_tokens)
         started = [threading.Event() for _ in range(3)]
         calls = {i: lambda e=e: _stream_events(url, e) for i, e in enumerate(started)}
         streams = threading.Thread(target=lambda: replies.update(_concurrently(calls)))
