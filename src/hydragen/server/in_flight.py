@@ -84,9 +84,6 @@ class InFlight:
     def pop(self, request_id: str) -> TrackedRequest | None:
         return self._tracked.pop(request_id, None)
 
-    def remove(self, request_id: str) -> None:
-        del self._tracked[request_id]
-
     def send(self, tracked: TrackedRequest, item: RequestOutput | APIError) -> None:
         """Queue ``item`` for the request's stream; ``wake_event_loops`` hands it over."""
         self._outbox.setdefault(tracked.loop, []).append((tracked.stream, item))
