@@ -70,9 +70,9 @@ class LayerSpecs:
         return cls(tuple(s for _, s in kinds), tuple(g for g, _ in kinds), tuple(of_layer))
 
     @classmethod
-    def uniform(cls, num_layers: int, head_dim: int) -> LayerSpecs:
+    def uniform(cls, num_layers: int, head_dim: int, groups: Iterable[int] | None = None) -> LayerSpecs:
         """Every layer full attention scaled by ``head_dim ** -0.5`` (Llama, Mistral, Qwen2)."""
-        return cls.per_layer([AttentionSpec(scale=head_dim**-0.5)] * num_layers)
+        return cls.per_layer([AttentionSpec(scale=head_dim**-0.5)] * num_layers, groups)
 
     def __len__(self) -> int:
         return len(self.of_layer)
@@ -99,4 +99,4 @@ def model_layer_specs(cfg) -> LayerSpecs:
         if len(declared) != cfg.num_layers:
             raise ValueError(f"the model declares {len(declared)} layer specs for {cfg.num_layers} layers")
         return LayerSpecs.per_layer(declared, groups)
-    return LayerSpecs.per_layer([AttentionSpec(scale=cfg.head_dim**-0.5)] * cfg.num_layers, groups)
+    return LayerSpecs.uniform(cfg.num_layers, cfg.head_dim, groups)
