@@ -35,6 +35,7 @@ from hydragen.kv.pool import OutOfPages, PagePool
 from hydragen.model.config import ModelConfig
 from hydragen.tp import commands
 from tests.helpers.fake_engine import expected_output, fake_engine, run
+from tests.unit.model.test_quant_model import TINY
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -135,23 +136,7 @@ def test_every_layer_reads_its_spec_s_metadata_through_the_fake_engine():
     engine.kv.check([])
 
 
-QUANT_TINY = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=320,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+QUANT_TINY = {**TINY, "num_hidden_layers": 3}  # the quantized-model tests' tiny Llama, one layer more
 
 
 def declare(monkeypatch, scales: list[float] | None = None, groups: tuple[int, ...] = ()) -> None:
