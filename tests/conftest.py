@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama-family checkpoints saved with save_pretrained (exact, fast oracles)."""
+"""Shared fixtures: tiny random checkpoints of each family, saved with save_pretrained (exact oracles)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,19 @@ TINY = {
         num_hidden_layers=2,
         num_attention_heads=6,
         num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+    # QK-norm over an explicit head size larger than hidden / heads, as Qwen3's real shapes have.
+    "qwen3": dict(
+        arch="Qwen3ForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
         max_position_embeddings=512,
         tie_word_embeddings=True,
     ),

@@ -1,7 +1,7 @@
 """Faults keyed on a request's prompt, injected into the model on chosen ranks (rank 0 is also the one
 process of TP = 1): a batch holding a poison token raises, or stalls, at a chosen point of its forward.
 
-``install(faults)`` patches ``LlamaModel`` in this process. Spawned tensor-parallel workers get the same
+``install(faults)`` patches ``DecoderModel`` in this process. Spawned tensor-parallel workers get the same
 faults through ``tp_fault_site/sitecustomize.py``: put that folder on ``PYTHONPATH`` and the faults, as
 JSON, in ``HYDRAGEN_TEST_FAULTS`` before the workers start (``worker_env``).
 
@@ -49,13 +49,13 @@ def _fire(fault: dict, rank: int) -> None:
 
 
 def install(faults: list[dict], set_attribute=setattr) -> None:
-    """Patch ``LlamaModel.forward`` and ``logits`` (every rank's model class) to fire ``faults``; tests pass
+    """Patch ``DecoderModel.forward`` and ``logits`` (every rank's model class) to fire ``faults``; tests pass
     a MonkeyPatch's ``setattr``, so the patch ends with them."""
-    from hydragen.model.llama import LlamaModel
+    from hydragen.model.decoder import DecoderModel
 
     _install_load_faults([f for f in faults if f["at"] == "load"], set_attribute)
     faults = [f for f in faults if f["at"] != "load"]
-    real_forward, real_logits = LlamaModel.forward, LlamaModel.logits
+    real_forward, real_logits = DecoderModel.forward, DecoderModel.logits
 
     def forward(self, input_ids, positions, attention, layers=None, final_norm=True):
         rank = _rank(self)
@@ -77,8 +77,8 @@ def install(faults: list[dict], set_attribute=setattr) -> None:
             _fire(fault, _rank(self))
         return real_logits(self, hidden, normalized)
 
-    set_attribute(LlamaModel, "forward", forward)
-    set_attribute(LlamaModel, "logits", logits)
+    set_attribute(DecoderModel, "forward", forward)
+    set_attribute(DecoderModel, "logits", logits)
 
 
 def _install_load_faults(faults: list[dict], set_attribute) -> None:

@@ -7,7 +7,6 @@ from typing import Any
 
 from hydragen.attention.layer_spec import AttentionSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -34,16 +33,22 @@ class ModelConfig:
     layer_specs: tuple[AttentionSpec, ...] = ()
     # Each layer's KV page group (kv/layout.py); empty: one group. Sliding-window layers get their own.
     kv_groups: tuple[int, ...] = ()
+    # The decoder's switches, set by the model's family (model/families/): the defaults are Llama's.
+    family: str = "llama"
+    qk_norm: bool = False  # RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # also a norm on the attention output and on the MLP output (Gemma)
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    rotary_dim: int = 0  # leading dimensions of each head that RoPE rotates (0: all of them)
+    embed_scale: float = 1.0  # the token embeddings are multiplied by this (Gemma: sqrt(hidden))
+    final_logit_softcap: float | None = None  # logits become cap * tanh(logits / cap) (Gemma 2)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        from hydragen.model.registry import family_for_hf
+
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else str(cfg.get("model_type", "unknown"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model architecture {arch!r}; "
-                f"hydragen supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family = family_for_hf(arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -66,14 +71,9 @@ class ModelConfig:
             scaling["rope_type"] = rope_type
             if rope_type == "default":
                 scaling = None
-        max_pos = int(cfg.get("max_position_embeddings", 4096))
-        # Sliding-window models run full attention: capping the context at the window makes that exact.
-        window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
-            max_pos = min(max_pos, int(window))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
+        common: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -85,12 +85,19 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=max_pos,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            family=family.name,
         )
+        return cls(**{**common, **family.config(cfg)})
+
+    @property
+    def rotary_dims(self) -> int:
+        """Dimensions of each head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_bytes_per_token_per_elem(self) -> int:

@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF file into a Hugging Face-style config and state dict.
 
-The state dict uses HF Llama/Qwen2 names and layouts whatever the file: the model never sees GGUF names.
+The state dict uses the family's HF names and layouts whatever the file: the model never sees GGUF names.
 Weights in a type the kernels compute in (model/qtensor.py: the legacy and K-quants, F16, BF16) stay in it
 as ``QuantTensor``s over the file's memory map (``keep=True``, the CPU default); otherwise every tensor is
 dequantized to float32 (``keep=False``: CUDA, no C++ compiler, or ``LLM(..., dequantize=True)``).
@@ -25,26 +25,12 @@ import numpy as np
 import torch
 
 from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.family import Family
 from hydragen.model.file_pages import FileMap
 from hydragen.model.qtensor import KEPT_TYPES, PACKED_TYPES, QuantTensor, block_size, row_bytes
+from hydragen.model.registry import family_for_gguf, supported_gguf
 
-# general.architecture -> (HF architecture, model_type, whether llama.cpp permuted attn_q/attn_k)
-_ARCHS: dict[str, tuple[str, str, bool]] = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 _SKIP = {"rope_freqs.weight"}  # folded into config["rope_scaling"] instead
 _DEFAULT_ORIG_CTX = 8192  # llama3 rope: any value works, only L/(hi-lo) and lo/(hi-lo) matter (see below)
 
@@ -84,11 +70,12 @@ class _Reader(gguf.GGUFReader):
         super()._build_tensors(*args, **kwargs)
 
 
-def hf_name(name: str) -> str:
-    """Map a GGUF tensor name (``blk.3.attn_q.weight``) to its HF Llama parameter name."""
+def hf_name(name: str, family: Family) -> str:
+    """Map a GGUF tensor name (``blk.3.attn_q.weight``) to the family's HF parameter name."""
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{parts[3]}"
+    roles = family.gguf_roles()
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in roles:
+        return f"model.layers.{parts[1]}.{family.hf_tensor(roles[parts[2]])}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
     raise ValueError(f"unexpected GGUF tensor {name!r}")
@@ -245,7 +232,7 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
 
 
 def read_gguf(path: str | Path, keep: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantTensor]]:
-    """Return (HF-style config dict, HF-named state dict) for a llama/mistral/qwen2 GGUF: float32 tensors,
+    """Return (HF-style config dict, HF-named state dict) for a GGUF of a registered family: float32 tensors,
     and with ``keep`` ``QuantTensor``s for the types the kernels compute in.
 
     Any unreadable file raises ModelFileError naming the file and the problem.
@@ -280,16 +267,17 @@ def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFT
             raise ModelFileError(path, f"metadata {key!r} should be a number, got {value!r}") from None
 
     arch = meta("general.architecture")
-    if arch not in _ARCHS:
-        raise ModelFileError(path, f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHS)})")
-    hf_arch, model_type, permuted = _ARCHS[arch]
+    family = family_for_gguf(arch)
+    if family is None:
+        supported = ", ".join(supported_gguf())
+        raise ModelFileError(path, f"unsupported GGUF architecture {arch!r} (supported: {supported})")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelFileError(path, "lacks the tensor 'token_embd.weight' (the token embeddings)")
     for name in tensors:
         if name not in _SKIP:
             try:
-                hf_name(name)
+                hf_name(name, family)
             except ValueError:
                 raise ModelFileError(path, f"unexpected tensor {name!r} for a {arch} model") from None
     _check_quantization(path, tensors, keep)
@@ -314,8 +302,8 @@ def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFT
             rope_scaling["original_max_position_embeddings"] = int(orig_ctx or ctx)
 
     config = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
+        "architectures": [family.hf_architectures[0]],
+        "model_type": family.model_type or family.name,
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),  # ggml dims: [hidden, vocab]
         "hidden_size": hidden,
         "intermediate_size": need(f"{arch}.feed_forward_length"),
@@ -331,9 +319,11 @@ def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFT
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta("tokenizer.ggml.eos_token_id"),
         "attention_bias": "blk.0.attn_q.bias" in tensors,
+        **family.gguf_config(meta, arch),
     }
 
-    return config, GGUFTensors(path, tensors, permuted, n_head, n_kv, head_dim, keep, FileMap.of(reader.data))
+    file_map = FileMap.of(reader.data)
+    return config, GGUFTensors(path, tensors, family, n_head, n_kv, head_dim, keep, file_map)
 
 
 # Rows dequantized at a time when only some columns are kept: bounds the transient float32 copy.
@@ -351,16 +341,16 @@ class GGUFTensors:
         self,
         path: Path,
         tensors: dict[str, Any],
-        permuted: bool,
+        family: Family,
         n_head: int,
         n_kv: int,
         d: int,
         keep: bool,
         file_map: FileMap | None = None,
     ):
-        self.path, self.permuted, self.keep = path, permuted, keep
+        self.path, self.permuted, self.keep = path, family.gguf_permuted_qk, keep
         self._file_map = file_map or FileMap(None)
-        self._by_hf = {hf_name(n): t for n, t in tensors.items() if n not in _SKIP}
+        self._by_hf = {hf_name(n, family): t for n, t in tensors.items() if n not in _SKIP}
         self._heads = {"attn_q": n_head, "attn_k": n_kv}
         self.head_dim = d
         self.names = list(self._by_hf)
@@ -445,7 +435,7 @@ class GGUFTensors:
 
 
 class TensorsOnDemand:
-    """What ``LlamaModel.load_hf_state_dict`` pops by name, each tensor read from the file as it is popped:
+    """What ``DecoderModel.load_hf_state_dict`` pops by name, each tensor read from the file as it is popped:
     a load holds one projection's file bytes at a time beside what it has packed, not the whole file."""
 
     def __init__(self, files: GGUFTensors) -> None:

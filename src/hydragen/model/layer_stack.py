@@ -1,6 +1,6 @@
 """Every decoder layer in one C++ call, when every projection of the model is kept packed.
 
-``LlamaModel.forward`` runs a layer as three C++ calls plus attention, from a Python loop. At batch 1 on a
+``DecoderModel.forward`` runs a layer as three C++ calls plus attention, from a Python loop. At batch 1 on a
 small model the Python between those calls (module dispatch, the attention callback, splitting q/k/v, the
 KV write) is about a tenth of a decode step. ``native/csrc/quant_layers.cpp`` computes the same stages with
 the same functions (qkv with norm and rotary, the KV write into the pool, step attention, o, gate/up with
@@ -45,8 +45,13 @@ def enabled() -> bool:
 
 
 def packed_stack(model) -> PackedStack | None:
-    """The layers flattened for the op, or None when any layer cannot take it (a float or biased projection,
+    """The layers flattened for the op, or None when the model's family does not declare that the op
+    computes it exactly (``Family.fused_stack``: the op knows only Llama's layer, and would silently skip
+    anything else, such as Qwen3's QK-norm), or any layer cannot take it (a float or biased projection,
     16-bit norms, or a tensor-parallel shard that all-reduces o and down before the residual)."""
+    family = getattr(model, "family", None)
+    if family is None or not family.fused_stack:
+        return None
     if not getattr(model, "fuse_residual", False) or len(model.layers) == 0:
         return None
     weights, qtypes, rows, counts, norms = [], [], [], [], []
@@ -82,7 +87,7 @@ def stack_layers(
     layer_group: tuple[int, ...],
     layer_row: tuple[int, ...],
 ):
-    """The ``layers`` callable for ``LlamaModel.forward`` (the KV write and step attention inside), or None
+    """The ``layers`` callable for ``DecoderModel.forward`` (the KV write and step attention inside), or None
     when the model or the pool cannot take the one-call path. Layer i writes its K/V at ``slots[g]`` of
     its KV group g = ``layer_group[i]``, in row ``layer_row[i]`` of the pool, and attends by
     ``metas[layer_meta[i]]`` scaled by ``scales[i]``: the step's metadata per layer kind, each passed to

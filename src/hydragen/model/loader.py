@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from hydragen.model.config import ModelConfig
+from hydragen.model.decoder import DecoderModel
 from hydragen.model.errors import ModelFileError, first_line
 from hydragen.model.heap import release_freed_memory
-from hydragen.model.llama import LlamaModel
 from hydragen.model.qtensor import TORCH_16BIT, QuantTensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,7 +189,7 @@ def _indexed_files(index: Path) -> list[Path]:
     return files
 
 
-def build_model(cfg: ModelConfig, sd, device, dtype, where: Path, model_class=LlamaModel) -> LlamaModel:
+def build_model(cfg: ModelConfig, sd, device, dtype, where: Path, model_class=DecoderModel) -> DecoderModel:
     """The model with the checkpoint's weights; a missing or misshapen tensor names the checkpoint.
 
     ``sd`` is a dict, or any mapping with ``pop`` and iteration (a tensor-parallel rank's lazy shard). The
@@ -198,8 +198,9 @@ def build_model(cfg: ModelConfig, sd, device, dtype, where: Path, model_class=Ll
     """
     with torch.device("meta"):
         net = model_class(cfg)
+    offset = 0.0 if where.suffix == ".gguf" else net.family.hf_norm_offset  # llama.cpp stored 1 + w
     try:
-        net.load_hf_state_dict(sd, device, dtype)
+        net.load_hf_state_dict(sd, device, dtype, norm_offset=offset)
     except KeyError as e:
         raise ModelFileError(
             where, f"the weights lack the tensor {e.args[0]!r} that the config calls for"
@@ -228,7 +229,7 @@ def load_model(
     random_weights: bool = False,
     dequantize: bool = False,
 ):
-    """Returns (LlamaModel on device in dtype, ModelConfig, resolved path).
+    """Returns (DecoderModel on device in dtype, ModelConfig, resolved path).
 
     ``random_weights``: ``model`` is a preset name (see hydragen.model.presets), a config.json or a model
     directory, and the weights are drawn at random on the device (for throughput benchmarks).
@@ -296,7 +297,7 @@ def random_config(spec) -> tuple[ModelConfig, Path]:
     return ModelConfig.from_hf(hf_cfg), path
 
 
-def random_model(cfg: ModelConfig, device, dtype, seed: int = 0, model_class=LlamaModel) -> LlamaModel:
+def random_model(cfg: ModelConfig, device, dtype, seed: int = 0, model_class=DecoderModel) -> DecoderModel:
     """A model of shape ``cfg`` with random weights drawn on the device (norms 1, biases 0)."""
     with torch.device("meta"):
         net = model_class(cfg)

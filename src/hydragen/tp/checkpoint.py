@@ -30,7 +30,7 @@ from hydragen.model.loader import (
     weight_files,
 )
 from hydragen.model.qtensor import QuantTensor
-from hydragen.tp.sharded_model import ShardedLlamaModel
+from hydragen.tp.sharded_model import ShardedDecoderModel
 from hydragen.tp.sharding import Shard, SplitBlocks
 
 
@@ -82,7 +82,7 @@ class TorchBinFiles:
 
 
 class ShardState:
-    """What ``LlamaModel.load_hf_state_dict`` pops by name, each tensor cut to this rank's slice as read
+    """What ``DecoderModel.load_hf_state_dict`` pops by name, each tensor cut to this rank's slice as read
     (``keep``: 16-bit safetensors slices stay 16-bit; a GGUF's files decide for themselves)."""
 
     def __init__(self, files, shard: Shard, dtype: torch.dtype, keep: bool = False):
@@ -142,7 +142,7 @@ def load_shard(
     dtype: torch.dtype,
     random_weights: bool = False,
     dequantize: bool = False,
-) -> tuple[ShardedLlamaModel, ModelConfig, Path, Shard]:
+) -> tuple[ShardedDecoderModel, ModelConfig, Path, Shard]:
     """(this rank's model shard, the full config, the resolved path, the shard's description).
 
     ``random_weights``: each rank draws its own slices (seeded by rank): the right shapes for throughput
@@ -154,7 +154,7 @@ def load_shard(
     if random_weights:
         cfg, path = random_config(model)
         shard = Shard(cfg, rank, world)
-        net = random_model(shard.local_config(), device, dtype, seed=rank, model_class=ShardedLlamaModel)
+        net = random_model(shard.local_config(), device, dtype, seed=rank, model_class=ShardedDecoderModel)
         return net, cfg, path, shard
     path = resolve_model_path(model)
     keep = keeps_compact(device, dtype, dequantize)
@@ -171,7 +171,7 @@ def load_shard(
         files = SafetensorsFiles(found) if found[0].suffix == ".safetensors" else TorchBinFiles(found)
     shard = Shard(cfg, rank, world, blocks)
     state = ShardState(files, shard, dtype, keep and dtype == torch.float32)
-    net = build_model(shard.local_config(), state, device, dtype, path, model_class=ShardedLlamaModel)
+    net = build_model(shard.local_config(), state, device, dtype, path, model_class=ShardedDecoderModel)
     release_freed_memory()
     net.setup_rotary(device)
     net.eval()

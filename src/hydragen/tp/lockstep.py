@@ -6,7 +6,7 @@ samples nothing gathers one float per rank instead, its only collective that a s
 
 A rank whose forward raises (an error in its own computation: a bad input, out of memory on one chunk)
 does not leave the others inside an all-reduce it never joins: it issues the all-reduces it did not reach
-with zeros (``ShardedLlamaModel.finish_reduces``), joins the gather with a shard of NaN, and is ready for
+with zeros (``ShardedDecoderModel.finish_reduces``), joins the gather with a shard of NaN, and is ready for
 the next command. So a worker's gathered shard starting with NaN is how rank 0 learns, at no cost to a
 normal step, that the worker may have failed; it then asks the workers (``REPORT``), since a model can
 also compute a NaN logit. Every rank's outputs of a failed step are wrong, and rank 0, which alone

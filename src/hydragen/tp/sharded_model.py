@@ -1,6 +1,6 @@
 """A rank's shard of the Llama-family model: the same forward, on its heads, columns and vocabulary rows.
 
-``LlamaModel`` built from the rank's local config already computes column-parallel q/k/v and gate/up and
+``DecoderModel`` built from the rank's local config already computes column-parallel q/k/v and gate/up and
 attends over its own heads; this class adds the places that talk to the other ranks:
 
 * the embedding looks up only the ids in its vocabulary shard (zeros elsewhere) and all-reduces, which is
@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from hydragen.model.llama import LlamaModel
+from hydragen.model.decoder import DecoderModel
 from hydragen.tp.group import TPGroup
 
 
-class ShardedLlamaModel(LlamaModel):
+class ShardedDecoderModel(DecoderModel):
     fuse_residual = False  # o and down give partial sums: all-reduced before they join the residual
     group: TPGroup
     vocab_lo: int = 0  # first token id of this rank's vocabulary rows
     full_vocab: int = 0  # the model's real vocabulary (the shards are padded to equal sizes)
 
-    def attach(self, group: TPGroup, vocab_lo: int, full_vocab: int) -> ShardedLlamaModel:
+    def attach(self, group: TPGroup, vocab_lo: int, full_vocab: int) -> ShardedDecoderModel:
         self.group, self.vocab_lo, self.full_vocab = group, vocab_lo, full_vocab
         return self
 

@@ -26,7 +26,7 @@ def run(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[list[int], list
 
 
 def test_a_quantized_gguf_gets_a_float16_cache_with_a_float32_caches_tokens(embedded_llm, embedded_llm_kv32):
-    """"auto" caches a model kept in GGUF blocks in float16, as llama.cpp does: half the bytes per token, and
+    """ "auto" caches a model kept in GGUF blocks in float16, as llama.cpp does: half the bytes per token, and
     the float32 cache's tokens. Measured: all 72 greedy tokens identical, log-probabilities within 0.003
     (bfloat16: the first divergence after 6 tokens, which is why float16 is the one this test holds to)."""
     assert embedded_llm.engine.pool.k.dtype == torch.float16

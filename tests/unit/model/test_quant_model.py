@@ -15,7 +15,7 @@ import torch
 
 from hydragen import LLM, SamplingParams
 from hydragen.bench.quant.accuracy import plain_attention
-from hydragen.model import layer_stack, llama
+from hydragen.model import decoder, layer_stack
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf import read_gguf
 from hydragen.model.gguf_write import float_maker, model_types, scheme_type, tensor_shapes, write_llama_gguf
@@ -115,7 +115,7 @@ def _hook_twins(net, path, monkeypatch) -> list[tuple[str, float, float]]:
         hook(layer.o, twin(i, "self_attn.o_proj"), f"{i}.o")
         hook(layer.gate_up, twin(i, "mlp.gate_proj", "mlp.up_proj"), f"{i}.gate_up")
         hook(layer.down, twin(i, "mlp.down_proj"), f"{i}.down")
-    fused = llama.mlp_tail
+    fused = decoder.mlp_tail
 
     def checked_tail(o, gate_up, down, attn, h, norm, eps):
         """The fused op against the three projections one by one (each checked by its hook): the same bits."""
@@ -125,7 +125,7 @@ def _hook_twins(net, path, monkeypatch) -> list[tuple[str, float, float]]:
         found.append(("fused o+mlp", float((got - alone).abs().max()), 0.0))
         return got
 
-    monkeypatch.setattr(llama, "mlp_tail", checked_tail)
+    monkeypatch.setattr(decoder, "mlp_tail", checked_tail)
     head = "lm_head.weight" if not c.tie_word_embeddings else "model.embed_tokens.weight"
     hook(net.lm_head, TwinProjection([sd[head]]), "lm_head")
     table = sd["model.embed_tokens.weight"].dequantize()
@@ -175,7 +175,7 @@ def test_the_head_normalises_the_rows_it_is_handed(tiny_ggufs, scheme, dequantiz
     ids = torch.randint(3, cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(1))
     raw = net(ids, torch.arange(len(ids)), plain_attention, final_norm=False)
     normed = net(ids, torch.arange(len(ids)), plain_attention)
-    assert torch.equal(normed, llama.rms_norm(raw, net.norm, cfg.rms_norm_eps))
+    assert torch.equal(normed, decoder.rms_norm(raw, net.norm, cfg.rms_norm_eps))
     assert not torch.allclose(raw, normed)
     rows = torch.tensor([0, 7, 22])
     got, want = net.logits(raw[rows], normalized=False), net.logits(normed[rows])

@@ -1,10 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch of tokens.
+"""The decoder every family runs (Llama, Mistral, Qwen2/3, ...) over a flat batch of tokens.
 
 The model knows nothing about caches or sharing: each layer hands its rotated q/k/v to an attention
 callback supplied by the runner, which stores K/V in the pool and returns the attention output.
 q/k/v and gate/up are packed into single projections, and each projection carries its neighbours
-(model/linear.py): a layer is RMSNorm+qkv+rotary, attention, o+residual, RMSNorm+gate/up+SwiGLU and
-down+residual.
+(model/linear.py): a Llama layer is RMSNorm+qkv+rotary, attention, o+residual, RMSNorm+gate/up+SwiGLU and
+down+residual. A family's switches (``ModelConfig``: QK-norm, ...) take the steps they change out of the
+fused calls; the family's module (model/families/) names its checkpoint's tensors.
 Weights are float tensors in the model dtype, or kept in the checkpoint's compact format (GGUF quantized
 blocks, 16-bit floats), whichever the loader hands ``load_hf_state_dict``.
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydragen.model.config import ModelConfig
+from hydragen.model.family import Family
 from hydragen.model.layer_stack import LayersFn
 from hydragen.model.linear import (
     DenseProjection,
@@ -26,11 +28,13 @@ from hydragen.model.linear import (
     Projection,
     mlp_tail,
     rms_norm,
+    rotate_leading,
 )
 from hydragen.model.qtensor import QuantTensor
+from hydragen.model.registry import family_named
 from hydragen.model.rope import Rotary
 
-__all__ = ["AttentionFn", "DecoderLayer", "LlamaModel", "rms_norm"]
+__all__ = ["AttentionFn", "DecoderLayer", "DecoderModel", "rms_norm"]
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -48,15 +52,19 @@ class DecoderLayer(nn.Module):
         self.down: Projection = DenseProjection(torch.empty(h, inter))
         self.attn_norm = nn.Parameter(torch.ones(h), requires_grad=False)
         self.mlp_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim), requires_grad=False)
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim), requires_grad=False)
         self.split = (q, kv, kv)
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     fuse_residual = True  # a tensor-parallel shard all-reduces the o/down partials before adding them
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.family: Family = family_named(cfg.family)
         # _weight: no random init (on the meta device it would import torch._dynamo, and with it Triton)
         self.embed: nn.Embedding | PackedEmbedding = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
@@ -95,13 +103,20 @@ class LlamaModel(nn.Module):
             h = layers(h.contiguous(), rope)
             return rms_norm(h, self.norm, eps) if final_norm else h
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=rope)
-            q, k, v = qkv.split(layer.split, dim=-1)
+            if c.qk_norm:  # norm each head of q and k, then rotate: the rotary cannot be fused
+                q, k, v = layer.qkv(h, norm=layer.attn_norm, eps=eps).split(layer.split, dim=-1)
+                q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, eps).view(t, -1)
+                k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, eps).view(t, -1)
+                q = rotate_leading(q, _rope_for(rope, q))
+                k = rotate_leading(k, _rope_for(rope, k))
+            else:
+                qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=rope)
+                q, k, v = qkv.split(layer.split, dim=-1)
             o = attention(
                 i,
-                q.view(t, c.num_heads, c.head_dim),
-                k.view(t, c.num_kv_heads, c.head_dim),
-                v.view(t, c.num_kv_heads, c.head_dim),
+                q.reshape(t, c.num_heads, c.head_dim),
+                k.reshape(t, c.num_kv_heads, c.head_dim),
+                v.reshape(t, c.num_kv_heads, c.head_dim),
             )
             if self.fuse_residual:
                 h = mlp_tail(layer.o, layer.gate_up, layer.down, o.reshape(t, -1), h, layer.mlp_norm, eps)
@@ -134,13 +149,18 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def load_hf_state_dict(
-        self, sd, device: torch.device | None = None, dtype: torch.dtype | None = None
+        self,
+        sd,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        norm_offset: float = 0.0,
     ) -> None:
         """Take weights named as in Hugging Face checkpoints, packing q/k/v and gate/up.
 
         Each module is replaced by one holding the checkpoint's tensors (moved to ``device``, float tensors
         cast to ``dtype``); ``QuantTensor`` weights stay in their format. A tensor of the wrong shape raises
-        RuntimeError, a missing one KeyError.
+        RuntimeError, a missing one KeyError. ``norm_offset`` is added to every norm weight (a Gemma HF
+        checkpoint's w for norms computing x * (1 + w); its GGUF already holds 1 + w).
         """
         from hydragen.model.heap import release_freed_memory
 
@@ -149,10 +169,11 @@ class LlamaModel(nn.Module):
         dtype = dtype or self.norm.dtype
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h, inter = c.hidden_size, c.intermediate_size
+        names = self.family.layer_tensors
 
-        def vector(name: str, n: int) -> nn.Parameter:
-            t = _checked(name, sd.pop(name), (n,))
-            return nn.Parameter(t.to(device, dtype), requires_grad=False)
+        def vector(name: str, n: int, offset: float = 0.0) -> nn.Parameter:
+            t = _checked(name, sd.pop(name), (n,)).to(device, torch.float32) + offset
+            return nn.Parameter(t.to(dtype), requires_grad=False)
 
         def projection(names: list[tuple[str, int]], cols: int, bias: list[str] | None = None) -> Projection:
             parts = [_checked(n, sd.pop(n), (rows, cols)) for n, rows in names]
@@ -171,7 +192,7 @@ class LlamaModel(nn.Module):
             self.embed = PackedEmbedding(table)
         else:
             self.embed = nn.Embedding.from_pretrained(_as_float(table).to(device, dtype))
-        self.norm = vector("model.norm.weight", h)
+        self.norm = vector("model.norm.weight", h, norm_offset)
         if self.lm_head is not None:
             self.lm_head = projection([("lm_head.weight", c.vocab_size)], h)
         else:
@@ -180,17 +201,18 @@ class LlamaModel(nn.Module):
                 self.lm_head = self.embed.as_projection()
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = p + "self_attn."
-            qkv = [(a + "q_proj.weight", q), (a + "k_proj.weight", kv), (a + "v_proj.weight", kv)]
-            bias = [a + f"{n}_proj.bias" for n in "qkv"] if c.attention_bias else None
+            w = lambda role, p=p: f"{p}{names[role]}.weight"  # noqa: E731
+            qkv = [(w("q"), q), (w("k"), kv), (w("v"), kv)]
+            bias = [f"{p}{names[r]}.bias" for r in "qkv"] if c.attention_bias else None
             layer.qkv = projection(qkv, h, bias)
-            layer.o = projection([(a + "o_proj.weight", h)], q)
-            layer.gate_up = projection(
-                [(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)], h
-            )
-            layer.down = projection([(p + "mlp.down_proj.weight", h)], inter)
-            layer.attn_norm = vector(p + "input_layernorm.weight", h)
-            layer.mlp_norm = vector(p + "post_attention_layernorm.weight", h)
+            layer.o = projection([(w("o"), h)], q)
+            layer.gate_up = projection([(w("gate"), inter), (w("up"), inter)], h)
+            layer.down = projection([(w("down"), h)], inter)
+            layer.attn_norm = vector(w("attn_norm"), h, norm_offset)
+            layer.mlp_norm = vector(w("mlp_norm"), h, norm_offset)
+            if c.qk_norm:
+                layer.q_norm = vector(w("q_norm"), c.head_dim, norm_offset)
+                layer.k_norm = vector(w("k_norm"), c.head_dim, norm_offset)
             # The layer's freed copies (q and k put back in HF row order) go back to the OS now: glibc cuts
             # the next layer's small lasting tensors (its norms) from their chunks, and takes fresh memory
             # for the next copies, ~1 copy a layer that only the final trim returned (25 MB on a 1B shape).
@@ -198,6 +220,12 @@ class LlamaModel(nn.Module):
         leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:
             raise ValueError(f"checkpoint has unexpected tensors, e.g. {leftovers[:3]}")
+
+
+def _rope_for(rope, x: torch.Tensor):
+    """The step's rotary tables for rotating all of x [T, heads * D] (q or k alone)."""
+    cos, sin, _ = rope
+    return cos.to(x.dtype), sin.to(x.dtype), x.shape[1]
 
 
 def _checked(name: str, t, shape: tuple[int, ...]):

@@ -1,0 +1,22 @@
+"""Qwen2 and Qwen2.5 (and DeepSeek-R1's Qwen distills): Llama's layer with biases on q, k and v.
+
+The fused C++ stack takes no biases, so this family runs the per-op path (the biases are added between the
+projection and the rotary, in ``PackedProjection``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydragen.model.family import Family
+
+
+def _config(hf: dict[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": True}  # Qwen2's q/k/v always carry biases (its config has no switch)
+
+
+FAMILY = Family(
+    name="qwen2",
+    hf_architectures=("Qwen2ForCausalLM",),
+    gguf_architecture="qwen2",
+    config=_config,
+)
