@@ -7,7 +7,7 @@ from typing import Any
 
 from hydragen.attention.layer_spec import AttentionSpec
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,14 @@ class ModelConfig:
                     f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
                 )
             scaling["rope_type"] = rope_type
+            if rope_type == "yarn":
+                key = "original_max_position_embeddings"
+                orig = scaling.get(key) or cfg.get(key)
+                if not orig:
+                    raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+                scaling["original_max_position_embeddings"] = int(orig)
+                if scaling.get("factor") is None:  # DeepSeek's configs give the two lengths instead
+                    scaling["factor"] = int(cfg.get("max_position_embeddings", orig)) / int(orig)
             if rope_type == "default":
                 scaling = None
         eos = cfg.get("eos_token_id")

@@ -300,6 +300,11 @@ def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFT
         rope_scaling = {"rope_type": scaling_type, "factor": _sig(meta(f"{arch}.rope.scaling.factor", 1.0))}
         if scaling_type == "yarn":
             rope_scaling["original_max_position_embeddings"] = int(orig_ctx or ctx)
+            for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+                if (value := meta(f"{arch}.rope.scaling.{key}")) is not None:
+                    rope_scaling[name] = _sig(value)
+            if (value := meta(f"{arch}.rope.scaling.yarn_attn_factor")) is not None:  # HF attention_factor
+                rope_scaling["attention_factor"] = _sig(value)
 
     config = {
         "architectures": [family.hf_architectures[0]],

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half layout) with default, linear and Llama-3 frequency scaling."""
+"""Rotary position embeddings (rotate-half layout): default, linear, Llama-3 and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling)
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])
@@ -23,6 +25,48 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than ``beta_slow`` times over the original context
+    are interpolated (slowed by ``factor``), those turning more than ``beta_fast`` times kept, and a linear
+    ramp blends the band between. Computed as transformers computes it, so the tables match."""
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over ``orig``
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp would divide by zero
+    base = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN puts on cos and sin (so on every attention score, squared): 1 for other scalings.
+    ``attention_factor`` when the config gives it, else 0.1 ln(factor) + 1, or DeepSeek's ratio of two such
+    terms when it gives ``mscale`` and ``mscale_all_dim``."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def m(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return float(m(factor, mscale) / m(factor, mscale_all))
+    return m(factor)
 
 
 class Rotary:
@@ -37,6 +81,7 @@ class Rotary:
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device):
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+        self.scale = attention_factor(scaling)  # on cos and sin: YaRN's, else 1
         self.max_positions = max_positions
         # Each frequency twice (rotate-half pairs column i with i + D/2), and the sign rotate-half puts on
         # the first half: folded into the sin table, exact (IEEE negation commutes with rounding), it saves
@@ -49,7 +94,10 @@ class Rotary:
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) for ``positions`` [T], each [T, 1, D] in ``dtype`` to broadcast over heads."""
         emb = positions.to(self.inv_freq.device, torch.float32).unsqueeze(1) * self._freq_cols
-        return emb.cos().unsqueeze(1).to(dtype), emb.sin().mul_(self._sin_sign).unsqueeze(1).to(dtype)
+        cos, sin = emb.cos(), emb.sin().mul_(self._sin_sign)
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
