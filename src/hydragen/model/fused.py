@@ -96,7 +96,9 @@ class FusedFiles:
         self.names = [n for n in files.names if n not in stored] + list(self._parts)
         self._checked: set[str] = set()
 
-    def __getattr__(self, name: str) -> Any:  # block(), keeps_quantized(), ... of the wrapped files
+    def __getattr__(self, name: str) -> Any:  # keeps_quantized(), elements(), ... of the wrapped files
+        if name == "files":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.files, name)
 
     def _part(self, name: str) -> Part | None:
