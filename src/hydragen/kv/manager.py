@@ -316,15 +316,19 @@ class KVManager:
             windows.release(g, mine)
         return True
 
-    def computed_to(self, table: PageTable, end: int) -> None:
+    def computed_to(self, table: PageTable, end: int, verified: int | None = None) -> None:
         """A forward wrote the table's KV up to position ``end``: its own published pages below it are now
-        full of KV (whoever waits on them can go on), and its windows moved past their first pages."""
+        full of KV (whoever waits on them can go on), and its windows moved past their first pages: up to
+        ``verified`` when positions past it are drafts that ``truncate`` may take back (a window moved on
+        cannot move back: its pages are gone)."""
         before, table.computed = table.computed, end
         nodes = self.tree.nodes
         for i in range(before // self.page_size, min(table.published, end // self.page_size)):
             nodes[table.pages[i]].computed = True
         if self.windows:
-            self.windows.slide(table.window_from, table.pages, end)
+            self.windows.slide(
+                table.window_from, table.pages, end if verified is None else min(end, verified)
+            )
 
     def in_flight(self, table: PageTable) -> list[int]:
         """Pages ``table`` published to the tree before computing them: it is their only writer, and whoever
