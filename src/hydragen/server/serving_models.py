@@ -21,12 +21,15 @@ class ServedModel:
     tool_format: Any  # hydragen.tools.formats.CallFormat, resolved from the chat template
     context: int  # max_position_embeddings
     vocab_size: int
+    reasoning: Any = None  # hydragen.reasoning.ReasoningFormat of a reasoning model, else None
 
     @classmethod
     def of(cls, llm, name: str) -> ServedModel:
+        config = llm.config
         return cls(
-            name, llm.tokenizer, llm.tool_format, llm.config.max_position_embeddings, llm.config.vocab_size
-        )
+            name, llm.tokenizer, llm.tool_format, config.max_position_embeddings, config.vocab_size,
+            llm.engine.reasoning,
+        )  # fmt: skip
 
     def check(self, requested: str) -> None:
         """404 ``model_not_found`` for a request naming another model."""
