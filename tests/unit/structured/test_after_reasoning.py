@@ -118,3 +118,16 @@ def test_the_phases_of_a_grammar_after_reasoning(models):
     assert s.fits([*bad, r.end_id, *good]) and not s.fits([*bad, r.end_id, *bad])
     with pytest.raises(ValueError, match="reasoning"):
         s.rollback(1)
+
+
+def test_a_raw_prompt_that_opens_the_reasoning_is_constrained_after_it_too(models):
+    """LLM.generate (and /v1/completions) read where a reply starts from the prompt as chat does; the text
+    is not split there."""
+    llm = models["qwen3"]
+    script_replies(llm.engine, f"{THOUGHT}\n</think>{ANSWER}")
+    c = llm.generate("Is 7 prime?\n<think>\n", _params(), use_tqdm=False)[0].outputs[0]
+    assert c.text.startswith(f"{THOUGHT}\n</think>") and c.reasoning_content is None
+    assert_valid(c.text.split("</think>", 1)[1], SCHEMA, "raw prompt")
+    script_replies(llm.engine, f"Well: {ANSWER}")  # a raw prompt that does not open it: constrained at once
+    c = llm.generate("Is 7 prime?", _params(), use_tqdm=False)[0].outputs[0]
+    assert_valid(c.text, SCHEMA, "raw prompt, no reasoning")
