@@ -56,10 +56,11 @@ class ReasoningFormat:
 
 
 def _last(ids: list[int], token: int) -> int:
-    for i in range(len(ids) - 1, -1, -1):
-        if ids[i] == token:
-            return i
-    return -1
+    """The index of the last ``token`` in ``ids``, -1 when there is none (a search in C: prompts are long)."""
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)
+    except ValueError:
+        return -1
 
 
 def template_source(tokenizer) -> str:
