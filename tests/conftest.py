@@ -230,3 +230,13 @@ def hf_gguf_model():
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def reasoning_models(tmp_path_factory):
+    """Tiny reasoning models (tests/helpers/reasoning_helpers.py): "qwen3" (the reply opens <think>) and
+    "r1" (the generation prompt does)."""
+    from tests.helpers.reasoning_helpers import tiny_reasoning_model
+
+    root = tmp_path_factory.mktemp("reasoning")
+    return {kind: tiny_reasoning_model(kind, root / kind) for kind in ("qwen3", "r1")}

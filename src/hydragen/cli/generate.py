@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import sys
 import time
 
@@ -223,6 +224,7 @@ def run_chat(args: argparse.Namespace) -> int:
         raise UsageError("--tool-choice needs --tools")
     try:  # read before the model loads, so a bad file is reported at once
         tool_list = load_tools(args.tools) if args.tools is not None else None
+        template_kwargs = _template_kwargs(args.chat_template_kwargs)
     except ValueError as e:
         raise UsageError(str(e)) from None
     sampling_params(args, max_tokens=args.max_tokens or 1)  # bad flags are reported before the model loads
@@ -238,6 +240,23 @@ def run_chat(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
     chat = Chat(
-        llm, params, context, system=args.system, max_tokens=args.max_tokens, quiet=args.quiet, tools=tools
-    )
+        llm, params, context, system=args.system, max_tokens=args.max_tokens, quiet=args.quiet, tools=tools,
+        hide_reasoning=args.hide_reasoning, chat_template_kwargs=template_kwargs,
+    )  # fmt: skip
     return chat.run(load_s)
+
+
+def _template_kwargs(value: str | None) -> dict | None:
+    """``--chat-template-kwargs``: a JSON object of template variables, checked as a request's are."""
+    if value is None:
+        return None
+    from hydragen.model.tokenizer import check_template_kwargs
+
+    try:
+        kwargs = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs is not JSON: {e}") from None
+    try:
+        return check_template_kwargs(kwargs)
+    except ValueError as e:
+        raise ValueError(f"--chat-template-kwargs: {e}") from None

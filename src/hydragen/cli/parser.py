@@ -141,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHOICE",
         help="with --tools: auto (default), required, none, or a function's name",
     )
+    c.add_argument(
+        "--hide-reasoning",
+        action="store_true",
+        help="a reasoning model's reasoning (its <think> block) is not shown (default: shown before the "
+        "answer, dimmed on a terminal)",
+    )
+    c.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="more variables for the chat template, a JSON object (e.g. '{\"enable_thinking\": false}' "
+        "for Qwen3)",
+    )
     c.add_argument("-q", "--quiet", action="store_true", help="no banner and no per-turn statistics")
     c.set_defaults(func=run_chat)
 

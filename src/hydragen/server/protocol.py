@@ -298,6 +298,11 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false}), checked when the
+    # prompt is rendered (a 400 names a key the rendering sets itself); and whether a reasoning model's
+    # reply carries its reasoning (reasoning_content), which is split off the content either way.
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
     def tool_session(self, fmt):
         """The request's ToolSession (None without tools), or a 400 naming the bad field. A conversation

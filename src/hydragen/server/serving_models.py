@@ -21,6 +21,7 @@ class ServedModel:
     tool_format: Any  # hydragen.tools.formats.CallFormat, resolved from the chat template
     context: int  # max_position_embeddings
     vocab_size: int
+    reasoning: Any = None  # hydragen.reasoning.ReasoningFormat of a reasoning model, else None
     # The model's sampling defaults for fields a request leaves unset (LLM.generation_defaults).
     sampling_defaults: dict = field(default_factory=dict)
 
@@ -28,7 +29,10 @@ class ServedModel:
     def of(cls, llm, name: str) -> ServedModel:
         c = llm.config
         defaults = dict(llm.generation_defaults.values) if hasattr(llm, "generation_defaults") else {}
-        return cls(name, llm.tokenizer, llm.tool_format, c.max_position_embeddings, c.vocab_size, defaults)
+        return cls(
+            name, llm.tokenizer, llm.tool_format, c.max_position_embeddings, c.vocab_size,
+            llm.engine.reasoning, defaults,
+        )  # fmt: skip
 
     def check(self, requested: str) -> None:
         """404 ``model_not_found`` for a request naming another model."""
