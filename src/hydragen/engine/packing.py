@@ -14,9 +14,12 @@ pages are neighbours and each shared run is read for a contiguous range of query
 
 Each layer writes the step's new K/V into the pool before attending, so a chunk sees its own keys.
 
-The metadata is built once per distinct layer spec (``attention/layer_spec.py``), not per layer: specs that
-see the same keys (today every spec: the kernels compute no window yet) share one, and each layer reads the
-one of its spec (``PackedBatch.layer_meta``).
+The metadata is built once per layer kind's KV group and mask (``attention/layer_spec.py``), not per layer:
+kinds of one group that see the same keys (``AttentionSpec.mask_key``: the window) share one, and each layer
+reads the one of its kind (``PackedBatch.layer_meta``). Every unit and segment carries the position of its
+first key (consecutive positions follow), so a sliding layer's metadata (``StepAttentionMeta.build`` with the
+window and the tokens' positions) bounds each token's keys below at its window and leaves out the work no
+token's window reaches; the same reads serve every mask.
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ class PackedBatch:
         return self.metas[specs.of_layer[layer]]
 
 
+def positioned(runs: list[tuple[int, int]], first: int) -> list[tuple[int, int, int]]:
+    """``runs`` holding consecutive positions from ``first`` as (lo, hi, position of lo)."""
+    out = []
+    for lo, hi in runs:
+        out.append((lo, hi, first))
+        first += hi - lo
+    return out
+
+
 def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, int]]:
     """Slot runs holding positions [first, end) of a context stored in ``pages`` (consecutive pages merge)."""
     out: list[tuple[int, int]] = []
@@ -79,8 +91,10 @@ class _Reads:
     """One KV group's side of a step: the slot each token's K/V goes to, and what each token reads."""
 
     slots: list[int] = field(default_factory=list)
-    units: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    segments: list[tuple[int, int, list[tuple[int, int]], int]] = field(default_factory=list)
+    # units (kv_lo, kv_hi, tok_lo, tok_hi, causal, first key's position); segments (tok_lo, tok_hi, runs,
+    # visible, first key's position): every key's position is known, for a window
+    units: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    segments: list[tuple[int, int, list[tuple[int, int]], int, int]] = field(default_factory=list)
 
     def add_item(self, w, cut: int, t0: int, pages, page_size: int) -> None:
         """Work item ``w`` (its first token at ``t0``), its context read from ``pages`` past its cut."""
@@ -89,25 +103,27 @@ class _Reads:
         for lo, hi in own:
             self.slots += range(lo, hi)
         context = slot_runs(pages, page_size, cut * page_size, w.start)
-        if w.parents is not None:  # a draft tree: context by units, ancestors per token
-            self.units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
-            self.segments += tree_segments(t0, self.slots[t0:], w.parents)
+        at = positioned(context, cut * page_size)
+        if w.parents is not None:  # a draft tree: context by units, ancestors per token (root at start)
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in at]
+            self.segments += [(*s, w.start) for s in tree_segments(t0, self.slots[t0:], w.parents)]
         elif k >= UNIT_TOKENS:
-            self.units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in at]
             if len(own) == 1:
-                self.units.append((own[0][0], own[0][1], t0, t0 + k, 1))
-                self.segments.append((t0, t0 + k, [], 0))
+                self.units.append((own[0][0], own[0][1], t0, t0 + k, 1, w.start))
+                self.segments.append((t0, t0 + k, [], 0, w.start))
             else:
-                self.segments.append((t0, t0 + k, own, 1))
+                self.segments.append((t0, t0 + k, own, 1, w.start))
         else:
-            self.segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1))
+            self.segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1, cut * page_size))
 
     def add_shared(self, plan: StepPlan, starts: list[int], page_size: int, pages_of) -> None:
         """The plan's shared runs: one non-causal unit each over its slots, for all its items' tokens."""
         for run in plan.shared:
             pages = pages_of(plan.work[run.lo].pages)
-            for lo, hi in slot_runs(pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
-                self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0))
+            first = run.page_lo * page_size
+            for lo, hi, p in positioned(slot_runs(pages, page_size, first, run.page_hi * page_size), first):
+                self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0, p))
 
 
 def pack(
@@ -159,9 +175,12 @@ def pack(
     built: dict[tuple[int, int | None], StepAttentionMeta] = {}  # per (group, mask): kinds share them
     metas = []
     for g, spec in zip(specs.groups, specs.specs, strict=True) if specs is not None else [(0, None)]:
+        window = spec.window if spec is not None else None
         key = (g, spec.mask_key if spec is not None else None)
-        if key not in built:  # every mask is full attention today
-            built[key] = StepAttentionMeta.build(reads[g].units, reads[g].segments, len(ids), device)
+        if key not in built:
+            built[key] = StepAttentionMeta.build(
+                reads[g].units, reads[g].segments, len(ids), device, window=window, positions=pos
+            )
         metas.append(built[key])
     slots = [as_tensor(r.slots) for r in reads]
     batch = PackedBatch(
@@ -177,10 +196,12 @@ def pack(
     return batch, starts[:-1]
 
 
-def triton_tables(plan: StepPlan, page_size: int, device, group: int, num_kv_heads: int, options: dict):
+def triton_tables(
+    plan: StepPlan, page_size: int, device, group: int, num_kv_heads: int, options: dict, window=None
+):
     """The Triton tree-decode tables (``tree_plan.py``) for a step where every item decodes one token:
-    shared runs as slot ranges read by item ranges, and each item's tail (from its cut) as a page table.
-    None for any other step (it takes the general path)."""
+    shared runs as slot ranges read by item ranges, and each item's tail (from its cut) as a page table;
+    with ``window``, each item's bounds. None for any other step (it takes the general path)."""
     if not plan.work or any(len(w.tokens) != 1 for w in plan.work):
         return None
     from hydragen.attention.tree_plan import build_tree_plan
