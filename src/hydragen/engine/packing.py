@@ -43,9 +43,11 @@ class PackedBatch:
     metas: tuple[StepAttentionMeta, ...]  # per distinct layer spec; specs with one mask share one
     logit_rows: torch.Tensor  # [R] the tokens whose logits are wanted: each item's last Work.logit_rows
     num_prefill_tokens: int  # tokens of items that do not sample (prompt chunks before the last)
-    # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables.
+    # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables, the
+    # first kind's (tree_plan) and every kind's (tree_plans: kinds of one mask share one).
     tree_plan: object | None = None
     tail_lens: torch.Tensor | None = None
+    tree_plans: tuple = ()
     shared_items: int = 0  # shared runs read by ranges of items
     group_slots: tuple[torch.Tensor, ...] = ()  # KV groups 1..: each token's slot in that group's pages
 
@@ -209,8 +211,9 @@ def triton_tables(
     items = []
     for run in plan.shared:
         first = plan.work[run.lo]
-        for lo, hi in slot_runs(first.pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
-            items.append((lo, hi, run.lo, run.hi))
+        at = run.page_lo * page_size
+        for lo, hi, p in positioned(slot_runs(first.pages, page_size, at, run.page_hi * page_size), at):
+            items.append((lo, hi, run.lo, run.hi, p))
     cuts = plan.cuts or (0,) * len(plan.work)
     tails = [w.pages[cut:] for w, cut in zip(plan.work, cuts, strict=True)]
     lens = [w.end - cut * page_size for w, cut in zip(plan.work, cuts, strict=True)]
@@ -224,6 +227,9 @@ def triton_tables(
         group=group,
         num_kv_heads=num_kv_heads,
         tail_cap=max(lens),
+        window=window,
+        positions=[w.start for w in plan.work],
+        tail_start=[cut * page_size for cut in cuts],
         **options,
     )
     return tree, torch.tensor(lens, dtype=torch.long, device=device)
