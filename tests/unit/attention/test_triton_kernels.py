@@ -346,8 +346,8 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
     seen = []  # (shared items, work units) of every Triton call: the shared path must really run
     inner = ModelRunner._triton_attention
 
-    def spy(self, row, q, batch, scale):
-        out = inner(self, row, q, batch, scale)
+    def spy(self, row, q, batch, scale, *rest):
+        out = inner(self, row, q, batch, scale, *rest)
         seen.append((batch.shared_items, batch.tree_plan.num_units))
         return out
 
@@ -356,6 +356,46 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert seen and max(items for items, _ in seen) >= 2  # stem + per-prompt nodes: nested sharing
     assert max(units for _, units in seen) >= (4 if options else 2)
+    for a, b in zip(got, want, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            for ra, rb in zip(ca.logprobs, cb.logprobs, strict=True):
+                assert ra.keys() == rb.keys() and all(abs(ra[t] - rb[t]) < 1e-4 for t in ra)
+
+
+def test_engine_triton_takes_windows_and_soft_caps(tiny_models, monkeypatch, tk):
+    """The tiny llama's first layer sliding (W = 6) and soft-capped, its second full: attention="triton"
+    gives the CPU path's greedy tokens and logprobs, with a plan per mask (the full layer's and the sliding
+    one's, bounded) and each layer's soft-cap."""
+    import dataclasses
+
+    from hydragen.attention.layer_spec import AttentionSpec
+    from hydragen.model.config import ModelConfig
+
+    real = ModelConfig.from_hf.__func__
+
+    def from_hf(cls, hf):
+        cfg = real(cls, hf)
+        s = cfg.head_dim**-0.5
+        specs = (AttentionSpec(s, window=6, soft_cap=0.8), AttentionSpec(s))
+        return dataclasses.replace(cfg, layer_specs=specs)
+
+    monkeypatch.setattr(ModelConfig, "from_hf", classmethod(from_hf))
+    params = SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    path = tiny_models["llama"]
+    want = LLM(path, device=DEV, kv_cache_tokens=2048, page_size=4).generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(ModelRunner, "plan_options", dict(chunk_tokens=8, block_m=16, tail_split_len=4))
+    seen = []
+    inner = ModelRunner._triton_attention
+
+    def spy(self, row, q, batch, scale, softcap=None, kind=0):
+        seen.append((kind, softcap, batch.tree_plans[kind].window))
+        return inner(self, row, q, batch, scale, softcap, kind)
+
+    monkeypatch.setattr(ModelRunner, "_triton_attention", spy)
+    llm = LLM(path, device=DEV, attention="triton", kv_cache_tokens=2048, page_size=4)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert set(seen) == {(0, 0.8, 6), (1, None, None)}
     for a, b in zip(got, want, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         for ca, cb in zip(a.outputs, b.outputs, strict=True):
