@@ -22,7 +22,7 @@ Two kinds:
 Items of each kind are sorted most expensive first, so threads taking them in order finish together.
 
 **Windows cut the work** (``window`` given): a unit, a segment, and then every piece and block is trimmed
-to begin at the first key one of its tokens sees (``_trim``), and a piece none of whose tokens sees any of
+to begin at the first key one of its tokens sees (``_cut``), and a piece none of whose tokens sees any of
 its keys is dropped, before anything is chunked or counted. So a sliding layer reads, per token tile, at most
 the window plus the tile's spread of positions: a decode token's context of 8K keys under a window of 1K is
 one chunk of 1K keys (split over the threads as before), a shared run wholly before every window costs
