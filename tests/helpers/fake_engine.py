@@ -117,9 +117,12 @@ class FakeRunner:
                 if pool.refs[p] <= 0:
                     raise PlanViolation(f"page {p} in a plan is held by nobody (freed or evicted)")
             context = w.seq.context
-            for g in groups:  # each KV group's pages hold the context, as the table's do
-                pages = pool.in_group(w.pages, g)
-                for p in range(w.start):
+            released = pool.layout.released
+            for g in groups:  # each KV group's pages hold the context, as the table's do (a sliding one's:
+                pages = pool.in_group(w.pages, g)  # from the first page its window reads)
+                window = released.get(g)
+                lowest = 0 if window is None else max(0, (w.start - window + 1) // ps) * ps
+                for p in range(lowest, w.start):
                     slot = pages[p // ps] * ps + p % ps
                     if pool.content[slot] != (p, context[p]):
                         raise PlanViolation(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hydragen.kv.layout import model_kv_layout
+from hydragen.kv.layout import group_windows, model_kv_layout
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,11 @@ class LayerSpecs:
 
     def __len__(self) -> int:
         return len(self.of_layer)
+
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Per KV group, its layers' window (None when one of them attends to everything): what
+        ``kv/layout.py`` releases pages by."""
+        return group_windows(self.groups, [s.window for s in self.specs])
 
     def unsupported(self) -> str | None:
         """Why today's kernels cannot compute these specs exactly (sinks), or None when they can."""

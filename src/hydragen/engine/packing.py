@@ -31,6 +31,7 @@ import torch
 from hydragen.attention.layer_spec import LayerSpecs
 from hydragen.attention.step_attention import StepAttentionMeta, tree_segments
 from hydragen.engine.step_plan import StepPlan, tree_depths
+from hydragen.kv.layout import released_groups
 
 UNIT_TOKENS = 16  # items with at least this many tokens read their context by matrix products (units)
 
@@ -98,33 +99,49 @@ class _Reads:
     units: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     segments: list[tuple[int, int, list[tuple[int, int]], int, int]] = field(default_factory=list)
 
-    def add_item(self, w, cut: int, t0: int, pages, page_size: int) -> None:
-        """Work item ``w`` (its first token at ``t0``), its context read from ``pages`` past its cut."""
+    def add_item(self, w, cut: int, t0: int, pages, page_size: int, window: int | None = None) -> None:
+        """Work item ``w`` (its first token at ``t0``), its context read from ``pages`` past its cut; with
+        ``window`` (a group whose pages before it are released), from the first page its window reads."""
         k = len(w.tokens)
         own = slot_runs(pages, page_size, w.start, w.end)
         for lo, hi in own:
             self.slots += range(lo, hi)
-        context = slot_runs(pages, page_size, cut * page_size, w.start)
+        first = max(cut, _first_page(w.start, window, page_size)) * page_size
+        context = slot_runs(pages, page_size, first, w.start) if first < w.start else []
         if w.parents is not None:  # a draft tree: context by units, ancestors per token (root at start)
-            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in positioned(context, cut * page_size)]
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in positioned(context, first)]
             self.segments += [(*s, w.start) for s in tree_segments(t0, self.slots[t0:], w.parents)]
         elif k >= UNIT_TOKENS:
-            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in positioned(context, cut * page_size)]
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in positioned(context, first)]
             if len(own) == 1:
                 self.units.append((own[0][0], own[0][1], t0, t0 + k, 1, w.start))
                 self.segments.append((t0, t0 + k, [], 0, w.start))
             else:
                 self.segments.append((t0, t0 + k, own, 1, w.start))
         else:
-            self.segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1, cut * page_size))
+            self.segments.append((t0, t0 + k, context + own, w.start - first + 1, first))
 
-    def add_shared(self, plan: StepPlan, starts: list[int], page_size: int, pages_of) -> None:
-        """The plan's shared runs: one non-causal unit each over its slots, for all its items' tokens."""
+    def add_shared(
+        self, plan: StepPlan, starts: list[int], page_size: int, pages_of, window: int | None = None
+    ) -> None:
+        """The plan's shared runs: one non-causal unit each over its slots, for all its items' tokens; with
+        ``window``, from the first page one of their windows reads."""
         for run in plan.shared:
+            lo_page = run.page_lo
+            if window is not None:
+                reach = min(_first_page(w.start, window, page_size) for w in plan.work[run.lo : run.hi])
+                lo_page = max(lo_page, reach)
+            if lo_page >= run.page_hi:
+                continue
             pages = pages_of(plan.work[run.lo].pages)
-            first = run.page_lo * page_size
+            first = lo_page * page_size
             for lo, hi, p in positioned(slot_runs(pages, page_size, first, run.page_hi * page_size), first):
                 self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0, p))
+
+
+def _first_page(position: int, window: int | None, page_size: int) -> int:
+    """The first page a token at ``position`` reads through ``window`` (kv/window_pages.py's rule)."""
+    return 0 if window is None else max(0, (position - window + 1) // page_size)
 
 
 def pack(
@@ -166,11 +183,12 @@ def pack(
     starts.append(len(ids))
     lead.add_shared(plan, starts, page_size, lambda pages: pages)
     reads = [lead]
-    for g in range(1, groups):  # the same reads in each other group's pages
-        mine = _Reads()
+    released = released_groups(specs.group_windows()) if specs is not None else {}
+    for g in range(1, groups):  # the same reads in each other group's pages (a sliding one's: its windows')
+        mine, window = _Reads(), released.get(g)
         for w, cut, t0 in zip(plan.work, cuts, starts, strict=False):
-            mine.add_item(w, cut, t0, group_pages(w.pages, g), page_size)
-        mine.add_shared(plan, starts, page_size, lambda pages, g=g: group_pages(pages, g))
+            mine.add_item(w, cut, t0, group_pages(w.pages, g), page_size, window)
+        mine.add_shared(plan, starts, page_size, lambda pages, g=g: group_pages(pages, g), window)
         reads.append(mine)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     built: dict[tuple[int, int | None], StepAttentionMeta] = {}  # per (group, mask): kinds share them

@@ -36,12 +36,8 @@ class KVLayout:
 
     @property
     def released(self) -> dict[int, int]:
-        """The groups whose pages are released as the window moves past them: {group: window}. None when
-        group 0 itself slides (a model of sliding layers only): its pages are the tables' and the tree's."""
-        windows = self.group_window
-        if not windows or windows[0] is not None:
-            return {}
-        return {g: w for g, w in enumerate(windows) if w is not None}
+        """The groups whose pages are released as the window moves past them: {group: window}."""
+        return released_groups(self.group_window)
 
     @classmethod
     def single(cls, num_layers: int) -> KVLayout:
@@ -67,6 +63,14 @@ class KVLayout:
         return max(self.group_of_layer.count(g) for g in range(self.groups))
 
 
+def released_groups(group_window) -> dict[int, int]:
+    """{group: window} of the sliding groups whose pages go as their windows move on: none when group 0
+    itself slides (a model of sliding layers only), since its pages are the tables' and the tree's."""
+    if not group_window or group_window[0] is not None:
+        return {}
+    return {g: w for g, w in enumerate(group_window) if w is not None}
+
+
 def model_kv_layout(cfg) -> KVLayout:
     """The layout a model config declares (``cfg.kv_groups``: a group per layer), else one group; each
     group's window is its layers' (``cfg.layer_specs``), None when one of them attends to everything."""
@@ -79,8 +83,14 @@ def model_kv_layout(cfg) -> KVLayout:
     specs = getattr(cfg, "layer_specs", None) or ()
     if len(specs) != len(groups):
         return KVLayout(groups)
-    windows: list[int | None] = []
+    return KVLayout(groups, group_windows(groups, [s.window for s in specs]))
+
+
+def group_windows(groups, windows) -> tuple[int | None, ...]:
+    """Per group, the window of its members (layers or layer kinds: ``groups[i]`` and ``windows[i]``), None
+    when one of them attends to everything."""
+    out = []
     for g in range(max(groups) + 1):
-        mine = [s.window for s, of in zip(specs, groups, strict=True) if of == g]
-        windows.append(None if None in mine else max(mine))
-    return KVLayout(groups, tuple(windows))
+        mine = [w for w, of in zip(windows, groups, strict=True) if of == g]
+        out.append(None if None in mine else max(mine))
+    return tuple(out)

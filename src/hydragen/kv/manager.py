@@ -318,16 +318,20 @@ class KVManager:
 
     def computed_to(self, table: PageTable, end: int, verified: int | None = None) -> None:
         """A forward wrote the table's KV up to position ``end``: its own published pages below it are now
-        full of KV (whoever waits on them can go on), and its windows moved past their first pages: up to
-        ``verified`` when positions past it are drafts that ``truncate`` may take back (a window moved on
-        cannot move back: its pages are gone)."""
+        full of KV (whoever waits on them can go on).
+
+        Its windows move past their first pages one step late, to where the previous forward ended (at most
+        ``verified``, when positions past it are drafts that ``truncate`` may take back: a window that
+        moved on cannot move back, its pages are gone). Late, because the pages a forward fills are
+        published after it (``publish``): a page released before would go back to the pool, and its tree
+        node could never end a hit; released after, it stays there as an idle part."""
         before, table.computed = table.computed, end
         nodes = self.tree.nodes
         for i in range(before // self.page_size, min(table.published, end // self.page_size)):
             nodes[table.pages[i]].computed = True
         if self.windows:
             self.windows.slide(
-                table.window_from, table.pages, end if verified is None else min(end, verified)
+                table.window_from, table.pages, before if verified is None else min(before, verified)
             )
 
     def in_flight(self, table: PageTable) -> list[int]:
@@ -443,6 +447,17 @@ class KVManager:
             self.tree.went_idle(p)
         self.idle += len(cached)
         self.pool.free([p for p in dropped if p not in self.tree])
+        if self.windows:  # a leaf nobody holds whose windows' pages are gone can never be hit: it goes
+            nodes, refs = self.tree.nodes, self.pool.refs
+            for p in cached:
+                node = nodes.get(p)
+                if (
+                    node is not None
+                    and not node.children
+                    and not refs[p]
+                    and not self.windows.valid_end(node)
+                ):
+                    self._evict_leaf(node)
 
     # ---- forks and copies ----------------------------------------------------------------------------
     def fork(self, dst: PageTable, src: PageTable, upto: int, shared_pages: int, reserved: list[int]) -> None:

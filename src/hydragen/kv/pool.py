@@ -144,6 +144,7 @@ class PagePool:
         self.group_pages = [list(range(physical))] + [[-1] * physical for _ in range(self.groups - 1)]
         # part_refs[g][p]: holds on window group g's page beside table page p (kv/manager.py)
         self.part_refs = {g: [0] * physical for g in layout.released}
+        self.parts_present = 0  # other groups' pages beside table pages in use
         self.bytes_per_token = 2 * layout.rows * self.groups * num_kv_heads * head_dim * self.k.element_size()
         self.peak_used = 0
 
@@ -162,8 +163,9 @@ class PagePool:
 
     @property
     def used_pages(self) -> int:
-        """Pages out of the allocator: held by page tables or kept by the prefix cache."""
-        return self.num_pages - self.free_pages
+        """Table pages out of the allocator: held by page tables or kept by the prefix cache (with sliding
+        groups, whether or not their window pages are still there)."""
+        return self.num_pages * self.groups - self.allocator.free - self.parts_present
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -186,6 +188,7 @@ class PagePool:
             for g in range(1, groups):  # each group's pages a run of their own where the extents allow
                 for p, q in zip(pages, taken[g * n : (g + 1) * n], strict=True):
                     self.group_pages[g][p] = q
+            self.parts_present += n * (groups - 1)
         for p in pages:
             self.refs[p] = 1
             for held in self.part_refs.values():
@@ -226,6 +229,7 @@ class PagePool:
             raise RuntimeError(f"group {group}'s page beside {page} freed while held {held[page]} time(s)")
         self.allocator.release(self.group_pages[group][page])
         self.group_pages[group][page] = -1
+        self.parts_present -= 1
 
     def in_group(self, pages, group: int) -> tuple[int, ...]:
         """Group ``group``'s pages beside table pages ``pages``."""

@@ -6,7 +6,9 @@ every request failing alone; then everything is aborted, as ``LLM.generate`` and
 engine goes on), on page sizes 1, 4 and 16, pools from a few pages up and seat limits from 1.
 
 After every step: every page is free, cached or held, and its refcount equals the page tables holding it;
-every page in flight has exactly one live writer; every plan's context was really in the pages it named,
+every page in flight has exactly one live writer; with sliding-window KV groups, each table holds exactly its
+windows' pages of them, idle ones only beside cached pages, and no idle leaf is a dead end; every plan's
+context was really in the pages it named,
 its shared runs and cuts agree with the page tables, and the packed step's attention reads exactly each
 token's context (checked by the fake runner at forward time); every running request makes progress within
 a bounded number of steps. At the end: every request finished with exactly the tokens the fake model gives,
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hydragen import SamplingParams
+from hydragen.attention.layer_spec import AttentionSpec
 from hydragen.dp.kv_events import to_wire
 from hydragen.dp.router import ReplicaState
 from hydragen.engine.sequence import Status
@@ -61,9 +64,14 @@ class EngineMachine(RuleBasedStateMachine):
         min_shared_reads=st.sampled_from([0, 2048]),
         chunk=st.sampled_from([2, 4, 16, 512]),
         seats=st.sampled_from([1, 2, 3, 256]),
-        kv_groups=st.sampled_from([(), (), (0, 1), (0, 1, 1)]),  # a table page per KV group
+        kv_groups=st.sampled_from([(), (), (0, 1), (0, 1, 1), (0, 1, 2)]),  # a table page per KV group
+        window=st.sampled_from([None, None, 1, 3, 6, 17]),  # groups 1..: sliding (their pages released)
     )
-    def setup(self, page_size, pages, sharing, min_shared_reads, chunk, seats, kv_groups=()):
+    def setup(self, page_size, pages, sharing, min_shared_reads, chunk, seats, kv_groups=(), window=None):
+        specs = ()
+        if kv_groups and window is not None:  # group 0 full; group g >= 1 slides over window * g tokens
+            specs = [AttentionSpec(1.0, window=None if g == 0 else window * g) for g in kv_groups]
+        self.window = window if specs else None
         self.engine = fake_engine(
             pages,
             page_size,
@@ -74,6 +82,7 @@ class EngineMachine(RuleBasedStateMachine):
             max_wait_steps=8,
             max_num_seqs=seats,
             kv_groups=kv_groups,
+            layer_specs=specs,
         )
         self.mirror = ReplicaState(approx_capacity=1)  # a router's view, built from KV events alone
         self.engine.publish_kv_events(
