@@ -60,3 +60,25 @@ def model_kv_layout(cfg) -> KVLayout:
             raise ValueError(f"the model declares KV groups for {len(declared)} of {cfg.num_layers} layers")
         return KVLayout(tuple(int(g) for g in declared))
     return KVLayout.single(cfg.num_layers)
+
+
+def window_groups(windowed: list[bool] | tuple[bool, ...]) -> tuple[int, ...]:
+    """KV groups for a model whose layers are sliding-window (True) or full attention (False): windowed
+    layers never share a group with full ones (their pages are to be released as the window moves on).
+
+    Every group has as many layers as the smaller kind (the largest group sets the pool's rows, so unequal
+    groups waste memory): the full layers in groups of that size and the windowed ones cut, in layer order,
+    into groups of that size (vLLM's hybrid cache groups the same way). Gemma 2 (1:1) gets two groups;
+    Gemma 3's 1B (22 windowed, 4 full) gets 7 groups of 4 rows, 28 rows a page for 26 layers, where one
+    windowed and one full group would take 44. Groups are numbered by first use (``KVLayout``)."""
+    kinds = [bool(w) for w in windowed]
+    if all(kinds) or not any(kinds):
+        return (0,) * len(kinds)
+    size = min(kinds.count(True), kinds.count(False))
+    seen = {True: 0, False: 0}
+    keys = []  # (kind, chunk) per layer
+    for w in kinds:
+        keys.append((w, seen[w] // size))
+        seen[w] += 1
+    number: dict[tuple[bool, int], int] = {}
+    return tuple(number.setdefault(key, len(number)) for key in keys)

@@ -76,6 +76,9 @@ class Family:
     config: ConfigFn = _no_fields  # HF config -> family ModelConfig fields (norms, activation, specs, ...)
     gguf_config: GGUFConfigFn = _no_fields  # GGUF metadata -> HF config fields this family adds
     model_type: str = ""  # the HF model_type a GGUF of this family reads as (default: the family name)
+    # HF architectures of this family's kin that hydragen refuses -> the one line that says why and what to
+    # load instead (Gemma 3's vision-language checkpoint).
+    hf_refused: dict[str, str] = field(default_factory=dict)
 
     def hf_tensor(self, role: str) -> str:
         return self.layer_tensors[role]
