@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -195,7 +199,303 @@ def _hf_config(name: str) -> dict:
     return json.loads(json.dumps(d))
 
 
-def _where():
-    from pathlib import Path
-
+def _where() -> Path:
     return Path("config.json")
+
+
+# ---- GGUF, as llama.cpp's converter lays it out ------------------------------------------------------------
+
+Q = gguf.GGMLQuantizationType
+# HF tensor suffix -> llama.cpp's block tensor name (no q/k permutation: Gemma's RoPE is NeoX-style there)
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, *rest = hf.split(".")
+    return f"blk.{layer}.{GGUF_NAMES['.'.join(rest[:-1])]}.weight"
+
+
+def write_gemma_gguf(hf_dir, path, types: dict[str, Q], pattern: int | None = None) -> dict[str, np.ndarray]:
+    """The HF checkpoint as llama.cpp's converter writes it: its metadata keys, norms stored as 1 + w,
+    tied embeddings, no lm_head; matrices in ``types`` (default F32). Returns the weights as the file
+    holds them, dequantized: what transformers must compute with to be the oracle."""
+    from safetensors.torch import load_file
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    arch = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}[hf["architectures"][0]]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_key_length(hf["head_dim"])
+    w.add_value_length(hf["head_dim"])
+    w.add_sliding_window(hf["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(hf["final_logit_softcapping"])
+    else:
+        rope = hf["rope_parameters"]
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if rope["full_attention"].get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if pattern is not None:
+        w.add_sliding_window_pattern(pattern)
+    stored = {}
+    for name, t in sorted(load_file(hf_dir / "model.safetensors").items()):
+        if name == "lm_head.weight":
+            continue
+        arr = t.float().numpy()
+        if arr.ndim == 1:
+            arr = arr + np.float32(1.0)  # Gemma's norms compute x * (1 + w): llama.cpp stores 1 + w
+        g, qtype = gguf_name(name), types.get(name, Q.F32)
+        if qtype == Q.F32 or arr.ndim == 1:
+            w.add_tensor(g, arr)
+            stored[name] = arr
+        elif qtype == Q.F16:
+            w.add_tensor(g, arr.astype(np.float16))
+            stored[name] = arr.astype(np.float16).astype(np.float32)
+        else:
+            blocks = gguf.quants.quantize(arr, qtype)
+            w.add_tensor(g, blocks, raw_dtype=qtype)
+            stored[name] = gguf.quants.dequantize(blocks, qtype).reshape(arr.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def oracle_dir(hf_dir, stored: dict[str, np.ndarray], out):
+    """The HF checkpoint holding the GGUF's (dequantized) weights: transformers computing what the file
+    holds."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    (out / "config.json").write_text((hf_dir / "config.json").read_text())
+    tensors = {k: torch.from_numpy(v - 1.0 if v.ndim == 1 else v).contiguous() for k, v in stored.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def gguf_spec(name: str) -> dict:
+    """llama.cpp keeps no query_pre_attn_scalar: it scales by head_dim ** -0.5 (but the 27B's), so the
+    GGUF models have query_pre_attn_scalar = head_dim, as every released size but the 27B has."""
+    spec = narrow(name)
+    return {**spec, "query_pre_attn_scalar": spec["head_dim"]}
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory) -> dict:
+    """Per family: (HF dir, F32 GGUF, quantized GGUF, the HF dir holding the quantized file's weights)."""
+    root = tmp_path_factory.mktemp("gemma_gguf")
+    out = {}
+    for name in ("gemma2", "gemma3"):
+        hf_dir = root / name
+        save_tiny(gguf_spec(name), hf_dir)
+        pattern = 3 if name == "gemma3" else None  # the key llama.cpp reads; absent: Gemma 2's default, 2
+        write_gemma_gguf(hf_dir, root / f"{name}-f32.gguf", {}, pattern)
+        layer = "model.layers.1."
+        types = {
+            "model.embed_tokens.weight": Q.Q8_0,
+            layer + "self_attn.q_proj.weight": Q.Q8_0,
+            layer + "self_attn.k_proj.weight": Q.F16,
+            layer + "mlp.gate_proj.weight": Q.Q8_0,
+            layer + "mlp.up_proj.weight": Q.Q8_0,
+            layer + "mlp.down_proj.weight": Q.F16,
+            "model.layers.0.self_attn.o_proj.weight": Q.Q8_0,
+        }
+        stored = write_gemma_gguf(hf_dir, root / f"{name}-q.gguf", types, pattern)
+        out[name] = (
+            hf_dir,
+            root / f"{name}-f32.gguf",
+            root / f"{name}-q.gguf",
+            oracle_dir(hf_dir, stored, root / f"{name}-oracle"),
+        )
+    return out
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gguf_config_is_the_checkpoints(gguf_models, name) -> None:
+    hf_dir, f32, _, _ = gguf_models[name]
+    from_hf = parse_config(json.loads((hf_dir / "config.json").read_text()), _where())
+    cfg, sd = read_gguf(f32)
+    from_gguf = ModelConfig.from_hf(cfg)
+    assert "lm_head.weight" not in sd and from_gguf.tie_word_embeddings
+    assert cfg["model_type"] == {"gemma2": "gemma2", "gemma3": "gemma3_text"}[name]
+    same = (
+        "layer_specs",
+        "kv_groups",
+        "rope_theta",
+        "rope_scaling",
+        "local_rope_theta",
+        "embed_scale",
+        "final_logit_softcap",
+        "qk_norm",
+        "sandwich_norms",
+        "activation",
+        "head_dim",
+        "num_kv_heads",
+    )
+    for field in same:
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gguf_computes_transformers_logits(gguf_models, name) -> None:
+    """F32 files: transformers' logits from the HF checkpoint. Files with Q8_0 and F16 matrices kept in
+    their format: transformers' logits from those blocks dequantized, within the kernels' rounding (they
+    quantize activations to 15 bits)."""
+    hf_dir, f32, quantized, oracle = gguf_models[name]
+    net, cfg, _ = load_model(f32, CPU, torch.float32)
+    assert torch.allclose(logits_of(net, cfg, IDS), hf_logits(hf_dir, IDS), rtol=0, atol=1e-5)
+    net, cfg, _ = load_model(quantized, CPU, torch.float32)
+    from hydragen.model.linear import PackedEmbedding, PackedProjection
+
+    assert isinstance(net.embed, PackedEmbedding) and isinstance(net.layers[1].gate_up, PackedProjection)
+    got, want = logits_of(net, cfg, IDS), hf_logits(oracle, IDS)
+    assert (got - want).abs().max() < 2e-3, (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+# ---- llama.cpp's converter itself (slow) ------------------------------------------------------------------
+
+LLAMA_CPP = Path(
+    os.environ.get("HYDRAGEN_LLAMA_CPP_SOURCE", "/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
+)
+needs_converter = pytest.mark.skipif(
+    not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
+    reason=f"llama.cpp's converter is not at {LLAMA_CPP} (set HYDRAGEN_LLAMA_CPP_SOURCE to a llama.cpp tree)",
+)
+
+
+def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, with its own gguf-py, on ``hf_dir``. It needs a tokenizer it
+    knows, and Gemma 2's needs SentencePiece (not installed here): the Gemma 3 models take the embedded
+    model's BPE tokenizer (49,152 tokens), whose pre-tokenizer the converter knows as smollm's."""
+    from transformers import AutoTokenizer
+
+    from hydragen.model.default_model import default_model_path
+
+    model = default_model_path()
+    AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name).save_pretrained(hf_dir)
+    env = dict(os.environ, PYTHONPATH=str(LLAMA_CPP / "gguf-py"))
+    command = [sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out)]
+    run = subprocess.run([*command, "--outtype", outtype], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out
+
+
+def file_oracle(path: Path, config: dict, out: Path) -> Path:
+    """An HF Gemma3ForCausalLM directory holding exactly the GGUF's weights (dequantized by the gguf package,
+    norms back to w): transformers computing what the file holds."""
+    from safetensors.torch import save_file
+
+    to_hf = {v: k for k, v in GGUF_NAMES.items()}
+    tensors = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        else:
+            _, layer, role, _ = t.name.split(".")
+            name = f"model.layers.{layer}.{to_hf[role]}.weight"
+        tensors[name] = torch.from_numpy(w - 1.0 if w.ndim == 1 else w).contiguous()
+    out.mkdir()
+    config = {**config, "vocab_size": int(tensors["model.embed_tokens.weight"].shape[0])}
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def converter_spec() -> dict:
+    """Gemma 3 as the converter keeps it: query_pre_attn_scalar = head_dim (llama.cpp keeps none) and the
+    default pattern (five local layers, a global one: the converter writes no pattern)."""
+    spec = {k: v for k, v in gguf_spec("gemma3").items() if k != "sliding_window_pattern"}
+    return {**spec, "vocab_size": 49152}
+
+
+@pytest.mark.slow
+@needs_converter
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
+def test_llama_cpps_converter_output_computes_transformers_logits(tmp_path, outtype) -> None:
+    """A tiny Gemma3ForCausalLM through convert_hf_to_gguf.py, loaded kept in the file's format: the logits
+    of transformers running the file's weights, over a context five windows long."""
+    from hydragen.model.linear import PackedProjection
+
+    hf_dir = tmp_path / "hf"
+    save_tiny(converter_spec(), hf_dir)
+    path = convert(hf_dir, tmp_path / f"gemma3-{outtype}.gguf", outtype)
+    oracle = file_oracle(path, json.loads((hf_dir / "config.json").read_text()), tmp_path / "oracle")
+    net, cfg, _ = load_model(path, CPU, torch.float32)
+    assert [s.window for s in cfg.layer_specs] == [WINDOW] * 5 + [None]
+    if outtype != "f32":
+        assert isinstance(net.layers[0].gate_up, PackedProjection)
+    ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(0))
+    got, want = logits_of(net, cfg, ids), hf_logits(oracle, ids)
+    assert (got - want).abs().max() < (1e-5 if outtype == "f32" else 2e-3), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.slow
+@needs_converter
+def test_the_text_part_of_gemma3_for_conditional_generation_loads(tmp_path) -> None:
+    """convert_hf_to_gguf.py writes the text part of Gemma3ForConditionalGeneration as a gemma3 GGUF (the
+    vision tower goes to a separate mmproj): it loads, and computes the checkpoint's text logits."""
+    import transformers
+
+    spec = {k: v for k, v in converter_spec().items() if k not in ("arch", "config_class", "random_norms")}
+    text = transformers.Gemma3TextConfig(bos_token_id=1, eos_token_id=2, **spec)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32
+    )
+    cfg = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=49151,
+        boi_token_index=49150,
+        eoi_token_index=49149,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15 if p.dim() == 2 else 0.3)
+    hf_dir = tmp_path / "vlm"
+    model.save_pretrained(hf_dir)
+    with pytest.raises(ModelFileError, match="vision tower"):
+        load_model(hf_dir, CPU, torch.float32)
+    path = convert(hf_dir, tmp_path / "gemma3-text.gguf", "f32")
+    net, cfg, _ = load_model(path, CPU, torch.float32)
+    ids = torch.randint(3, 49000, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids[None]).logits[0].float()
+    got = logits_of(net, cfg, ids)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
