@@ -219,9 +219,13 @@ class DecoderModel(nn.Module):
         h, inter = c.hidden_size, c.intermediate_size
         names = self.family.layer_tensors
 
+        # Norms computing x * (1 + w) (Gemma's) multiply in float32 and round once: their weights stay float32
+        # (linear.rms_norm then takes that order).
+        norm_dtype = torch.float32 if self.family.hf_norm_offset else dtype
+
         def vector(name: str, n: int, offset: float = 0.0) -> nn.Parameter:
             t = _checked(name, sd.pop(name), (n,)).to(device, torch.float32) + offset
-            return nn.Parameter(t.to(dtype), requires_grad=False)
+            return nn.Parameter(t.to(norm_dtype), requires_grad=False)
 
         def projection(names: list[tuple[str, int]], cols: int, bias: list[str] | None = None) -> Projection:
             parts = [_checked(n, sd.pop(n), (rows, cols)) for n, rows in names]

@@ -71,7 +71,7 @@ class Family:
     fused_stack: bool = False
     # Norm weights in a Hugging Face checkpoint are stored as w with the norm computing x * (1 + w)
     # (Gemma): the loader adds this to them, so the decoder always computes x * w (llama.cpp's GGUF already
-    # holds 1 + w).
+    # holds 1 + w). Such norms multiply in float32 and round once, so their weights stay float32.
     hf_norm_offset: float = 0.0
     config: ConfigFn = _no_fields  # HF config -> family ModelConfig fields (norms, activation, specs, ...)
     gguf_config: GGUFConfigFn = _no_fields  # GGUF metadata -> HF config fields this family adds

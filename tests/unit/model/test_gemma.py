@@ -499,3 +499,34 @@ def test_the_text_part_of_gemma3_for_conditional_generation_loads(tmp_path) -> N
         want = model.eval()(input_ids=ids[None]).logits[0].float()
     got = logits_of(net, cfg, ids)
     assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+
+
+def test_16_bit_models_norm_in_gemmas_order(narrow_models) -> None:
+    """Gemma's RMSNorm multiplies by 1 + w in float32 and rounds once (Llama's rounds, then multiplies): a
+    bfloat16 model keeps its (1 + w) in float32 and gives transformers' norm bit for bit."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from hydragen.model.linear import rms_norm
+
+    net, cfg, _ = load_model(narrow_models["gemma3"], CPU, torch.bfloat16)
+    layer = net.layers[0]
+    norms = (
+        layer.attn_norm,
+        layer.post_attn_norm,
+        layer.mlp_norm,
+        layer.post_mlp_norm,
+        layer.q_norm,
+        net.norm,
+    )
+    assert all(n.dtype == torch.float32 for n in norms) and layer.qkv.weight.dtype == torch.bfloat16
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).mul(3).to(torch.bfloat16)
+    hf = Gemma3RMSNorm(64, eps=cfg.rms_norm_eps)
+    with torch.no_grad():
+        hf.weight.copy_(layer.attn_norm - 1.0)
+        want = hf(x)
+    got = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    llama_order = layer.attn_norm.to(torch.bfloat16) * rms_norm(
+        x, torch.ones(64, dtype=x.dtype), cfg.rms_norm_eps
+    )
+    assert not torch.equal(llama_order, want)  # the order matters in bfloat16
