@@ -107,6 +107,7 @@ TINY = {
         final_logit_softcapping=3.0,
         max_position_embeddings=512,
         random_norms=True,
+        embed_std=0.02,
     ),
     # Gemma 3 (text): Gemma 2's layer with QK-norm over head_dim > hidden / heads, two local layers to one
     # global, local layers on their own RoPE base and global ones on rope_theta with linear scaling.
@@ -129,6 +130,7 @@ TINY = {
         },
         max_position_embeddings=512,
         random_norms=True,
+        embed_std=0.02,
     ),
 }
 
@@ -140,20 +142,24 @@ def _save_tiny(name: str, root) -> str:
 def save_tiny(spec: dict, path) -> str:
     """A random checkpoint of ``spec`` (a ``TINY`` entry) saved at ``path``. ``config_class`` names the
     config when it is not the architecture's ("Gemma3TextConfig"); ``random_norms`` draws the norm weights
-    too (Gemma stores w of x * (1 + w): zeros by default, which would hide a norm taken for another)."""
+    too (Gemma stores w of x * (1 + w): zeros by default, which would hide a norm taken for another);
+    ``embed_std`` the embeddings' (Gemma's scaled, tied embeddings at 0.15 make a model repeat its input)."""
     import transformers
 
     spec = dict(spec)
     arch = spec.pop("arch")
     old_rope = spec.pop("old_rope", None)
     random_norms = spec.pop("random_norms", False)
+    embed_std = spec.pop("embed_std", 0.15)
     config_cls = getattr(transformers, spec.pop("config_class", arch.replace("ForCausalLM", "Config")))
     cfg = config_cls(bos_token_id=1, eos_token_id=2, **spec)
     torch.manual_seed(1234)
     model = getattr(transformers, arch)(cfg)
     with torch.no_grad():  # larger weights than the default init give peaky, well-separated logits
         for p in model.parameters():
-            if p.dim() == 2:
+            if p is model.get_input_embeddings().weight:
+                p.normal_(0, embed_std)
+            elif p.dim() == 2:
                 p.normal_(0, 0.15)
             elif random_norms:
                 p.normal_(0, 0.3)

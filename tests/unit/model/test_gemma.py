@@ -191,7 +191,7 @@ def _hf_config(name: str) -> dict:
     """The config.json transformers writes for the TINY entry (without saving weights)."""
     import transformers
 
-    spec = {k: v for k, v in TINY[name].items() if k not in ("random_norms",)}
+    spec = {k: v for k, v in TINY[name].items() if k not in ("random_norms", "embed_std")}
     arch = spec.pop("arch")
     cls = getattr(transformers, spec.pop("config_class", arch.replace("ForCausalLM", "Config")))
     d = cls(bos_token_id=1, eos_token_id=2, **spec).to_dict()
@@ -470,7 +470,11 @@ def test_the_text_part_of_gemma3_for_conditional_generation_loads(tmp_path) -> N
     vision tower goes to a separate mmproj): it loads, and computes the checkpoint's text logits."""
     import transformers
 
-    spec = {k: v for k, v in converter_spec().items() if k not in ("arch", "config_class", "random_norms")}
+    spec = {
+        k: v
+        for k, v in converter_spec().items()
+        if k not in ("arch", "config_class", "random_norms", "embed_std")
+    }
     text = transformers.Gemma3TextConfig(bos_token_id=1, eos_token_id=2, **spec)
     vision = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32
