@@ -12,7 +12,8 @@ its slot remembers that position: read as the context position of its slot, it f
 lies on the leading chain (depth = index). Its model may declare several layers with their attention specs
 (``layer_specs``) in several KV groups (``kv_groups``): the plan is then packed with them, every group's
 pages are checked and written as the table's are, and every layer's metadata is checked the same way in
-its group's pages.
+its group's pages; a sliding layer's (``AttentionSpec.window`` W) to read exactly the keys of its token's
+context at positions (p - W, p].
 
 Faults can be injected: forwards that fail for given requests, a fork's KV copy that fails, a step that
 raises before its commit (Ctrl-C, or every request of the step failing alone).
@@ -194,13 +195,18 @@ def check_reads(plan: StepPlan, page_size: int, specs: LayerSpecs | None = None,
 def check_meta_reads(plan: StepPlan, page_size: int, batch, starts: list[int], meta, in_group, slots) -> None:
     seen: list[list[int]] = [[] for _ in range(meta.num_tokens)]
     written = slots.tolist()
-    for kv_lo, kv_hi, tok_lo, tok_hi, causal in meta.unit_list:
+    # a window: token t reads only the keys at positions >= first[t] (unit and segment keys sit at
+    # consecutive positions from the metadata's unit_pos / seg_pos)
+    first = meta.tok_first.tolist() if meta.window is not None else [-(10**9)] * meta.num_tokens
+    units = zip(meta.unit_list, meta.unit_positions(), strict=True)
+    for (kv_lo, kv_hi, tok_lo, tok_hi, causal), pos in units:
         for t in range(tok_lo, tok_hi):
-            seen[t] += range(kv_lo, min(kv_hi, kv_lo + t - tok_lo + 1) if causal else kv_hi)
-    for tok_lo, tok_hi, runs, visible in meta.segment_list:
+            end = min(kv_hi, kv_lo + t - tok_lo + 1) if causal else kv_hi
+            seen[t] += range(max(kv_lo, kv_lo + first[t] - pos), end)
+    for (tok_lo, tok_hi, runs, visible), pos in zip(meta.segment_list, meta.segment_positions(), strict=True):
         slots = [x for lo, hi in runs for x in range(lo, hi)]
         for t in range(tok_lo, tok_hi):
-            seen[t] += slots[: visible + t - tok_lo]
+            seen[t] += slots[max(0, first[t] - pos) : max(0, visible + t - tok_lo)]
     for w, t0 in zip(plan.work, starts, strict=True):
         name = f"seq {w.seq.request.request_id}/{w.seq.index}"
         if batch.positions[t0 : t0 + len(w.tokens)].tolist() != work_positions(w):
@@ -209,8 +215,12 @@ def check_meta_reads(plan: StepPlan, page_size: int, batch, starts: list[int], m
         slots = [pages[q // page_size] * page_size + q % page_size for q in range(w.end)]
         if written[t0 : t0 + len(w.tokens)] != slots[w.start :]:
             raise PlanViolation(f"{name}: writes its tokens' K/V at the wrong slots")
+        positions = work_positions(w)
         for j in range(len(w.tokens)):
-            want = sorted(slots[: w.start] + [slots[w.start + a] for a in lineage(w, j)])
+            keys = [(slots[p], p) for p in range(w.start)]
+            keys += [(slots[w.start + a], positions[a]) for a in lineage(w, j)]
+            lowest = positions[j] - meta.window + 1 if meta.window is not None else 0
+            want = sorted(s for s, p in keys if p >= lowest)
             if sorted(seen[t0 + j]) != want:
                 raise PlanViolation(
                     f"{name}: token {j} of its work reads slots {sorted(seen[t0 + j])} instead of its "

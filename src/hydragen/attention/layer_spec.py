@@ -7,9 +7,12 @@ spec (not per layer: a model has one or two), and each layer reads the one of it
 KV slots, and layers of different KV groups (``kv/layout.py``) read different pages, so the unit is a
 layer **kind**: a (KV group, spec) pair.
 
-What the kernels compute today: the scale, on every path. A window, a soft-cap or sinks are part of the
-format (the model-families and MoE issues fill them into the kernels); until then the model runner refuses
-a model that declares them (``unsupported``), rather than running it with full, uncapped attention.
+What the kernels compute, on every path (the C++ op, the one-call layer stack, the torch twin, Triton): the
+scale, a sliding window (a token at position p sees keys at positions in (p - W, p], Hugging Face's
+``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``) and a soft-cap (Gemma 2: each scaled score
+s becomes cap * tanh(s / cap) before the softmax). Sinks are part of the format only (the MoE issue fills
+them into the kernels); until then the model runner refuses a model that declares them (``unsupported``),
+rather than running it without.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class AttentionSpec:
     """One layer's attention, beside the softmax over its visible keys that every layer computes."""
 
     scale: float  # scores are q . k * scale
-    window: int | None = None  # sliding window: a token sees its last ``window`` positions (None: all)
+    window: int | None = None  # sliding window: a token at p sees positions (p - window, p] (None: all)
     soft_cap: float | None = None  # scores become cap * tanh(score / cap) before the softmax (None: off)
     sinks: bool = False  # a learned logit per head joins the softmax's denominator (it has no value)
 
@@ -78,16 +81,15 @@ class LayerSpecs:
         return len(self.of_layer)
 
     def unsupported(self) -> str | None:
-        """Why today's kernels cannot compute these specs exactly, or None when they can."""
+        """Why today's kernels cannot compute these specs exactly (sinks), or None when they can."""
         for i, spec in enumerate(self.specs):
-            layer = self.of_layer.index(i)
-            if spec.window is not None:
-                return f"layer {layer} attends through a sliding window of {spec.window} tokens"
-            if spec.soft_cap is not None:
-                return f"layer {layer} soft-caps its attention scores at {spec.soft_cap}"
             if spec.sinks:
-                return f"layer {layer} has attention sinks"
+                return f"layer {self.of_layer.index(i)} has attention sinks"
         return None
+
+    def softcaps(self) -> list[float | None]:
+        """Each layer's soft-cap (None: off)."""
+        return [self.specs[i].soft_cap for i in self.of_layer]
 
 
 def model_layer_specs(cfg) -> LayerSpecs:

@@ -11,6 +11,9 @@ operation plus the LSE merge. Two implementations share one signature:
 Layout is SDPA's: q [N, Hq, L, D], k/v [N, Hkv, S, D] (any strides), additive or boolean ``visible``
 mask broadcastable to [N, 1, L, S]. Rows that see no key get out = 0 and lse = -inf (the fused
 kernel reports lse = 0 for them, which would corrupt a merge, so we patch them).
+
+``softcap`` c (Gemma 2's attention logit soft-capping) makes every scaled score s into c * tanh(s / c)
+before the softmax. The fused CPU kernel has no such step, so a soft-capped partial always runs ``torch``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _torch_partial(q, k, v, scale, visible):
+def _torch_partial(q, k, v, scale, visible, softcap=None):
     n, hq, lq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -28,6 +31,8 @@ def _torch_partial(q, k, v, scale, visible):
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     qf = q.reshape(n, hkv, g * lq, d).to(acc)
     scores = torch.matmul(qf, k.to(acc).transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if visible is not None:
         vis = visible.expand(n, 1, lq, k.shape[2]).unsqueeze(2).expand(n, 1, g, lq, k.shape[2])
         scores = scores.masked_fill(~vis.reshape(n, 1, g * lq, k.shape[2]), float("-inf"))
@@ -59,11 +64,13 @@ def partial_attention(
     visible: torch.Tensor | None = None,
     causal: bool = False,
     impl: str = "auto",
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one key block. Returns (out [N, Hq, L, D] in q's dtype, lse [N, Hq, L] fp32).
 
     ``visible`` is a boolean mask (True = may attend) broadcastable to [N, 1, L, S]; ``causal`` means
-    square top-left causal (L == S). The caller guarantees S > 0.
+    square top-left causal (L == S); ``softcap`` caps the scores (module docstring). The caller guarantees
+    S > 0.
     """
     if impl not in ("auto", "fused", "torch"):
         raise ValueError(f"impl must be 'auto', 'fused' or 'torch', got {impl!r}")
@@ -73,8 +80,10 @@ def partial_attention(
         raise ValueError("causal partials must be square (L == S); pass a visibility mask otherwise")
     if q.numel() == 0:  # the fused CPU kernel faults on empty queries
         return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), device=q.device)
-    use_fused = q.dtype != torch.float64 and (
-        impl == "fused" or (impl == "auto" and q.device.type == "cpu" and _CPU_FLASH is not None)
+    use_fused = (
+        q.dtype != torch.float64
+        and softcap is None
+        and (impl == "fused" or (impl == "auto" and q.device.type == "cpu" and _CPU_FLASH is not None))
     )
     finite = lambda t: bool(torch.isfinite(t).all())  # noqa: E731
     if visible is not None and use_fused and not (finite(k) and finite(v)):
@@ -86,7 +95,7 @@ def partial_attention(
     if not use_fused:
         if causal:
             visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        out, lse = _torch_partial(q, k, v, scale, visible)
+        out, lse = _torch_partial(q, k, v, scale, visible, softcap)
         return out.to(q.dtype), lse
     if visible is None:
         out, lse = _CPU_FLASH(q, k, v, is_causal=causal, scale=scale)

@@ -17,6 +17,24 @@ described once per step by a :class:`StepAttentionMeta`:
 A token's output is exact softmax attention over the union of its segment's visible keys and the keys of
 every unit that covers it (an LSE merge of the parts); a token that sees nothing gets zeros.
 
+**Sliding windows** (``build(..., window=W, positions=...)``): a token at position p sees only keys at
+positions in (p - W, p], its last W positions, its own included (Hugging Face's ``sliding_window_overlay``,
+``kv_idx > q_idx - sliding_window``: Mistral's, Gemma's sliding layers). Keys get positions from the
+description: a unit may carry a sixth field, the position of its first key (its keys are at consecutive
+positions from there), and a segment a fifth, the position of the first key of its runs' concatenation;
+``positions`` gives each token's. So the format stays what it is, and a window only adds a lower bound per
+token: ``tok_first[t] = positions[t] - W + 1``, the first position token t sees. Prefix sharing is kept: a
+shared unit is still read once for all its tokens by one matrix product, each query row masked below its
+own bound (as a causal row is masked above its last key). Work wholly before every window is never read:
+``build`` trims each unit and segment to the first key any of its tokens sees (dropping a unit none sees),
+and ``step_work`` trims every piece and block again at its own tokens, so a sliding layer's cost per token
+is bounded by the window, not the context. Trimmed units and segments are what ``unit_list``,
+``segment_list``, ``unit_pos`` and ``seg_pos`` hold. A causal unit is never trimmed (it stays square): its
+diagonal tiles are, in ``step_work``.
+
+**Soft-capping** is not metadata: ``step_attention(..., softcap=c)`` makes every scaled score s into
+c * tanh(s / c) before the softmax (Gemma 2), in both implementations.
+
 **Draft trees** need no mask kind of their own (``tree_segments``): every token of a tree sees the whole
 context, read once for all of them by non-causal units (shared runs, the rest of the item's context), plus
 its ancestors and itself, a one-token segment over their slots (a handful of keys, read in place). The
@@ -47,7 +65,7 @@ from hydragen.attention import step_work
 from hydragen.attention.step_work import cut_step
 from hydragen.native import build as cpp_build
 
-UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal
+UNIT_FIELDS = 5  # kv_lo, kv_hi, tok_lo, tok_hi, causal (a sixth, optional: the first key's position)
 CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q and K/V dtypes the C++ op reads
 
 
@@ -56,7 +74,9 @@ class StepAttentionMeta:
     """Everything the step's attention needs that does not change from layer to layer.
 
     The first six fields are the step as the runner describes it; the rest is derived by ``build``: the
-    C++ op's work items (see ``step_work``) and, for the torch twin, the validated lists.
+    C++ op's work items (see ``step_work``) and, for the torch twin, the validated lists. With a window,
+    ``tok_first`` holds each token's first visible position and ``unit_pos`` / ``seg_pos`` the position of
+    each unit's / segment's first key (empty tensors and no window: every key visible as described).
     """
 
     units: Tensor  # int64 [U, 5]: kv_lo, kv_hi, tok_lo, tok_hi, causal (empty units dropped)
@@ -66,8 +86,8 @@ class StepAttentionMeta:
     seg_visible: Tensor  # int64 [NS]
     num_tokens: int
     work_runs: Tensor  # int64 [NW, 2]: the slot runs the items read
-    pieces: Tensor  # int64 [NP, 7]: item + first partial row; most expensive first
-    blocks: Tensor  # int64 [NB, 6]: item; most expensive first
+    pieces: Tensor  # int64 [NP, 8]: item, first partial row, kpos; most expensive first
+    blocks: Tensor  # int64 [NB, 7]: item, kpos; most expensive first
     tok_ptr: Tensor  # int64 [T + 1]: token t's partial rows are tok_parts[tok_ptr[t]:tok_ptr[t+1]]
     tok_parts: Tensor  # int64 [R]
     num_parts: int  # R
@@ -75,7 +95,17 @@ class StepAttentionMeta:
     slots_needed: int  # one past the highest slot read: the pool layer must be at least this long
     unit_list: list[tuple[int, int, int, int, int]] = field(repr=False)
     segment_list: list[tuple[int, int, list[tuple[int, int]], int]] = field(repr=False)
+    window: int | None = None  # a sliding window of this many positions, or None
+    tok_first: Tensor | None = None  # int64 [T] with a window (each token's first visible position), else [0]
+    unit_pos: Tensor | None = None  # int64 [U] with a window: the position of each unit's first key, else [0]
+    seg_pos: Tensor | None = None  # int64 [NS] with a window: the position of each segment's first key
     torch_plan: object | None = field(default=None, repr=False)  # step_attention_torch's gathers, lazily
+
+    def __post_init__(self) -> None:
+        empty = torch.zeros(0, dtype=torch.int64, device=self.units.device)
+        for name in ("tok_first", "unit_pos", "seg_pos"):
+            if getattr(self, name) is None:
+                setattr(self, name, empty)
 
     @property
     def device(self) -> torch.device:
@@ -88,15 +118,31 @@ class StepAttentionMeta:
         segments: list[tuple[int, int, list[tuple[int, int]], int]],
         num_tokens: int,
         device,
+        window: int | None = None,
+        positions=None,
     ) -> StepAttentionMeta:
-        """Validate the step's description and precompute the per-step index tensors (once per step)."""
+        """Validate the step's description and precompute the per-step index tensors (once per step).
+        With ``window``, ``positions`` (each token's position) is needed and every unit and segment must
+        carry its first key's position (the module docstring)."""
         num_tokens = int(num_tokens)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        segment_list, slots_needed = _check_segments(segments, num_tokens)
-        unit_list = _check_units(units, num_tokens)
+        segment_list, slots_needed, seg_pos = _check_segments(segments, num_tokens, window is not None)
+        unit_list, unit_pos = _check_units(units, num_tokens, window is not None)
         slots_needed = max([slots_needed] + [u[1] for u in unit_list])
-        work = cut_step(unit_list, segment_list, num_tokens)
+        tok_first = None
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise ValueError(f"a sliding window must be an int >= 1, got {window!r}")
+            if positions is None:
+                raise ValueError("a window needs each token's position (positions)")
+            pos = list(map(int, positions.tolist() if isinstance(positions, Tensor) else positions))
+            if len(pos) != num_tokens:
+                raise ValueError(f"{len(pos)} positions for {num_tokens} tokens")
+            tok_first = [p - window + 1 for p in pos]
+            unit_list, unit_pos = _trim_units(unit_list, unit_pos, tok_first)
+            segment_list, seg_pos = _trim_segments(segment_list, seg_pos, tok_first)
+        work = cut_step(unit_list, segment_list, num_tokens, tok_first, unit_pos, seg_pos)
         long = dict(dtype=torch.int64)
         seg_run = [0]
         for seg in segment_list:
@@ -119,7 +165,42 @@ class StepAttentionMeta:
             slots_needed=slots_needed,
             unit_list=unit_list,
             segment_list=segment_list,
+            window=window,
+            tok_first=put(tok_first if tok_first is not None else []),
+            unit_pos=put(unit_pos if window is not None else []),
+            seg_pos=put(seg_pos if window is not None else []),
         )
+
+    def unit_positions(self) -> list[int]:
+        """The position of each unit's first key (a window's metadata; zeros without one)."""
+        return self.unit_pos.tolist() if self.window is not None else [0] * len(self.unit_list)
+
+    def segment_positions(self) -> list[int]:
+        """The position of each segment's first key (a window's metadata; zeros without one)."""
+        return self.seg_pos.tolist() if self.window is not None else [0] * len(self.segment_list)
+
+
+def _trim_units(units, unit_pos, tok_first):
+    """Non-causal units less their leading keys no token of theirs sees; units none sees dropped."""
+    out, pos_out = [], []
+    for (kv_lo, kv_hi, lo, hi, causal), pos in zip(units, unit_pos, strict=True):
+        cut = 0 if causal else min(max(0, min(tok_first[lo:hi]) - pos), kv_hi - kv_lo)
+        if kv_lo + cut < kv_hi:
+            out.append((kv_lo + cut, kv_hi, lo, hi, causal))
+            pos_out.append(pos + cut)
+    return out, pos_out
+
+
+def _trim_segments(segments, seg_pos, tok_first):
+    """Segments less their leading keys no token of theirs sees (never past ``visible``, which stays >= 0:
+    the tokens that would see none keep their bound in the kernels)."""
+    out, pos_out = [], []
+    for (lo, hi, runs, visible), pos in zip(segments, seg_pos, strict=True):
+        total = sum(b - a for a, b in runs)
+        cut = min(max(0, min(tok_first[lo:hi], default=pos) - pos), total, visible)
+        out.append((lo, hi, step_work.cut_runs(runs, cut, total) if cut else runs, visible - cut))
+        pos_out.append(pos + cut)
+    return out, pos_out
 
 
 def distinct_metas(metas) -> tuple[list[StepAttentionMeta], list[int]]:
@@ -166,17 +247,26 @@ def _ints(values, n: int, what: str) -> tuple[int, ...]:
     return out
 
 
-def _check_segments(segments, num_tokens: int):
-    """Normalised segments (empty runs dropped) and one past the last slot they read."""
+def _check_segments(segments, num_tokens: int, positioned: bool = False):
+    """Normalised segments (empty runs dropped), one past the last slot they read, and each one's first key's
+    position (a fifth field; needed when ``positioned``, else 0)."""
     out = []
+    key_pos = []
     slots_needed = 0
     pos = 0
     for s, seg in enumerate(segments):
         try:
-            lo, hi, runs, visible = seg
+            lo, hi, runs, visible, *where = seg
+            if len(where) > 1 or (positioned and not where):
+                raise ValueError
         except (TypeError, ValueError):
-            raise ValueError(f"segment {s} must be (tok_lo, tok_hi, runs, visible), got {seg!r}") from None
+            form = "tok_lo, tok_hi, runs, visible" + (", first key's position" if positioned else "")
+            raise ValueError(f"segment {s} must be ({form}), got {seg!r}") from None
         lo, hi, visible = _ints((lo, hi, visible), 3, f"segment {s}: tok_lo, tok_hi, visible must be ints")
+        if where:
+            key_pos += _ints(where, 1, f"segment {s}: its first key's position must be an int")
+        else:
+            key_pos.append(0)
         if lo != pos:
             raise ValueError(f"segment {s} starts at token {lo}, expected {pos}: segments tile the tokens")
         if hi < lo:
@@ -197,15 +287,17 @@ def _check_segments(segments, num_tokens: int):
         pos = hi
     if pos != num_tokens:
         raise ValueError(f"segments cover tokens [0, {pos}) but the step has {num_tokens} tokens")
-    return out, slots_needed
+    return out, slots_needed, key_pos
 
 
-def _check_units(units, num_tokens: int) -> list[tuple[int, int, int, int, int]]:
-    kept = []
+def _check_units(units, num_tokens: int, positioned: bool = False):
+    """The non-empty units, and each one's first key's position (a sixth field; needed when ``positioned``,
+    else 0)."""
+    kept, key_pos = [], []
     for i, unit in enumerate(units):
-        kv_lo, kv_hi, tok_lo, tok_hi, causal = _ints(
-            unit, UNIT_FIELDS, f"unit {i} must be (kv_lo, kv_hi, tok_lo, tok_hi, causal) integers"
-        )
+        n = UNIT_FIELDS + 1 if positioned or _length(unit) == UNIT_FIELDS + 1 else UNIT_FIELDS
+        form = "kv_lo, kv_hi, tok_lo, tok_hi, causal" + (", first key's position" if n > UNIT_FIELDS else "")
+        kv_lo, kv_hi, tok_lo, tok_hi, causal, *where = _ints(unit, n, f"unit {i} must be ({form}) integers")
         if not 0 <= tok_lo <= tok_hi <= num_tokens:
             raise ValueError(f"unit {i}: tokens [{tok_lo}, {tok_hi}) outside the step's [0, {num_tokens})")
         if not 0 <= kv_lo <= kv_hi:
@@ -218,7 +310,15 @@ def _check_units(units, num_tokens: int) -> list[tuple[int, int, int, int, int]]
             )
         if kv_hi > kv_lo and tok_hi > tok_lo:
             kept.append((kv_lo, kv_hi, tok_lo, tok_hi, causal))
-    return kept
+            key_pos.append(where[0] if where else 0)
+    return kept, key_pos
+
+
+def _length(x) -> int:
+    try:
+        return len(x)
+    except TypeError:
+        return -1
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, meta: StepAttentionMeta) -> None:
@@ -259,11 +359,20 @@ def _warn_fallback(reason: str) -> None:
 
 
 def step_attention(
-    q: Tensor, k: Tensor, v: Tensor, meta: StepAttentionMeta, scale: float, impl: str = "auto"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    meta: StepAttentionMeta,
+    scale: float,
+    impl: str = "auto",
+    softcap: float | None = None,
 ) -> Tensor:
-    """Attention of every token of the step; q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D] in q's dtype."""
+    """Attention of every token of the step; q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D] in q's dtype.
+    ``softcap`` c: scores s become c * tanh(s / c) before the softmax (None: off)."""
     if impl not in ("auto", "cpp", "torch"):
         raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
     _check_inputs(q, k, v, meta)
     cpp_ready = q.device.type == "cpu" and q.dtype in CPP_DTYPES and k.stride(2) == 1 and v.stride(2) == 1
     if impl == "cpp" and not cpp_ready:
@@ -282,7 +391,7 @@ def step_attention(
     if op is None:
         from hydragen.attention.step_attention_torch import torch_step_attention
 
-        return torch_step_attention(q, k, v, meta, float(scale))
+        return torch_step_attention(q, k, v, meta, float(scale), softcap)
     return op(
         q if q.stride(2) == 1 else q.contiguous(),
         k,
@@ -297,6 +406,8 @@ def step_attention(
         step_work.TILE_MIN_ROWS,
         step_work.TILE_MIN_KEYS,
         float(scale),
+        meta.tok_first,
+        0.0 if softcap is None else float(softcap),
     )
 
 

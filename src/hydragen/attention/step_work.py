@@ -1,8 +1,13 @@
 """How a step is cut into the C++ step-attention op's work items (once per step, in Python).
 
-An item is ``(tok_lo, tok_hi, run_lo, run_hi, first, total)``: query tokens [tok_lo, tok_hi) against the
-concatenation of ``work_runs[run_lo:run_hi]``, token tok_lo + j seeing its first min(first + j, total)
-keys (``first`` may be <= 0: such tokens see none of the item's keys). Two kinds:
+An item is ``(tok_lo, tok_hi, run_lo, run_hi, first, total, ..., kpos)``: query tokens [tok_lo, tok_hi)
+against the concatenation of ``work_runs[run_lo:run_hi]``, token tok_lo + j seeing its first
+min(first + j, total) keys (``first`` may be <= 0: such tokens see none of the item's keys). ``kpos`` (last
+field) is the position of the item's first key: its keys are at consecutive positions kpos, kpos + 1, ...
+Under a sliding window, token t also has a first visible position ``tok_first[t]`` (position - W + 1), so
+it sees the item's keys from index tok_first[t] - kpos on (a lower bound per token, as ``first`` is an
+upper bound per token): a key is seen when its index lies in [tok_first[t] - kpos, min(first + j, total)).
+Two kinds:
 
 * **pieces** write an fp32 partial (output and log-sum-exp) per token, at partial row ``part_row`` on:
   non-causal units, grouped by token range (a node on scattered pages, or a chain of nodes read by the same
@@ -15,6 +20,15 @@ keys (``first`` may be <= 0: such tokens see none of the item's keys). Two kinds
   of every piece covering the token (the CSR ``tok_ptr``/``tok_parts``) and write the output.
 
 Items of each kind are sorted most expensive first, so threads taking them in order finish together.
+
+**Windows cut the work** (``window`` given): a unit, a segment, and then every piece and block is trimmed
+to begin at the first key one of its tokens sees (``_trim``), and a piece none of whose tokens sees any of
+its keys is dropped, before anything is chunked or counted. So a sliding layer reads, per token tile, at most
+the window plus the tile's spread of positions: a decode token's context of 8K keys under a window of 1K is
+one chunk of 1K keys (split over the threads as before), a shared run wholly before every window costs
+nothing, and a long prefill chunk's causal tiles each read their own band (the rectangle left of a 32-token
+diagonal tile is its last W - 1 keys, not the whole context before it). The kernels then mask each token's
+remaining keys below its bound (they read keys [0, kmax) of a trimmed item).
 """
 
 from __future__ import annotations
@@ -41,37 +55,59 @@ MIN_SPLIT_KEYS = 128
 TILE_MIN_ROWS = 24
 TILE_MIN_KEYS = 32
 SMALL_STEP_PARTS = 256  # up to this many partial rows, the token -> rows index is built with plain lists
+PIECE_FIELDS = 8  # tok_lo, tok_hi, run_lo, run_hi, first, total, part_row, kpos
+BLOCK_FIELDS = 7  # tok_lo, tok_hi, run_lo, run_hi, first, total, kpos
 
 
 @dataclass
 class StepWork:
     work_runs: Tensor  # int64 [NW, 2]; the segments' own runs come first, in order
-    pieces: Tensor  # int64 [NP, 7]: item + first partial row
-    blocks: Tensor  # int64 [NB, 6]: item
+    pieces: Tensor  # int64 [NP, 8]: item, first partial row, kpos
+    blocks: Tensor  # int64 [NB, 7]: item, kpos
     tok_ptr: Tensor  # int64 [T + 1]: token t's partial rows are tok_parts[tok_ptr[t]:tok_ptr[t+1]]
     tok_parts: Tensor  # int64 [R]
     num_parts: int  # R
     max_item_tokens: int
 
 
-def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_tokens: int) -> StepWork:
-    """Work items for validated, normalised units and segments (CPU tensors)."""
-    work = _WorkItems([run for seg in segments for run in seg[2]])
+def cut_step(
+    units: list[tuple[int, int, int, int, int]],
+    segments: list,
+    num_tokens: int,
+    tok_first: list[int] | None = None,
+    unit_pos: list[int] | None = None,
+    seg_pos: list[int] | None = None,
+) -> StepWork:
+    """Work items for validated, normalised units and segments (CPU tensors). With ``tok_first`` (a
+    window: each token's first visible position) ``unit_pos`` and ``seg_pos`` give the position of each
+    unit's and segment's first key, and the items are trimmed to what their tokens see."""
+    work = _WorkItems([run for seg in segments for run in seg[2]], tok_first)
+    unit_pos = unit_pos if tok_first is not None else [0] * len(units)
+    seg_pos = seg_pos if tok_first is not None else [0] * len(segments)
     blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segments)
     threads = torch.get_num_threads()
     small = blocks < SPLIT_BLOCKS_PER_THREAD * threads
     chunks = SPLIT_CHUNKS_PER_THREAD * threads if small else 0  # key chunks of a long segment or node
-    shared: dict[tuple[int, int], list[tuple[int, int]]] = {}  # token range -> runs it sees whole
-    for kv_lo, kv_hi, tok_lo, tok_hi, causal in units:
+    # token range -> chains of runs it sees whole: [first key's position, runs, next position]. Without a
+    # window every unit over the range joins one chain; with one, a unit joins a chain it continues.
+    shared: dict[tuple[int, int], list[list]] = {}
+    for (kv_lo, kv_hi, tok_lo, tok_hi, causal), pos in zip(units, unit_pos, strict=True):
         if causal:
-            work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi)
+            work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi, pos)
+            continue
+        chains = shared.setdefault((tok_lo, tok_hi), [])
+        chain = next((c for c in chains if tok_first is None or c[2] == pos), None)
+        if chain is None:
+            chains.append([pos, [(kv_lo, kv_hi)], pos + kv_hi - kv_lo])
         else:
-            shared.setdefault((tok_lo, tok_hi), []).append((kv_lo, kv_hi))
-    for (tok_lo, tok_hi), runs in shared.items():
-        work.add_shared(tok_lo, tok_hi, runs, chunks)
+            chain[1].append((kv_lo, kv_hi))
+            chain[2] += kv_hi - kv_lo
+    for (tok_lo, tok_hi), chains in shared.items():
+        for pos, runs, _ in chains:
+            work.add_shared(tok_lo, tok_hi, runs, chunks, pos)
     first_run = 0
-    for segment in segments:
-        work.add_segment(*segment, first_run=first_run, chunks=chunks)
+    for segment, pos in zip(segments, seg_pos, strict=True):
+        work.add_segment(*segment, first_run=first_run, chunks=chunks, pos=pos)
         first_run += len(segment[2])
 
     num_parts = work.rows
@@ -81,8 +117,8 @@ def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_to
         tok_ptr, tok_parts = _token_rows(work.pieces, num_parts, num_tokens)
     return StepWork(
         work_runs=_pairs_tensor(work.runs),
-        pieces=torch.tensor(_by_cost(work.pieces), dtype=torch.int64).view(-1, 7),
-        blocks=torch.tensor(_by_cost(work.blocks), dtype=torch.int64).view(-1, 6),
+        pieces=torch.tensor(_by_cost(work.pieces), dtype=torch.int64).view(-1, PIECE_FIELDS),
+        blocks=torch.tensor(_by_cost(work.blocks), dtype=torch.int64).view(-1, BLOCK_FIELDS),
         tok_ptr=tok_ptr,
         tok_parts=tok_parts,
         num_parts=num_parts,
@@ -92,7 +128,7 @@ def cut_step(units: list[tuple[int, int, int, int, int]], segments: list, num_to
 
 def _token_rows(pieces: list[tuple[int, ...]], num_parts: int, num_tokens: int) -> tuple[Tensor, Tensor]:
     """The CSR of each token's partial rows (tok_ptr, tok_parts), with tensor ops."""
-    table = torch.tensor(pieces, dtype=torch.int64).view(-1, 7)
+    table = torch.tensor(pieces, dtype=torch.int64).view(-1, PIECE_FIELDS)
     lens = table[:, 1] - table[:, 0]
     # Partial row p belongs to token owner[p]; a stable sort by owner lists each token's rows in order.
     piece_of_row = torch.repeat_interleave(torch.arange(len(pieces)), lens)
@@ -148,55 +184,98 @@ def _key_chunks(n: int, at_least: int = 1) -> list[int]:
 class _WorkItems:
     """Collects the items; see the module docstring."""
 
-    def __init__(self, segment_runs: list[tuple[int, int]]):
+    def __init__(self, segment_runs: list[tuple[int, int]], tok_first: list[int] | None = None):
         self.runs = list(segment_runs)  # the segments' own runs first: uncut segments read them in place
         self.pieces: list[tuple[int, ...]] = []
         self.blocks: list[tuple[int, ...]] = []
         self.rows = 0  # partial rows handed out so far
+        self.tok_first = tok_first  # per token, the first position it sees (a window), or None
 
     def _runs(self, runs: list[tuple[int, int]]) -> tuple[int, int]:
         self.runs += runs
         return len(self.runs) - len(runs), len(self.runs)
 
-    def _pieces(self, tok_lo: int, tok_hi: int, runs, first: int, total: int) -> None:
-        r0, r1 = self._runs(runs)
+    def _cut(self, tok_lo: int, tok_hi: int, total: int, pos: int) -> int:
+        """How many leading keys (of ``total``, the first at position ``pos``) no token of [tok_lo, tok_hi)
+        sees under the window: 0 without one."""
+        if self.tok_first is None or tok_hi <= tok_lo:
+            return 0
+        return min(max(0, min(self.tok_first[tok_lo:tok_hi]) - pos), total)
+
+    def _seen(self, t0: int, t1: int, first: int, total: int, pos: int) -> bool:
+        """Whether some token of [t0, t1) sees a key of the item (``first``, ``total``, at ``pos``)."""
+        if min(first + t1 - t0 - 1, total) <= 0:
+            return False
+        if self.tok_first is None:
+            return True
+        return any(self.tok_first[t] - pos < min(first + t - t0, total) for t in range(t0, t1))
+
+    def _pieces(self, tok_lo: int, tok_hi: int, runs, first: int, total: int, pos: int = 0) -> None:
+        whole = None  # the runs' place in work_runs, for the tiles that read all of them
         for t0 in range(tok_lo, tok_hi, PIECE_TOKENS):
             t1 = min(t0 + PIECE_TOKENS, tok_hi)
-            self.pieces.append((t0, t1, r0, r1, first + t0 - tok_lo, total, self.rows))
+            f = first + t0 - tok_lo
+            cut = self._cut(t0, t1, total, pos)
+            if not self._seen(t0, t1, f - cut, total - cut, pos + cut):
+                continue  # a window puts all of it out of sight
+            if cut:
+                r0, r1 = self._runs(cut_runs(runs, cut, total))
+            else:
+                whole = whole or self._runs(runs)
+                r0, r1 = whole
+            self.pieces.append((t0, t1, r0, r1, f - cut, total - cut, self.rows, pos + cut))
             self.rows += t1 - t0
 
-    def add_shared(self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]], chunks: int = 0) -> None:
+    def add_shared(
+        self, tok_lo: int, tok_hi: int, runs: list[tuple[int, int]], chunks: int = 0, pos: int = 0
+    ) -> None:
         """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
         several runs, a chain of nodes) are read as one concatenation (both kernels read keys through their
         runs), so they cost one partial per token and key chunk, not one per run. With ``chunks`` (a step too
         small to keep every thread busy) long runs are cut into that many key chunks as a lone segment is: a
-        node read by four decode tokens is otherwise one item, read by one thread while the others wait."""
-        bounds = _key_chunks(sum(b - a for a, b in runs), max(chunks, 1))
+        node read by four decode tokens is otherwise one item, read by one thread while the others wait.
+        Under a window the keys before the first any token sees go first, then the rest is chunked."""
+        total = sum(b - a for a, b in runs)
+        cut = self._cut(tok_lo, tok_hi, total, pos)
+        if cut:
+            runs, total, pos = cut_runs(runs, cut, total), total - cut, pos + cut
+        bounds = _key_chunks(total, max(chunks, 1))
         for c0, c1 in zip(bounds, bounds[1:], strict=False):
-            self._pieces(tok_lo, tok_hi, cut_runs(runs, c0, c1), c1 - c0, c1 - c0)
+            self._pieces(tok_lo, tok_hi, cut_runs(runs, c0, c1), c1 - c0, c1 - c0, pos + c0)
 
-    def add_causal(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int) -> None:
+    def add_causal(self, kv_lo: int, kv_hi: int, tok_lo: int, tok_hi: int, pos: int = 0) -> None:
         """Token i sees keys 0..i. Per tile [a, b): a causal square on the diagonal, and keys [0, a) to its
-        left, which the whole tile sees."""
+        left, which the whole tile sees (under a window, only the band of them its tokens see)."""
         for a in range(0, kv_hi - kv_lo, PIECE_TOKENS):
             b = min(a + PIECE_TOKENS, kv_hi - kv_lo)
-            self._pieces(tok_lo + a, tok_lo + b, [(kv_lo + a, kv_lo + b)], 1, b - a)
+            self._pieces(tok_lo + a, tok_lo + b, [(kv_lo + a, kv_lo + b)], 1, b - a, pos + a)
             if a:
-                self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)])
+                self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)], pos=pos)
 
-    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, chunks: int) -> None:
+    def add_segment(
+        self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, chunks: int, pos: int = 0
+    ) -> None:
         """Blocks covering every token of the segment; with ``chunks`` (> 0: a small step), its keys are cut
-        into that many chunks, every one a piece, so one long context is read by several threads."""
+        into that many chunks, every one a piece, so one long context is read by several threads. Under a
+        window the keys before the first any of its tokens sees go first (and each block's own, again)."""
         total = sum(b - a for a, b in runs)
+        cut = self._cut(tok_lo, tok_hi, total, pos)
+        if cut:  # the segment's runs less its leading out-of-window keys, read as a whole segment's are
+            runs, total, visible, pos = cut_runs(runs, cut, total), total - cut, visible - cut, pos + cut
+            first_run = None
         seen_last = min(visible + tok_hi - tok_lo - 1, total)
         bounds = _key_chunks(max(seen_last, 0), chunks) if chunks else [0, total]
         if len(bounds) > 2:  # split: every chunk a piece, the block reads no keys of its own
             bounds.append(total)
         for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
             j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
-            self._pieces(tok_lo + j0, tok_hi, cut_runs(runs, c0, c1), visible + j0 - c0, c1 - c0)
+            self._pieces(tok_lo + j0, tok_hi, cut_runs(runs, c0, c1), visible + j0 - c0, c1 - c0, pos + c0)
         c0 = bounds[-2]
-        r0, r1 = self._runs(cut_runs(runs, c0, total)) if c0 else (first_run, first_run + len(runs))
+        rest = cut_runs(runs, c0, total) if c0 or first_run is None else None
+        whole = self._runs(rest) if rest is not None else (first_run, first_run + len(runs))
         for t0 in range(tok_lo, tok_hi, TOKENS_PER_BLOCK):
             t1 = min(t0 + TOKENS_PER_BLOCK, tok_hi)
-            self.blocks.append((t0, t1, r0, r1, visible + t0 - tok_lo - c0, total - c0))
+            first, left = visible + t0 - tok_lo - c0, total - c0
+            cut = self._cut(t0, t1, left, pos + c0)  # this block's tokens' own leading keys out of sight
+            r0, r1 = self._runs(cut_runs(runs if rest is None else rest, cut, left)) if cut else whole
+            self.blocks.append((t0, t1, r0, r1, first - cut, left - cut, pos + c0 + cut))

@@ -20,6 +20,14 @@ whatever the shape of the tree:
 * ``tail_pages`` int32 [B, P]: each sequence's private tail as a page table (page i holds tail positions
   [i * page_size, (i + 1) * page_size)), and ``tail_lens`` its length in tokens.
 
+A sliding window (``window=W`` with each sequence's position and each item's first key's position): every
+sequence sees keys from position ``seq_first[b]`` = its position - W + 1 on. Each item is cut to begin at the
+first key one of its sequences sees, and a (chunk, query tile) unit none of whose sequences sees any of its
+keys is left out, before anything is counted: a sliding layer's shared reads are bounded by the window.
+``unit_kpos`` [U] gives the position of each unit's first key, so the shared kernel masks each row below
+its sequence's bound, and ``tail_lo`` [B] the first tail index each sequence sees (its tail kernel starts
+there).
+
 Tables are plain torch tensors: this module does not need Triton.
 """
 
@@ -45,6 +53,10 @@ class TreePlan:
     tail_split_len: int  # tokens per tail split
     block_m: int  # query rows per shared tile (the table was cut for it)
     group: int  # query heads per KV head
+    window: int | None = None  # a sliding window (the fields below are set), or None
+    unit_kpos: torch.Tensor | None = None  # int64 [U]: the position of each unit's first key
+    seq_first: torch.Tensor | None = None  # int64 [B]: the first position each sequence sees
+    tail_lo: torch.Tensor | None = None  # int32 [B]: the first tail index each sequence sees
 
     @property
     def num_units(self) -> int:
@@ -68,8 +80,15 @@ def build_tree_plan(
     tail_split_len: int | None = None,
     target_programs: int | None = None,
     min_chunk_tokens: int = 256,
+    window: int | None = None,
+    positions: list[int] | None = None,
+    tail_start: list[int] | None = None,
 ) -> TreePlan:
     """Cut the plan items into work units and the per-sequence merge lists.
+
+    With ``window``, ``positions`` (each sequence's decode position), ``tail_start`` (the position of each
+    tail's first token) and a fifth field on every item (the position of its first key) are needed: see the
+    module docstring.
 
     ``chunk_tokens`` fixes the KV chunk of a unit; None halves 1024 until the units give
     ``target_programs`` programs (units x KV heads) or the chunk reaches ``min_chunk_tokens``: long nodes
@@ -88,9 +107,24 @@ def build_tree_plan(
         if device.type == "cuda":
             target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
+    seq_first = tail_lo = None
+    if window is not None:
+        if positions is None or tail_start is None or len(positions) != b or len(tail_start) != b:
+            raise ValueError("a window needs each sequence's position and tail start")
+        seq_first = [p - window + 1 for p in positions]
+        kept = []
+        for start, end, i, j, pos in items:  # less the leading keys none of its sequences sees
+            cut = min(max(0, min(seq_first[i:j]) - pos), end - start)
+            if start + cut < end:
+                kept.append((start + cut, end, i, j, pos + cut))
+        items = kept
+        tail_lo = [max(0, f - t) for f, t in zip(seq_first, tail_start, strict=True)]
+    else:
+        items = [(start, end, i, j, 0) for start, end, i, j, *_ in items]
+
     def programs(chunk: int) -> int:
         return num_kv_heads * sum(
-            math.ceil((e - s) / chunk) * math.ceil((j - i) / seqs_per_tile) for s, e, i, j in items
+            math.ceil((e - s) / chunk) * math.ceil((j - i) / seqs_per_tile) for s, e, i, j, _ in items
         )
 
     if chunk_tokens is None:
@@ -101,18 +135,26 @@ def build_tree_plan(
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
 
     units: list[tuple[int, int, int, int, int]] = []
+    unit_kpos: list[int] = []
     part_seq: list[torch.Tensor] = []  # per unit, the sequences of its partial rows
     rows = 0
-    for start, end, i, j in items:
+    for start, end, i, j, pos in items:
         for lo in range(start, end, chunk_tokens):
             hi = min(lo + chunk_tokens, end)
             for s0 in range(i, j, seqs_per_tile):
                 s1 = min(s0 + seqs_per_tile, j)
-                units.append((lo, hi, s0, s1, rows))
+                at = lo
+                if seq_first is not None:  # from the first key of the chunk this tile's sequences see
+                    at = lo + max(0, min(seq_first[s0:s1]) - (pos + lo - start))
+                    if at >= hi:
+                        continue
+                units.append((at, hi, s0, s1, rows))
+                unit_kpos.append(pos + at - start)
                 part_seq.append(torch.arange(s0, s1))
                 rows += s1 - s0
     # CSR by sequence: partial rows are numbered in unit order; a stable sort groups them by sequence.
     owners = torch.cat(part_seq) if part_seq else torch.zeros(0, dtype=torch.long)
+    long = dict(dtype=torch.int64)
     order = torch.sort(owners, stable=True).indices
     counts = torch.bincount(owners, minlength=b)
     seq_ptr = torch.zeros(b + 1, dtype=torch.int32)
@@ -137,4 +179,8 @@ def build_tree_plan(
         tail_split_len=tail_split_len,
         block_m=block_m,
         group=group,
+        window=window,
+        unit_kpos=torch.tensor(unit_kpos, **long).to(device) if window is not None else None,
+        seq_first=torch.tensor(seq_first, **long).to(device) if window is not None else None,
+        tail_lo=torch.tensor(tail_lo, dtype=torch.int32).to(device) if window is not None else None,
     )

@@ -15,6 +15,15 @@ One decode step of one layer is at most three launches, whatever the tree (table
    its running softmax state and writes the final output in the output's dtype.
 3. ``_merge_kernel``, grid (B, Hkv), only when S > 1: folds the S tail partials and the shared partials.
 
+Sliding windows and soft-caps (``tree_plan``'s window fields, ``tree_decode_attention(softcap=...)``): under
+a window each sequence sees keys from its first visible position on (its position - W + 1): a shared unit
+masks each query row below its sequence's bound (``seq_first`` against the unit's first key's position,
+``unit_kpos``), and a tail starts at its first visible index (``tail_lo``): keys before it are not read. The
+plan leaves out the shared chunks no sequence of a tile sees. A soft-cap c makes every score
+c * tanh(s / c) (s scaled, natural units) before the softmax; tanh is computed from exp2 (Triton has no tanh
+that runs both compiled and interpreted). Both are constexpr switches: without them the kernels are the
+plain ones.
+
 Everything accumulates in fp32 (online softmax in base 2; LSEs are stored in natural log). Inputs may be
 fp32 (dots in IEEE fp32: fp32 models must match their reference token for token), fp16 or bf16 (tensor
 cores). Any head dim: it is padded to a power of two >= 16 with masked loads.
@@ -57,6 +66,14 @@ def check_device(device: torch.device) -> None:
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2: sign(x) (1 - e) / (1 + e), e = exp(-2 |x|) (no overflow; absolute error ~1e-7)."""
+    e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attend_range(
     q,
     k_ptr,
@@ -71,15 +88,20 @@ def _attend_range(
     qk_scale,
     D,
     pages_ptr,
+    row_lo,
+    cap,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     PAGE: tl.constexpr,
+    LOWER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, BLOCK_D] over keys [lo, hi) (k_ptr/v_ptr at slot 0, one head): slots
     lo..hi-1 when PAGE == 0, else positions lo..hi-1 of a context whose page i is ``pages_ptr[i]`` (slot
-    ``page * PAGE + position % PAGE``).
+    ``page * PAGE + position % PAGE``). With LOWER, row r sees only keys n >= row_lo[r] (a window); with
+    SOFTCAP, ``qk_scale`` is the natural-log scale and scores become cap * tanh(s / cap) (then base 2).
 
     State: acc [BLOCK_M, BLOCK_D] (unnormalised), m_i (running max, base-2 units), l_i (sum of exp2).
     """
@@ -100,7 +122,12 @@ def _attend_range(
             other=0.0,
         ).to(DOT_DTYPE)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        if SOFTCAP:
+            s = _tanh(s / cap) * cap * _LOG2E
+        seen = n_mask[None, :]
+        if LOWER:
+            seen = seen & (n[None, :] >= row_lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -169,16 +196,17 @@ def _finish(acc, m_i, l_i):
 @triton.jit
 def _tail_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, lens_ptr, out_ptr, lse_ptr,
-    seq_ptr, seq_parts, part_o, part_lse,
-    qk_scale, split_len, G, D,
+    seq_ptr, seq_parts, part_o, part_lse, tail_lo_ptr,
+    qk_scale, cap, split_len, G, D,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
     stride_pr, stride_ph, stride_plr,
     MERGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, KV head, split): the G query heads of the group against a split of the tail, read
-    through the sequence's row of the page table."""
+    through the sequence's row of the page table (under a window, from its first visible index on)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -196,12 +224,15 @@ def _tail_kernel(
     length = tl.load(lens_ptr + b).to(tl.int32)
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, length)
+    if WINDOW:
+        lo = tl.maximum(lo, tl.load(tail_lo_ptr + b).to(tl.int32))
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_range(
         q, k_ptr + h * stride_kh, v_ptr + h * stride_vh, stride_ks, stride_vs, lo, hi, acc, m_i, l_i,
-        qk_scale, D, pages_ptr + b64 * stride_pb, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, PAGE,
+        qk_scale, D, pages_ptr + b64 * stride_pb, lo, cap, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, PAGE,
+        False, SOFTCAP,
     )  # fmt: skip
     if MERGE:
         acc, m_i, l_i = _fold_csr(
@@ -220,14 +251,15 @@ def _tail_kernel(
 
 @triton.jit
 def _shared_kernel(
-    q_ptr, k_ptr, v_ptr, units_ptr, part_o, part_lse,
-    qk_scale, G, D,
+    q_ptr, k_ptr, v_ptr, units_ptr, part_o, part_lse, unit_kpos_ptr, seq_first_ptr,
+    qk_scale, cap, G, D,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_pr, stride_ph, stride_plr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """One (work unit, KV head): all query rows of the unit's sequences against its KV chunk."""
+    """One (work unit, KV head): all query rows of the unit's sequences against its KV chunk (under a
+    window, each row from its sequence's first visible key on: a per-row lower bound in the same dots)."""
     u = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kv_lo = tl.load(units_ptr + u * 5 + 0)
@@ -251,9 +283,14 @@ def _shared_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_lo = kv_lo
+    if WINDOW:  # slot s of the unit holds position s - kv_lo + unit_kpos[u]
+        first = tl.load(seq_first_ptr + seq, mask=row_mask, other=0)
+        row_lo = kv_lo + first - tl.load(unit_kpos_ptr + u)
     acc, m_i, l_i = _attend_range(
         q, k_ptr + h * stride_kh, v_ptr + h * stride_vh, stride_ks, stride_vs, kv_lo, kv_hi,
-        acc, m_i, l_i, qk_scale, D, units_ptr, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, 0,
+        acc, m_i, l_i, qk_scale, D, units_ptr, row_lo, cap, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, 0,
+        WINDOW, SOFTCAP,
     )  # fmt: skip
     out, lse = _finish(acc, m_i, l_i)
     prow = part_row + seq - seq_lo
@@ -342,6 +379,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int,
     return q.shape[1] // k.shape[1], k.shape[1], q.shape[2]
 
 
+def _scores(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, cap) for the kernels: scale x log2(e) without a soft-cap; the natural scale with one (the
+    kernel caps first, then goes to base 2)."""
+    if softcap is None:
+        return float(scale) * 1.4426950408889634, 1.0
+    if not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
+    return float(scale), float(softcap)
+
+
 def _empty_csr(b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(b + 1, dtype=torch.int32, device=device), torch.zeros(
         1, dtype=torch.int32, device=device
@@ -363,9 +410,12 @@ def tail_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    tail_lo: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's private tail: q [B, Hq, D] against positions [0, lens[b]) of the context whose page i
-    is ``pages[b, i]`` (int32 [B, P]; slot ``page * page_size + position % page_size``).
+    is ``pages[b, i]`` (int32 [B, P]; slot ``page * page_size + position % page_size``); with ``tail_lo``
+    (int32 [B], a window) from position tail_lo[b] on only; ``softcap`` caps the scores.
 
     Returns (out [B, S, Hq, D], lse [B, S, Hq]) per split (``split_len`` tokens each, S = num_splits);
     with S == 1 and ``parts = (seq_ptr, seq_parts, part_o, part_lse)`` the shared partials are folded in
@@ -387,15 +437,17 @@ def tail_attention(
     else:
         seq_ptr, seq_parts, part_o, part_lse = parts
     dot_dtype, precision = _dot_config(q.dtype)
+    qk_scale, cap = _scores(scale, softcap)
     if b:
         _tail_kernel[(b, hkv, num_splits)](
             q, k, v, pages, lens, out, lse, seq_ptr, seq_parts, part_o, part_lse,
-            float(scale) * 1.4426950408889634, split_len, g, d,
+            lens if tail_lo is None else tail_lo, qk_scale, cap, split_len, g, d,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pages.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
             MERGE=parts is not None, BLOCK_M=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
-            DOT_DTYPE=dot_dtype, PRECISION=precision, PAGE=page_size, num_stages=_stages(q.dtype),
+            DOT_DTYPE=dot_dtype, PRECISION=precision, PAGE=page_size, WINDOW=tail_lo is not None,
+            SOFTCAP=softcap is not None, num_stages=_stages(q.dtype),
         )  # fmt: skip
     return out, lse
 
@@ -412,8 +464,11 @@ def shared_attention(
     block_n: int = 64,
     part_o: torch.Tensor | None = None,
     part_lse: torch.Tensor | None = None,
+    window: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All work units of a layer in one launch. ``units`` int64 [U, 5] (see ``tree_plan``).
+    """All work units of a layer in one launch. ``units`` int64 [U, 5] (see ``tree_plan``); ``window``
+    (``unit_kpos`` int64 [U], ``seq_first`` int64 [B]) bounds each row below; ``softcap`` caps the scores.
 
     Returns the partials (part_o [R, Hq, D], part_lse [R, Hq]) fp32, R = ``num_parts``.
     """
@@ -426,13 +481,15 @@ def shared_attention(
     if part_lse is None:
         part_lse = torch.empty(max(num_parts, 1), hq, dtype=torch.float32, device=q.device)
     dot_dtype, precision = _dot_config(q.dtype)
+    qk_scale, cap = _scores(scale, softcap)
+    unit_kpos, seq_first = window if window is not None else (units, units)  # unread without a window
     if units.shape[0]:
         _shared_kernel[(units.shape[0], hkv)](
-            q, k, v, units, part_o, part_lse, float(scale) * 1.4426950408889634, g, d,
+            q, k, v, units, part_o, part_lse, unit_kpos, seq_first, qk_scale, cap, g, d,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d), DOT_DTYPE=dot_dtype, PRECISION=precision,
-            num_stages=_stages(q.dtype),
+            WINDOW=window is not None, SOFTCAP=softcap is not None, num_stages=_stages(q.dtype),
         )  # fmt: skip
     return part_o, part_lse
 
@@ -477,30 +534,36 @@ def tree_decode_attention(
     *,
     block_n: int = 64,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """One layer of decode attention for the whole batch: q [B, Hq, D] -> out [B, Hq, D] in q's dtype.
 
     k/v are the layer's pool tensors [slots, Hkv, D]. Two launches (shared units, tails with the merge
-    fused), or three when tails are split (shared units, tail splits, merge).
+    fused), or three when tails are split (shared units, tail splits, merge). A plan built with a window
+    (``plan.window``) bounds every sequence's keys below; ``softcap`` caps the scores.
     """
     g, _, _ = _check(q, k, v)
     if g != plan.group:
         raise ValueError(f"plan was built for GQA group {plan.group}, q/k give {g}")
+    window = (plan.unit_kpos, plan.seq_first) if plan.window is not None else None
+    tail_lo = plan.tail_lo if plan.window is not None else None
     parts = shared_attention(
-        q, k, v, plan.units, plan.num_parts, scale, block_m=plan.block_m, block_n=block_n
-    )
+        q, k, v, plan.units, plan.num_parts, scale, block_m=plan.block_m, block_n=block_n, window=window,
+        softcap=softcap,
+    )  # fmt: skip
     csr = (plan.seq_ptr, plan.seq_parts, *parts)
     if plan.tail_splits == 1:
         out = torch.empty_like(q)
         out, lse = tail_attention(
             q, k, v, plan.tail_pages, plan.page_size, tail_lens, scale, block_n=block_n,
-            out=out.unsqueeze(1), parts=csr,
+            out=out.unsqueeze(1), parts=csr, tail_lo=tail_lo, softcap=softcap,
         )  # fmt: skip
         out, lse = out.squeeze(1), lse.squeeze(1)
     else:
         to, tlse = tail_attention(
             q, k, v, plan.tail_pages, plan.page_size, tail_lens, scale,
-            split_len=plan.tail_split_len, num_splits=plan.tail_splits, block_n=block_n,
+            split_len=plan.tail_split_len, num_splits=plan.tail_splits, block_n=block_n, tail_lo=tail_lo,
+            softcap=softcap,
         )  # fmt: skip
         out, lse = merge_attention(to, tlse, *csr, group=g, out_dtype=q.dtype)
     return (out, lse) if return_lse else out
@@ -513,8 +576,11 @@ def compile_report(
     group: int = 8,
     block_m: int = 64,
     block_n: int = 64,
+    window: bool = False,
+    softcap: bool = False,
 ) -> dict[str, dict]:
-    """Compile every kernel for a CUDA target on any machine (Triton's bundled ptxas, no GPU needed).
+    """Compile every kernel for a CUDA target on any machine (Triton's bundled ptxas, no GPU needed)
+    (``window`` / ``softcap``: with those switches on).
 
     Catches what the interpreter cannot (types, layouts, shared-memory overflows) and reports, per kernel,
     its shared memory in bytes and the matrix instructions its PTX uses ("wgmma", "mma" or "fma").
@@ -528,7 +594,9 @@ def compile_report(
     dot_dtype, precision = _dot_config(dtype)
     ptrs = {p: f"*{elem}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     ptrs.update(pages_ptr="*i32", lens_ptr="*i64", units_ptr="*i64", seq_ptr="*i32", seq_parts="*i32")
+    ptrs.update(tail_lo_ptr="*i32", unit_kpos_ptr="*i64", seq_first_ptr="*i64", cap="fp32")
     tiles = dict(BLOCK_D=_pow2(head_dim), DOT_DTYPE=dot_dtype, PRECISION=precision)
+    tiles.update(WINDOW=window, SOFTCAP=softcap)
     kernels = {
         "tail": (_tail_kernel, dict(MERGE=True, BLOCK_M=_pow2(group), BLOCK_N=block_n, PAGE=16, **tiles)),
         "shared": (_shared_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, **tiles)),

@@ -1,8 +1,8 @@
 """The model runner: runs a packed step through the model once and samples the next tokens.
 
 The step comes packed by ``packing.py`` (every work item's tokens in one varlen batch, its attention
-metadata built once per distinct layer spec); attention for the whole step is one ``step_attention`` call
-per layer, with its spec's metadata and scale. Sampling is
+metadata built once per layer kind's group and mask: a sliding window's has its bounds); attention for the
+whole step is one ``step_attention`` call per layer, with its kind's metadata, scale and soft-cap. Sampling is
 one call for the batch, seeded per sequence, so a sequence's draws never depend on the rest of the batch.
 """
 
@@ -42,6 +42,7 @@ class ModelRunner:
             )
         self.layer_spec = self.specs.of_layer  # layer -> its kind (its metadata in a packed batch)
         self.scales = [self.specs.specs[i].scale for i in self.layer_spec]
+        self.softcaps = self.specs.softcaps()
         self.layer_group = pool.layout.group_of_layer if pool is not None else ()  # whose pages it reads
         self.layer_row = pool.layout.row_of_layer if pool is not None else ()  # its row in them
         self.sampler = Sampler()
@@ -60,12 +61,17 @@ class ModelRunner:
         batch, _ = pack(plan, pool.page_size, self.device, self.specs, in_group)
         if self.use_triton and pool.groups == 1:  # (several KV groups: the general path)
             c = self.cfg
-            tables = triton_tables(
-                plan, self.pool.page_size, self.device, c.num_heads // c.num_kv_heads, c.num_kv_heads,
-                self.plan_options,
-            )  # fmt: skip
-            if tables is not None:
-                batch.tree_plan, batch.tail_lens = tables
+            built: dict = {}  # per mask (window): kinds that see the same keys share one plan
+            for spec in self.specs.specs:
+                if spec.mask_key not in built:
+                    built[spec.mask_key] = triton_tables(
+                        plan, self.pool.page_size, self.device, c.num_heads // c.num_kv_heads, c.num_kv_heads,
+                        self.plan_options, spec.window,
+                    )  # fmt: skip
+            tables = [built[spec.mask_key] for spec in self.specs.specs]
+            if tables[0] is not None:
+                batch.tree_plan, batch.tail_lens = tables[0]
+                batch.tree_plans = tuple(t[0] for t in tables)
         return batch
 
     # ---- running it ----------------------------------------------------------------------------------
@@ -73,6 +79,7 @@ class ModelRunner:
         """Runs the model; returns logits [B, V] (fp32) at the decoding sequences' last tokens."""
         pool, metas, impl = self.pool, batch.metas, self.attention
         spec, scales, rows, groups = self.layer_spec, self.scales, self.layer_row, self.layer_group
+        caps = self.softcaps
 
         def attend(layer, q, k, v):
             row = rows[layer]
@@ -81,23 +88,28 @@ class ModelRunner:
                 return torch.zeros_like(q)
             if batch.tree_plan is None:
                 meta = metas[spec[layer]]
-                return step_attention(q, pool.k[row], pool.v[row], meta, scales[layer], impl=impl)
-            return self._triton_attention(row, q, batch, scales[layer])
+                return step_attention(q, pool.k[row], pool.v[row], meta, scales[layer], impl, caps[layer])
+            return self._triton_attention(row, q, batch, scales[layer], caps[layer], spec[layer])
 
         layers = None
         if impl in ("auto", "cpp") and batch.tree_plan is None:  # every layer in one C++ call, if it can
             slots = (batch.slots, *batch.group_slots)
-            layers = stack_layers(self.model, pool.k, pool.v, slots, metas, spec, scales, groups, rows)
+            layers = stack_layers(self.model, pool.k, pool.v, slots, metas, spec, scales, groups, rows, caps)
         hidden = self.model(batch.input_ids, batch.positions, attend, layers=layers, final_norm=False)
         if batch.logit_rows.numel() == 0:
             return None
         return self.model.logits(hidden[batch.logit_rows], normalized=False)
 
-    def _triton_attention(self, row: int, q: torch.Tensor, batch: PackedBatch, scale: float) -> torch.Tensor:
+    def _triton_attention(
+        self, row: int, q: torch.Tensor, batch: PackedBatch, scale: float, softcap=None, kind: int = 0
+    ) -> torch.Tensor:
         from hydragen.attention.triton_kernels import tree_decode_attention  # optional dependency
 
         pool = self.pool
-        return tree_decode_attention(q, pool.k[row], pool.v[row], batch.tree_plan, batch.tail_lens, scale)
+        tree = batch.tree_plans[kind] if batch.tree_plans else batch.tree_plan
+        return tree_decode_attention(
+            q, pool.k[row], pool.v[row], tree, batch.tail_lens, scale, softcap=softcap
+        )
 
     def sample(
         self, logits: torch.Tensor, seqs: list[SequenceState], num_logprobs: int | None = None

@@ -14,9 +14,12 @@ pages are neighbours and each shared run is read for a contiguous range of query
 
 Each layer writes the step's new K/V into the pool before attending, so a chunk sees its own keys.
 
-The metadata is built once per distinct layer spec (``attention/layer_spec.py``), not per layer: specs that
-see the same keys (today every spec: the kernels compute no window yet) share one, and each layer reads the
-one of its spec (``PackedBatch.layer_meta``).
+The metadata is built once per layer kind's KV group and mask (``attention/layer_spec.py``), not per layer:
+kinds of one group that see the same keys (``AttentionSpec.mask_key``: the window) share one, and each layer
+reads the one of its kind (``PackedBatch.layer_meta``). Every unit and segment carries the position of its
+first key (consecutive positions follow), so a sliding layer's metadata (``StepAttentionMeta.build`` with the
+window and the tokens' positions) bounds each token's keys below at its window and leaves out the work no
+token's window reaches; the same reads serve every mask.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ class PackedBatch:
     metas: tuple[StepAttentionMeta, ...]  # per distinct layer spec; specs with one mask share one
     logit_rows: torch.Tensor  # [R] the tokens whose logits are wanted: each item's last Work.logit_rows
     num_prefill_tokens: int  # tokens of items that do not sample (prompt chunks before the last)
-    # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables.
+    # Triton decode (attention="triton", a step of one decode token per item): the kernels' tables, the
+    # first kind's (tree_plan) and every kind's (tree_plans: kinds of one mask share one).
     tree_plan: object | None = None
     tail_lens: torch.Tensor | None = None
+    tree_plans: tuple = ()
     shared_items: int = 0  # shared runs read by ranges of items
     group_slots: tuple[torch.Tensor, ...] = ()  # KV groups 1..: each token's slot in that group's pages
 
@@ -56,6 +61,15 @@ class PackedBatch:
 
     def layer_meta(self, specs: LayerSpecs, layer: int) -> StepAttentionMeta:
         return self.metas[specs.of_layer[layer]]
+
+
+def positioned(runs: list[tuple[int, int]], first: int) -> list[tuple[int, int, int]]:
+    """``runs`` holding consecutive positions from ``first`` as (lo, hi, position of lo)."""
+    out = []
+    for lo, hi in runs:
+        out.append((lo, hi, first))
+        first += hi - lo
+    return out
 
 
 def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, int]]:
@@ -79,8 +93,10 @@ class _Reads:
     """One KV group's side of a step: the slot each token's K/V goes to, and what each token reads."""
 
     slots: list[int] = field(default_factory=list)
-    units: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    segments: list[tuple[int, int, list[tuple[int, int]], int]] = field(default_factory=list)
+    # units (kv_lo, kv_hi, tok_lo, tok_hi, causal, first key's position); segments (tok_lo, tok_hi, runs,
+    # visible, first key's position): every key's position is known, for a window
+    units: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    segments: list[tuple[int, int, list[tuple[int, int]], int, int]] = field(default_factory=list)
 
     def add_item(self, w, cut: int, t0: int, pages, page_size: int) -> None:
         """Work item ``w`` (its first token at ``t0``), its context read from ``pages`` past its cut."""
@@ -89,25 +105,27 @@ class _Reads:
         for lo, hi in own:
             self.slots += range(lo, hi)
         context = slot_runs(pages, page_size, cut * page_size, w.start)
-        if w.parents is not None:  # a draft tree: context by units, ancestors per token
-            self.units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
-            self.segments += tree_segments(t0, self.slots[t0:], w.parents)
+        at = positioned(context, cut * page_size)
+        if w.parents is not None:  # a draft tree: context by units, ancestors per token (root at start)
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in at]
+            self.segments += [(*s, w.start) for s in tree_segments(t0, self.slots[t0:], w.parents)]
         elif k >= UNIT_TOKENS:
-            self.units += [(lo, hi, t0, t0 + k, 0) for lo, hi in context]
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in at]
             if len(own) == 1:
-                self.units.append((own[0][0], own[0][1], t0, t0 + k, 1))
-                self.segments.append((t0, t0 + k, [], 0))
+                self.units.append((own[0][0], own[0][1], t0, t0 + k, 1, w.start))
+                self.segments.append((t0, t0 + k, [], 0, w.start))
             else:
-                self.segments.append((t0, t0 + k, own, 1))
+                self.segments.append((t0, t0 + k, own, 1, w.start))
         else:
-            self.segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1))
+            self.segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1, cut * page_size))
 
     def add_shared(self, plan: StepPlan, starts: list[int], page_size: int, pages_of) -> None:
         """The plan's shared runs: one non-causal unit each over its slots, for all its items' tokens."""
         for run in plan.shared:
             pages = pages_of(plan.work[run.lo].pages)
-            for lo, hi in slot_runs(pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
-                self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0))
+            first = run.page_lo * page_size
+            for lo, hi, p in positioned(slot_runs(pages, page_size, first, run.page_hi * page_size), first):
+                self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0, p))
 
 
 def pack(
@@ -159,9 +177,12 @@ def pack(
     built: dict[tuple[int, int | None], StepAttentionMeta] = {}  # per (group, mask): kinds share them
     metas = []
     for g, spec in zip(specs.groups, specs.specs, strict=True) if specs is not None else [(0, None)]:
+        window = spec.window if spec is not None else None
         key = (g, spec.mask_key if spec is not None else None)
-        if key not in built:  # every mask is full attention today
-            built[key] = StepAttentionMeta.build(reads[g].units, reads[g].segments, len(ids), device)
+        if key not in built:
+            built[key] = StepAttentionMeta.build(
+                reads[g].units, reads[g].segments, len(ids), device, window=window, positions=pos
+            )
         metas.append(built[key])
     slots = [as_tensor(r.slots) for r in reads]
     batch = PackedBatch(
@@ -177,10 +198,12 @@ def pack(
     return batch, starts[:-1]
 
 
-def triton_tables(plan: StepPlan, page_size: int, device, group: int, num_kv_heads: int, options: dict):
+def triton_tables(
+    plan: StepPlan, page_size: int, device, group: int, num_kv_heads: int, options: dict, window=None
+):
     """The Triton tree-decode tables (``tree_plan.py``) for a step where every item decodes one token:
-    shared runs as slot ranges read by item ranges, and each item's tail (from its cut) as a page table.
-    None for any other step (it takes the general path)."""
+    shared runs as slot ranges read by item ranges, and each item's tail (from its cut) as a page table;
+    with ``window``, each item's bounds. None for any other step (it takes the general path)."""
     if not plan.work or any(len(w.tokens) != 1 for w in plan.work):
         return None
     from hydragen.attention.tree_plan import build_tree_plan
@@ -188,8 +211,9 @@ def triton_tables(plan: StepPlan, page_size: int, device, group: int, num_kv_hea
     items = []
     for run in plan.shared:
         first = plan.work[run.lo]
-        for lo, hi in slot_runs(first.pages, page_size, run.page_lo * page_size, run.page_hi * page_size):
-            items.append((lo, hi, run.lo, run.hi))
+        at = run.page_lo * page_size
+        for lo, hi, p in positioned(slot_runs(first.pages, page_size, at, run.page_hi * page_size), at):
+            items.append((lo, hi, run.lo, run.hi, p))
     cuts = plan.cuts or (0,) * len(plan.work)
     tails = [w.pages[cut:] for w, cut in zip(plan.work, cuts, strict=True)]
     lens = [w.end - cut * page_size for w, cut in zip(plan.work, cuts, strict=True)]
@@ -203,6 +227,9 @@ def triton_tables(plan: StepPlan, page_size: int, device, group: int, num_kv_hea
         group=group,
         num_kv_heads=num_kv_heads,
         tail_cap=max(lens),
+        window=window,
+        positions=[w.start for w in plan.work],
+        tail_start=[cut * page_size for cut in cuts],
         **options,
     )
     return tree, torch.tensor(lens, dtype=torch.long, device=device)

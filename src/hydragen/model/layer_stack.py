@@ -86,12 +86,13 @@ def stack_layers(
     scales: list[float],
     layer_group: tuple[int, ...],
     layer_row: tuple[int, ...],
+    softcaps: list[float | None] | None = None,
 ):
     """The ``layers`` callable for ``DecoderModel.forward`` (the KV write and step attention inside), or None
     when the model or the pool cannot take the one-call path. Layer i writes its K/V at ``slots[g]`` of
     its KV group g = ``layer_group[i]``, in row ``layer_row[i]`` of the pool, and attends by
-    ``metas[layer_meta[i]]`` scaled by ``scales[i]``: the step's metadata per layer kind, each passed to
-    the op once."""
+    ``metas[layer_meta[i]]`` (a window's metadata carries its bounds) scaled by ``scales[i]`` and soft-capped
+    at ``softcaps[i]`` (None: off): the step's metadata per layer kind, each passed to the op once."""
     if not enabled() or pool_k.dtype not in CPP_DTYPES or pool_k.device.type != "cpu":
         return None
     stack = getattr(model, "_packed_stack", False)
@@ -115,6 +116,8 @@ def stack_layers(
     fields = [[getattr(m, f) for m in distinct] for f in names]
     parts = [m.num_parts for m in distinct]
     max_tokens = [m.max_item_tokens for m in distinct]
+    firsts = [m.tok_first for m in distinct]
+    caps = [0.0 if c is None else float(c) for c in (softcaps or [None] * len(scales))]
     slots, groups, rows = list(slots), list(layer_group), list(layer_row)
 
     def layers(h: torch.Tensor, rope) -> torch.Tensor:
@@ -122,8 +125,8 @@ def stack_layers(
         return ops.quant_layers(
             h, cos, sin, cols, stack.weights, stack.qtypes, stack.rows, stack.counts, stack.norms,
             c.rms_norm_eps, pool_k, pool_v, slots, groups, rows, c.num_heads, c.num_kv_heads, *fields, parts,
-            max_tokens, of_layer, scales, step_work.TILE_MIN_ROWS, step_work.TILE_MIN_KEYS, stack.act_bits,
-            stack.isa,
+            max_tokens, firsts, of_layer, scales, caps, step_work.TILE_MIN_ROWS, step_work.TILE_MIN_KEYS,
+            stack.act_bits, stack.isa,
         )  # fmt: skip
 
     return layers

@@ -37,6 +37,9 @@ _META_TENSORS = (
     "blocks",
     "tok_ptr",
     "tok_parts",
+    "tok_first",
+    "unit_pos",
+    "seg_pos",
 )
 
 
@@ -74,7 +77,8 @@ def pack_step(batch: PackedBatch) -> torch.Tensor:
     scalars = [batch.num_prefill_tokens, len(batch.group_slots), len(distinct), len(index), *index]
     for meta in distinct:
         tensors += [getattr(meta, n) for n in _META_TENSORS]
-        scalars += [meta.num_tokens, meta.num_parts, meta.max_item_tokens, meta.slots_needed]
+        window = 0 if meta.window is None else meta.window  # a window is >= 1
+        scalars += [meta.num_tokens, meta.num_parts, meta.max_item_tokens, meta.slots_needed, window]
     shapes = []
     for t in tensors:
         shapes += [t.numel(), t.shape[1] if t.dim() == 2 else 0]
@@ -88,8 +92,8 @@ def unpack_step(payload: torch.Tensor, device: torch.device) -> PackedBatch:
     at = 4
     index = payload[at : at + num_specs].tolist()
     at += num_specs
-    meta_scalars = payload[at : at + 4 * num_distinct].view(-1, 4).tolist()
-    at += 4 * num_distinct
+    meta_scalars = payload[at : at + 5 * num_distinct].view(-1, 5).tolist()
+    at += 5 * num_distinct
     groups = [f"slots.{g}" for g in range(1, 1 + more_groups)]
     names = list(_BATCH_TENSORS) + groups + [f"{n}.{m}" for m in range(num_distinct) for n in _META_TENSORS]
     shapes = payload[at : at + 2 * len(names)].tolist()
@@ -112,7 +116,7 @@ def unpack_step(payload: torch.Tensor, device: torch.device) -> PackedBatch:
 
 
 def _unpack_meta(values: dict, scalars: list[int], device: torch.device) -> StepAttentionMeta:
-    num_tokens, num_parts, max_item_tokens, slots_needed = scalars
+    num_tokens, num_parts, max_item_tokens, slots_needed, window = scalars
     units, seg_tok, seg_run = values["units"], values["seg_tok"].tolist(), values["seg_run"].tolist()
     runs = [tuple(r) for r in values["runs"].tolist()]
     visible = values["seg_visible"].tolist()
@@ -128,6 +132,7 @@ def _unpack_meta(values: dict, scalars: list[int], device: torch.device) -> Step
         slots_needed=slots_needed,
         unit_list=[tuple(u) for u in units.tolist()],
         segment_list=segment_list,
+        window=window or None,
     )
 
 

@@ -36,8 +36,14 @@ IMPL_IDS = ["fused", "torch", "default"]
 # --------------------------------------------------------------------------------------------------
 
 
-def oracle(q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens=None, scale=None):
-    """Naive float64 attention. Returns (out [B, Nq, Hq, D], lse [B, Nq, Hq]), both float64."""
+def oracle(
+    q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens=None, scale=None, window=None, softcap=None
+):
+    """Naive float64 attention. Returns (out [B, Nq, Hq, D], lse [B, Nq, Hq]), both float64.
+
+    ``window`` W: keys count positions from 0 through the prefix levels then the suffix; query i of a
+    sequence with n valid suffix keys sits at position P + n - Nq + i and sees only keys at positions
+    > its position - W. ``softcap`` c: every scaled score s becomes c * tanh(s / c)."""
     b_total, nq, hq, d = q.shape
     scale = d**-0.5 if scale is None else float(scale)
     out = torch.zeros(b_total, nq, hq, d, dtype=torch.float64)
@@ -67,6 +73,14 @@ def oracle(q, prefix_ks, prefix_vs, suffix_k, suffix_v, suffix_lens=None, scale=
             continue  # no keys at all: out 0, lse -inf
         sc = torch.cat(scores, dim=2)  # [Hq, Nq, T]
         vals = torch.cat(values, dim=1)  # [Hq, T, D]
+        if softcap is not None:  # the masked suffix keys stay -inf: tanh(-inf) * c would unmask them
+            sc = torch.where(torch.isneginf(sc), sc, torch.tanh(sc / softcap) * softcap)
+        if window is not None:
+            prefix = sum(k.shape[1] for k in prefix_ks)
+            n = 0 if suffix_k is None else (suffix_k.shape[1] if suffix_lens is None else int(suffix_lens[b]))
+            for i in range(nq):
+                position = prefix + n - nq + i
+                sc[:, i, : max(0, position - window + 1)] = -math.inf  # keys at positions <= position - W
         mx = sc.amax(dim=2, keepdim=True)  # -inf for a row that sees no key
         blind = torch.isneginf(mx)
         e = torch.exp(sc - torch.where(blind, 0.0, mx))
@@ -124,7 +138,7 @@ def run(case, impl, **kwargs):
     )
 
 
-def run_oracle(case, scale=None):
+def run_oracle(case, scale=None, **kwargs):
     return oracle(
         case["q"],
         case["prefix_ks"],
@@ -133,6 +147,7 @@ def run_oracle(case, scale=None):
         case["suffix_v"],
         case["suffix_lens"],
         scale=scale,
+        **kwargs,
     )
 
 
@@ -647,6 +662,99 @@ def test_empty_queries_return_empty(impl, shape):
     suffix = torch.randn(shape[0], 2, 2, 16)
     out, lse = shared_prefix_attention(torch.zeros(shape), k, k, suffix, suffix, impl=impl, return_lse=True)
     assert out.shape == shape and lse.shape == shape[:3]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sliding windows and soft-capping
+# --------------------------------------------------------------------------------------------------
+
+# (window, softcap): windows smaller than one key level, straddling levels, covering everything; a soft-cap
+# alone and with a window
+WINDOW_CAPS = [(1, None), (2, None), (4, None), (9, None), (1000, None), (None, 2.0), (3, 2.0), (1000, 2.0)]
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("window,softcap", WINDOW_CAPS)
+@pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)
+def test_window_and_softcap_match_oracle(spec, window, softcap, impl):
+    """Every shape of the contract (levels, ragged and causal suffixes, no suffix, empty levels, GQA) with
+    a window and/or a soft-cap, against the oracle's explicit positions; large logits, so the cap bites."""
+    case = case_from(spec, seed=CASE_IDS.index(spec[0]), q_mult=3.0)
+    out, lse = run(case, impl, return_lse=True, window=window, softcap=softcap)
+    ref_out, ref_lse = run_oracle(case, window=window, softcap=softcap)
+    assert out.dtype == case["q"].dtype and not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    if softcap is not None:  # the cap changes the result
+        plain = run_oracle(case, window=window)[0]
+        assert (plain - ref_out).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_window_and_softcap_low_precision(dtype, impl):
+    case = case_from(CASES[3], seed=7, dtype=dtype)
+    out = run(case, impl, window=5, softcap=1.5)
+    assert out.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.double(), run_oracle(case, window=5, softcap=1.5)[0], atol=tol, rtol=tol)
+
+
+def test_window_agrees_with_package_reference():
+    for spec in CASES[:8]:
+        case = case_from(spec, seed=3, q_mult=2.0)
+        mine = run_oracle(case, window=3, softcap=1.5)
+        theirs = reference_attention(
+            case["q"], case["prefix_ks"], case["prefix_vs"], case["suffix_k"], case["suffix_v"],
+            case["suffix_lens"], window=3, softcap=1.5,
+        )  # fmt: skip
+        torch.testing.assert_close(mine[0], theirs[0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(mine[1], theirs[1], atol=1e-12, rtol=1e-12)
+
+
+def test_window_is_the_last_w_positions_as_transformers_counts_them():
+    """A query at position p sees keys at positions p - W + 1 .. p (transformers' sliding_window_overlay,
+    ``kv_idx > q_idx - sliding_window``): W = 1 is the query's own key, and a key's value comes through
+    exactly when it is in the window."""
+    d, b, nq, s = 4, 1, 6, 6
+    q = torch.zeros(b, nq, 1, d)  # equal scores: the output is the mean of the visible values
+    k = torch.zeros(b, s, 1, d)
+    v = torch.arange(s, dtype=torch.float32).view(1, s, 1, 1).expand(b, s, 1, d).contiguous()
+    for w in (1, 2, 3, 6):
+        out = shared_prefix_attention(q, [], [], k, v, window=w)
+        for i in range(nq):
+            seen = [j for j in range(s) if i - w < j <= i]
+            assert out[0, i, 0, 0].item() == pytest.approx(sum(seen) / len(seen))
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+def test_levels_out_of_every_window_are_not_read(impl, monkeypatch):
+    """A level wholly before every query's window costs no call; a level the window enters is read from
+    the first key any query sees, once for the whole batch; the suffix likewise."""
+    b, nq, hq, hkv, d = 4, 2, 4, 2, 16
+    levels = [(1, 40), (2, 12), (4, 3)]  # positions 0..39, 40..51, 52..54; suffix from 55
+    case = make_case(b, nq, hq, hkv, d, levels, 6, [6, 5, 6, 4], seed=21)
+    recorder = CallRecorder(sp_module.partial_attention)
+    monkeypatch.setattr(sp_module, "partial_attention", recorder)
+    out = run(case, impl, window=8)
+    # queries sit at positions 57 .. 60: the first any sees is 57 - 8 + 1 = 50
+    keys = sorted((c[1][0], c[1][2]) for c in recorder.calls)  # (groups or batch, keys) per call
+    assert keys == [(2, 2), (4, 3), (4, 6)]  # level 1 from position 50; level 2 whole; the suffix whole
+    torch.testing.assert_close(out.double(), run_oracle(case, window=8)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])
+def test_bad_window_is_refused(bad):
+    k = [torch.randn(1, 3, 2, 16)]
+    with pytest.raises(ValueError, match="window"):
+        shared_prefix_attention(torch.zeros(2, 1, 6, 16), k, k, None, None, window=bad)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), "2"])
+def test_bad_softcap_is_refused(bad):
+    k = [torch.randn(1, 3, 2, 16)]
+    with pytest.raises(ValueError, match="softcap"):
+        shared_prefix_attention(torch.zeros(2, 1, 6, 16), k, k, None, None, softcap=bad)
 
 
 def test_unknown_impl_rejected():

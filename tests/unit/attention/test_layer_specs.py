@@ -8,10 +8,12 @@ Groups are checked for real: the fake engine's model in several groups (every gr
 written like the table's, through sharing, forks, preemption and the prefix cache) and real models whose
 layers are spread over groups giving the one-group model's tokens and log-probabilities bit for bit.
 
-The scale is computed everywhere today, so it is checked for real: against transformers with each layer's
-``scaling`` set (the per-op path) and bit for bit between the one-call layer stack and the per-op path. A
-window, a soft-cap and sinks are the format only until the model-families and MoE issues put them into
-the kernels: a model declaring one is refused by name, never run with full attention.
+The scale, a sliding window and a soft-cap are computed everywhere, so they are checked for real: against
+transformers (each layer's ``scaling`` set; a tiny Qwen2 with a sliding, soft-capped first layer), the fake
+engine's metadata reading exactly each token's window through sharing, forks and preemption, and bit for bit
+between the one-call layer stack and the per-op path with layer kinds that differ by window and soft-cap.
+Sinks are the format only until the MoE issue puts them into the kernels: a model declaring them is refused
+by name, never run without.
 """
 
 from __future__ import annotations
@@ -65,22 +67,32 @@ def test_bad_specs_are_named():
     assert model_layer_specs(SimpleNamespace(num_layers=2, head_dim=16)) == LayerSpecs.uniform(2, 16)
 
 
-@pytest.mark.parametrize(
-    ("spec", "why"),
-    [
-        (AttentionSpec(0.25, window=4), "layer 1 attends through a sliding window of 4 tokens"),
-        (AttentionSpec(0.25, soft_cap=50.0), "layer 1 soft-caps its attention scores at 50.0"),
-        (AttentionSpec(0.25, sinks=True), "layer 1 has attention sinks"),
-    ],
-)
-def test_what_the_kernels_do_not_compute_yet_is_refused_by_name(spec, why):
-    specs = LayerSpecs.per_layer([AttentionSpec(0.25), spec, AttentionSpec(0.25)])
+def test_sinks_are_refused_by_name():
+    specs = LayerSpecs.per_layer([AttentionSpec(0.25), AttentionSpec(0.25, sinks=True), AttentionSpec(0.25)])
+    why = "layer 1 has attention sinks"
     assert specs.unsupported() == why
     cfg = SimpleNamespace(num_layers=3, head_dim=16, layer_specs=specs_tuple(specs))
     with pytest.raises(ConfigError, match=f"cannot run exactly yet: {why}"):
         ModelRunner(None, cfg, None, "cpu")
     with pytest.raises(ValueError, match=why):
         pack(StepPlan(), 4, "cpu", specs)
+
+
+def test_windows_and_soft_caps_are_computed_not_refused():
+    """A window and a soft-cap pack and run: kinds with one window share one metadata, another window gets
+    its own (bounded), and each layer gets its soft-cap."""
+    a, b = AttentionSpec(0.25, window=4, soft_cap=30.0), AttentionSpec(0.25)
+    specs = LayerSpecs.per_layer([a, b, AttentionSpec(0.5, window=4), b])
+    assert specs.unsupported() is None and specs.softcaps() == [30.0, None, None, None]
+    cfg = SimpleNamespace(num_layers=4, head_dim=16, layer_specs=specs_tuple(specs))
+    runner = ModelRunner(None, cfg, None, "cpu")
+    assert runner.softcaps == [30.0, None, None, None]
+    seq = SimpleNamespace()
+    plan = StepPlan(work=(Work(seq, (0, 1, 2), 0, tuple(range(10)), 1),))
+    batch, _ = pack(plan, 4, "cpu", specs)
+    assert batch.metas[0] is batch.metas[2] is not batch.metas[1]
+    assert batch.metas[0].window == 4 and batch.metas[1].window is None
+    assert batch.metas[0].tok_first.tolist() == [p - 3 for p in range(10)]
 
 
 def specs_tuple(specs: LayerSpecs) -> tuple[AttentionSpec, ...]:
@@ -102,19 +114,25 @@ def test_a_step_packs_one_metadata_per_distinct_spec():
 
 def test_the_tensor_parallel_wire_carries_every_distinct_metadata():
     """Rank 0 sends each distinct metadata once and which one each spec reads; the other ranks rebuild the
-    same batch (distinct metadata stay distinct, shared ones shared)."""
+    same batch (distinct metadata stay distinct, shared ones shared; a window's with its bounds)."""
     seq = SimpleNamespace()
     plan = StepPlan(work=(Work(seq, (0, 1, 2), 0, tuple(range(20)), 1), Work(seq, (3,), 0, (1, 2, 3), 1)))
     batch, _ = pack(plan, 8, "cpu", LayerSpecs.per_layer([AttentionSpec(0.5), AttentionSpec(0.25)]))
     other = pack(StepPlan(work=(Work(seq, (5,), 0, (4, 4, 4, 4), 1),)), 8, "cpu")[0].meta
-    other = dataclasses.replace(other, num_tokens=batch.meta.num_tokens)  # a second mask, as a window gives
-    for metas in [batch.metas, (batch.meta, other, batch.meta)]:
+    other = dataclasses.replace(other, num_tokens=batch.meta.num_tokens)  # a second mask
+    sliding = LayerSpecs.per_layer([AttentionSpec(0.5), AttentionSpec(0.25, window=3)])
+    windowed = pack(plan, 8, "cpu", sliding)[0].metas  # a window's mask: its bounds and key positions
+    assert windowed[1].window == 3 and windowed[0].window is None
+    for metas in [batch.metas, (batch.meta, other, batch.meta), windowed]:
         sent = dataclasses.replace(batch, metas=metas)
         got = commands.unpack_step(commands.pack_step(sent), torch.device("cpu"))
         assert len(got.metas) == len(metas)
         for i, m in enumerate(metas):
             assert got.metas[i].unit_list == m.unit_list and got.metas[i].segment_list == m.segment_list
             assert torch.equal(got.metas[i].pieces, m.pieces) and got.metas[i].num_parts == m.num_parts
+            assert got.metas[i].window == m.window and torch.equal(got.metas[i].tok_first, m.tok_first)
+            assert got.metas[i].unit_positions() == m.unit_positions()
+            assert got.metas[i].segment_positions() == m.segment_positions()
             for j in range(i):
                 assert (got.metas[i] is got.metas[j]) == (metas[i] is metas[j])
         assert torch.equal(got.slots, batch.slots) and got.num_prefill_tokens == batch.num_prefill_tokens
@@ -139,14 +157,14 @@ def test_every_layer_reads_its_spec_s_metadata_through_the_fake_engine():
 QUANT_TINY = {**TINY, "num_hidden_layers": 3}  # the quantized-model tests' tiny Llama, one layer more
 
 
-def declare(monkeypatch, scales: list[float] | None = None, groups: tuple[int, ...] = ()) -> None:
-    """Models loaded from now on declare one spec per layer with these scales, in these KV groups (as a
-    model family's module will)."""
+def declare(monkeypatch, scales: list | None = None, groups: tuple[int, ...] = ()) -> None:
+    """Models loaded from now on declare one spec per layer with these scales (or these AttentionSpecs), in
+    these KV groups (as a model family's module will)."""
     real = ModelConfig.from_hf.__func__
 
     def from_hf(cls, hf):
         cfg = real(cls, hf)
-        specs = tuple(AttentionSpec(x) for x in scales) if scales else ()
+        specs = tuple(x if isinstance(x, AttentionSpec) else AttentionSpec(x) for x in scales or ())
         return dataclasses.replace(cfg, layer_specs=specs, kv_groups=groups)
 
     monkeypatch.setattr(ModelConfig, "from_hf", classmethod(from_hf))
@@ -231,6 +249,111 @@ def test_the_one_call_layer_stack_takes_a_metadata_and_scale_per_layer(tmp_path,
         got[name] = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
         if fused == "1" and packer is distinct_pack:  # the op really got two metadata objects a step
             assert stacked and all(len(m) == 2 and m[0] is not m[1] for m in stacked)
+    assert got["fused"] == got["per-op"]
+    assert got["fused"] != got["plain"]
+
+
+# ---- sliding windows and soft-caps through the engine ---------------------------------------------------
+
+
+@pytest.mark.parametrize("groups", [(), (0, 1, 1)])
+def test_every_sliding_layer_reads_its_window_through_the_fake_engine(groups):
+    """Three layers: full, a window of 5, a window of 5 soft-capped: every step (shared runs, prefill chunks
+    longer than the window, decodes, forks, preemption, the prefix cache) is packed with them and each
+    layer's metadata is checked to read exactly its tokens' windows, in its group's pages."""
+    specs = [AttentionSpec(0.5), AttentionSpec(0.5, window=5), AttentionSpec(0.25, window=5, soft_cap=3.0)]
+    engine = fake_engine(24, 4, layer_specs=specs, kv_groups=groups, prefill_chunk=8, max_wait_steps=4)
+    prompts = [list(range(1, 19)), list(range(1, 15)) + [40, 41], [7, 3, 9]]
+    for _wave in range(2):
+        reqs = [engine.add_request(p, SamplingParams(n=2, max_tokens=10, **GREEDY)) for p in prompts]
+        run(engine)
+        assert not engine.runner.violations and engine.runner.forwards > 3
+        for prompt, req in zip(prompts, reqs, strict=True):
+            want = expected_output(prompt, {}, 10, True)
+            assert [s.generated for s in req.seqs] == [want, want]
+        engine.kv.check([])
+    assert engine.stats.cache_hit_tokens > 0
+
+
+def test_a_sliding_soft_capped_layer_matches_transformers(tiny_models, monkeypatch):
+    """The tiny Qwen2 with its first layer sliding (W = 5, transformers' ``layer_types``) and soft-capped
+    (Gemma 2's eager attention, cap 0.5) against hydragen declaring the same specs: greedy tokens and
+    log-probabilities, prompts longer than the window, shared by two samples; on the C++ op and the torch
+    twin. The same model without the window and cap gives other tokens."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.gemma2 import modeling_gemma2
+    from transformers.models.qwen2 import modeling_qwen2
+
+    window, cap = 5, 0.5
+
+    def capped(module, *args, **kwargs):
+        kwargs.pop("sliding_window", None)  # the mask carries the window
+        if module.layer_idx == 0:
+            kwargs["softcap"] = cap
+        return modeling_gemma2.eager_attention_forward(module, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen2, "eager_attention_forward", capped)
+    path = tiny_models["qwen2"]
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", use_sliding_window=True,
+        sliding_window=window, max_window_layers=0, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    assert [layer.self_attn.sliding_window for layer in hf.model.layers] == [window, None]
+    prompts = [list(range(10, 40)), list(range(10, 36)) + [90, 91, 92], [5, 9, 2]]
+    want = []
+    for p in prompts:
+        out = hf.generate(
+            torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+            output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+        tokens = out.sequences[0, len(p) :].tolist()
+        lps = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, tokens, strict=True)]
+        want.append((tokens, lps))
+    hd = hf.config.hidden_size // hf.config.num_attention_heads
+    specs = [AttentionSpec(hd**-0.5, window=window, soft_cap=cap), AttentionSpec(hd**-0.5)]
+    params = SamplingParams(n=2, max_tokens=8, logprobs=0, **GREEDY)
+    for attention in ("auto", "torch"):
+        declare(monkeypatch, specs)
+        llm = LLM(path, kv_cache_tokens=512, page_size=4, attention=attention)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for o, (tokens, lps) in zip(outs, want, strict=True):
+            for c in o.outputs:
+                assert c.token_ids == tokens
+                got = [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+                assert max(abs(a - b) for a, b in zip(got, lps, strict=True)) < 1e-4
+    declare(monkeypatch)
+    plain = LLM(path, kv_cache_tokens=512, page_size=4).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] != [t for t, _ in want]
+
+
+def test_the_one_call_layer_stack_takes_windows_and_soft_caps(tmp_path, monkeypatch):
+    """A quantized model whose layer kinds differ by window (a window of 6, full, a window of 6 soft-capped):
+    the one C++ call gives the per-op path's tokens and log-probabilities bit for bit, through a shared
+    prefix longer than the window, and differs from the model without them."""
+    monkeypatch.setenv("HYDRAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QUANT_TINY))
+    stacked = []
+    real_stack = model_runner.stack_layers
+    monkeypatch.setattr(model_runner, "stack_layers", lambda *a: stacked.append(a) or real_stack(*a))
+    shared = list(range(5, 60))
+    prompts = [shared + [61, 62], shared + [70], [9, 8, 7]]
+    params = SamplingParams(
+        n=2, temperature=0.8, top_p=0.95, seed=3, max_tokens=8, ignore_eos=True, logprobs=2
+    )
+    s = QUANT_TINY["head_dim"] ** -0.5
+    sliding = [AttentionSpec(s, window=6), AttentionSpec(s), AttentionSpec(s, window=6, soft_cap=0.3)]
+    got = {}
+    for name, specs, fused in [("fused", sliding, "1"), ("per-op", sliding, "0"), ("plain", [s] * 3, "1")]:
+        declare(monkeypatch, specs)
+        monkeypatch.setenv("HYDRAGEN_FUSED_LAYERS", fused)
+        llm = LLM(f"{config}:Q8_0", random_weights=True, kv_cache_tokens=1024)
+        stacked.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[name] = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+        if name == "fused":  # two metadata objects (one bounded by the window), a cap on the third layer
+            assert stacked and all(a[4][0] is a[4][2] is not a[4][1] and a[4][0].window == 6 for a in stacked)
+            assert all(list(a[9]) == [None, None, 0.3] for a in stacked)
     assert got["fused"] == got["per-op"]
     assert got["fused"] != got["plain"]
 

@@ -58,7 +58,7 @@ def visible_slots(units, segments, num_tokens) -> list[list[int]]:
     return slots
 
 
-def oracle(q, k, v, units, segments, scale):
+def oracle(q, k, v, units, segments, scale, softcap=None):
     """float64 attention of each token over its explicit key list (padded, masked by suffix_lens)."""
     t = q.shape[0]
     slots = visible_slots(units, segments, t)
@@ -67,7 +67,9 @@ def oracle(q, k, v, units, segments, scale):
     for i, s in enumerate(slots):
         idx[i, : len(s)] = torch.tensor(s, dtype=torch.long)
     lens = torch.tensor([len(s) for s in slots])
-    out, _ = reference_attention(q.unsqueeze(1), [], [], k[idx], v[idx], suffix_lens=lens, scale=scale)
+    out, _ = reference_attention(
+        q.unsqueeze(1), [], [], k[idx], v[idx], suffix_lens=lens, scale=scale, softcap=softcap
+    )
     return out[:, 0]
 
 

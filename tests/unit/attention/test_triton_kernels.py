@@ -225,6 +225,94 @@ def test_padding_units_do_nothing(tk):
     assert torch.equal(tk.tree_decode_attention(q, k, v, plan, lens, 0.2, block_n=16), want)
 
 
+# ---- sliding windows and soft-caps -----------------------------------------------------------------
+
+# tree_case's items with the position of each one's first key: the root at 0..39, child A at 40..51 under
+# it, the grandchild at 52..54; child B at 40..49 under the root
+POSITIONED = [(0, 40, 0, 5, 0), (40, 52, 0, 3, 40), (52, 55, 0, 1, 52), (60, 70, 3, 5, 40)]
+TAIL_START = [55, 52, 52, 50, 50, 0]  # each sequence's first tail position
+
+
+def windowed_runs(items, tails, lengths, window):
+    """Per sequence, the slots it sees under ``window`` (as one-slot runs) and its decode position: the
+    last key of its context (its tail's last, or its last shared key for an empty tail)."""
+    runs, positions = [], []
+    for b, n in enumerate(lengths):
+        keys = [(s + i, p + i) for s, e, lo, hi, p in items if lo <= b < hi for i in range(e - s)]
+        tail = [x for a, z in tails[b] for x in range(a, z)]
+        keys += [(slot, TAIL_START[b] + i) for i, slot in enumerate(tail)]
+        at = max(p for _, p in keys)
+        assert n == 0 or at == TAIL_START[b] + n - 1
+        positions.append(at)
+        runs.append([(s, s + 1) for s, p in keys if window is None or p > at - window])
+    return runs, positions
+
+
+@pytest.mark.parametrize(
+    "window,softcap,tail_split_len,dtype",
+    [
+        (1, None, None, torch.float32),
+        (3, None, 8, torch.float32),
+        (8, None, None, torch.float32),
+        (20, 2.0, None, torch.float32),
+        (60, None, 8, torch.float32),
+        (None, 2.0, None, torch.float32),
+        (12, 2.0, 8, torch.bfloat16),
+    ],
+)
+def test_tree_decode_with_a_window_and_a_softcap(tk, window, softcap, tail_split_len, dtype):
+    """Nested shared nodes, ragged and empty tails: under a window each sequence sees its last W positions
+    (shared rows masked below their own bound in one product, tails started at their first visible key),
+    and a soft-cap caps every score; windows from one key to more than every context."""
+    hq, hkv, d = 4, 2, 16
+    q, k, v, items, pages, lens, _ = tree_case(hq, hkv, d, dtype, seed=2)
+    q = q * 3
+    _, tails = paged_tails([3, 9, 0, 20, 1, 33], 80, 400, 4, 2)
+    runs, positions = windowed_runs(POSITIONED, tails, lens.tolist(), window)
+    plan = build_tree_plan(
+        POSITIONED if window else items, pages, 4, group=hq // hkv, num_kv_heads=hkv, tail_cap=40,
+        chunk_tokens=16, block_m=16, tail_split_len=tail_split_len, window=window, positions=positions,
+        tail_start=TAIL_START,
+    )  # fmt: skip
+    out, lse = tk.tree_decode_attention(
+        q, k, v, plan, lens, 0.3, block_n=16, return_lse=True, softcap=softcap
+    )
+    ref_out, ref_lse = [], []
+    for b in range(6):
+        o, s = reference_capped(q[b : b + 1], k, v, runs[b], 0.3, softcap)
+        ref_out.append(o)
+        ref_lse.append(s)
+    check(out, lse, torch.cat(ref_out), torch.cat(ref_lse), dtype)
+
+
+def reference_capped(q, k, v, runs, scale, softcap):
+    """``reference`` for one sequence, its scores soft-capped."""
+    idx = torch.tensor([s for a, z in runs for s in range(a, z)], dtype=torch.long)
+    if len(idx) == 0:
+        return torch.zeros(1, *q.shape[1:], dtype=torch.float64), torch.full((1, q.shape[1]), float("-inf"))
+    o, lse = reference_attention(q[:, None], [], [], k[idx][None], v[idx][None], scale=scale, softcap=softcap)
+    return o[:, 0], lse[:, 0].double()
+
+
+def test_a_window_plan_leaves_out_what_no_sequence_sees():
+    """A 64-key node over four sequences at positions 70, 75, 100 and 130 (their tails from 64), W = 40: the
+    node's keys before position 31 are not in the plan, a query tile reads a chunk from its sequences' first
+    visible key and not at all when none sees it; the tails start at their windows."""
+    pages = torch.zeros(4, 20, dtype=torch.int32)
+    plan = build_tree_plan(
+        [(100, 164, 0, 4, 0)], pages, 4, group=8, num_kv_heads=1, tail_cap=67, chunk_tokens=16, block_m=16,
+        window=40, positions=[70, 75, 100, 130], tail_start=[64] * 4,
+    )  # fmt: skip
+    # first positions 31, 36, 61, 91; the node from slot 131 (position 31) in chunks of 16; tiles of two
+    # sequences (block_m 16 / group 8): the second tile first sees position 61 (slot 161)
+    units = [tuple(u[:4]) for u in plan.units.tolist()]
+    assert units == [(131, 147, 0, 2), (147, 163, 0, 2), (161, 163, 2, 4), (163, 164, 0, 2), (163, 164, 2, 4)]
+    assert plan.unit_kpos.tolist() == [31, 47, 61, 63, 63] and plan.num_parts == 10
+    assert plan.seq_first.tolist() == [31, 36, 61, 91] and plan.tail_lo.tolist() == [0, 0, 0, 27]
+    with pytest.raises(ValueError, match="position"):
+        build_tree_plan([(0, 8, 0, 1, 0)], pages[:1], 4, group=2, num_kv_heads=1, tail_cap=4, window=4)
+
+
 def test_plan_balances_long_nodes():
     """With no chunk size given, a long node is split only until the programs fill the target."""
     pages = torch.zeros(4, 1, dtype=torch.int32)
@@ -258,8 +346,8 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
     seen = []  # (shared items, work units) of every Triton call: the shared path must really run
     inner = ModelRunner._triton_attention
 
-    def spy(self, row, q, batch, scale):
-        out = inner(self, row, q, batch, scale)
+    def spy(self, row, q, batch, scale, *rest):
+        out = inner(self, row, q, batch, scale, *rest)
         seen.append((batch.shared_items, batch.tree_plan.num_units))
         return out
 
@@ -268,6 +356,46 @@ def test_engine_triton_matches_auto(tiny_models, monkeypatch, tk, options):
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert seen and max(items for items, _ in seen) >= 2  # stem + per-prompt nodes: nested sharing
     assert max(units for _, units in seen) >= (4 if options else 2)
+    for a, b in zip(got, want, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            for ra, rb in zip(ca.logprobs, cb.logprobs, strict=True):
+                assert ra.keys() == rb.keys() and all(abs(ra[t] - rb[t]) < 1e-4 for t in ra)
+
+
+def test_engine_triton_takes_windows_and_soft_caps(tiny_models, monkeypatch, tk):
+    """The tiny llama's first layer sliding (W = 6) and soft-capped, its second full: attention="triton"
+    gives the CPU path's greedy tokens and logprobs, with a plan per mask (the full layer's and the sliding
+    one's, bounded) and each layer's soft-cap."""
+    import dataclasses
+
+    from hydragen.attention.layer_spec import AttentionSpec
+    from hydragen.model.config import ModelConfig
+
+    real = ModelConfig.from_hf.__func__
+
+    def from_hf(cls, hf):
+        cfg = real(cls, hf)
+        s = cfg.head_dim**-0.5
+        specs = (AttentionSpec(s, window=6, soft_cap=0.8), AttentionSpec(s))
+        return dataclasses.replace(cfg, layer_specs=specs)
+
+    monkeypatch.setattr(ModelConfig, "from_hf", classmethod(from_hf))
+    params = SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    path = tiny_models["llama"]
+    want = LLM(path, device=DEV, kv_cache_tokens=2048, page_size=4).generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(ModelRunner, "plan_options", dict(chunk_tokens=8, block_m=16, tail_split_len=4))
+    seen = []
+    inner = ModelRunner._triton_attention
+
+    def spy(self, row, q, batch, scale, softcap=None, kind=0):
+        seen.append((kind, softcap, batch.tree_plans[kind].window))
+        return inner(self, row, q, batch, scale, softcap, kind)
+
+    monkeypatch.setattr(ModelRunner, "_triton_attention", spy)
+    llm = LLM(path, device=DEV, attention="triton", kv_cache_tokens=2048, page_size=4)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert set(seen) == {(0, 0.8, 6), (1, None, None)}
     for a, b in zip(got, want, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         for ca, cb in zip(a.outputs, b.outputs, strict=True):
@@ -286,12 +414,15 @@ def test_triton_missing_is_a_clear_error(tiny_models, monkeypatch):
 COMPILE = """
 import json, sys, torch
 from hydragen.attention.triton_kernels import compile_report
-print(json.dumps([compile_report(90, torch.bfloat16, 128, 8), compile_report(80, torch.float16, 20, 4)]))
+reports = [compile_report(90, torch.bfloat16, 128, 8), compile_report(80, torch.float16, 20, 4)]
+reports.append(compile_report(90, torch.bfloat16, 128, 8, window=True, softcap=True))
+print(json.dumps(reports))
 """
 
 
 def test_kernels_compile_for_hopper_and_ampere():
-    """Compiled (not interpreted) for sm_90 and sm_80 with Triton's bundled ptxas: no GPU needed."""
+    """Compiled (not interpreted) for sm_90 and sm_80 with Triton's bundled ptxas: no GPU needed (and for
+    sm_90 with the window and soft-cap switches on)."""
     import importlib.util
     import json
     import subprocess
@@ -304,10 +435,11 @@ def test_kernels_compile_for_hopper_and_ampere():
     cmd = [sys.executable, "-c", COMPILE]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    hopper, ampere = json.loads(run.stdout.strip().splitlines()[-1])
+    hopper, ampere, windowed = json.loads(run.stdout.strip().splitlines()[-1])
     assert hopper["shared"]["mma"] == "wgmma" and hopper["tail"]["mma"] == "mma"  # tensor cores
     assert ampere["shared"]["mma"] == "mma" and ampere["tail"]["mma"] == "mma"
-    assert all(k["shared"] <= 160 * 1024 for r in (hopper, ampere) for k in r.values())
+    assert windowed["shared"]["mma"] == "wgmma" and windowed["tail"]["mma"] == "mma"  # window and soft-cap on
+    assert all(k["shared"] <= 160 * 1024 for r in (hopper, ampere, windowed) for k in r.values())
 
 
 # ---- real shapes, CUDA only ----------------------------------------------------------------------

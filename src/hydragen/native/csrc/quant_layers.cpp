@@ -2,7 +2,7 @@
 // quantized, float32 activations), in one call and one parallel region. Per layer it computes what
 // LlamaModel.forward computes with the runner's attention callback, with the same functions:
 //   qkv = quant_linear(h, norm = attn_norm, rope);  pool_k/v[layer][slots] = k, v;
-//   o = step_attention(q, pool_k[layer], pool_v[layer], the step's work items);
+//   o = step_attention(q, pool_k[layer], pool_v[layer], the step's work items, scale and soft-cap);
 //   h += o_proj(o);  h += down(swiglu(gate_up(norm(h))))
 // so its result is bit for bit the per-op path's (tests/unit/model/test_quant_model.py, at 1, 2 and 3
 // threads): every output row or tile is computed by one thread, whichever it is.
@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -128,9 +129,9 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
                         at::TensorList group_slots, at::IntArrayRef layer_group, at::IntArrayRef layer_row,
                         int64_t num_heads, int64_t num_kv_heads, at::TensorList runs,
                         at::TensorList pieces, at::TensorList blocks, at::TensorList tok_ptr, at::TensorList tok_parts,
-                        at::IntArrayRef num_parts, at::IntArrayRef max_item_tokens, at::IntArrayRef layer_meta,
-                        at::ArrayRef<double> scales, int64_t tile_min_rows, int64_t tile_min_keys, int64_t act_bits,
-                        int64_t isa) {
+                        at::IntArrayRef num_parts, at::IntArrayRef max_item_tokens, at::TensorList tok_first,
+                        at::IntArrayRef layer_meta, at::ArrayRef<double> scales, at::ArrayRef<double> softcaps,
+                        int64_t tile_min_rows, int64_t tile_min_keys, int64_t act_bits, int64_t isa) {
   TORCH_CHECK(counts.size() % 4 == 0 && norms.size() == counts.size() / 2,
               "quant_layers: counts holds 4 part counts per layer (qkv, o, gate_up, down), norms 2 per layer");
   TORCH_CHECK(weights.size() == qtypes.size() && weights.size() == rows.size(),
@@ -139,14 +140,18 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
               "quant_layers: h must be a contiguous 2-D float32 tensor");
   TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_layers: act_bits must be 8 or 15, got ", act_bits);
   const int64_t layers = static_cast<int64_t>(counts.size()) / 4;
-  // The step's attention metadata per distinct layer spec, and each layer's (with its own scale).
+  // The step's attention metadata per distinct layer mask (a window's has tok_first), and each layer's (with its
+  // own scale and soft-cap).
   const size_t metas = runs.size();
   TORCH_CHECK(metas > 0 && pieces.size() == metas && blocks.size() == metas && tok_ptr.size() == metas &&
-                  tok_parts.size() == metas && num_parts.size() == metas && max_item_tokens.size() == metas,
-              "quant_layers: runs, pieces, blocks, tok_ptr, tok_parts, num_parts and max_item_tokens hold one "
-              "entry per attention metadata");
-  TORCH_CHECK(static_cast<int64_t>(layer_meta.size()) == layers && static_cast<int64_t>(scales.size()) == layers,
-              "quant_layers: layer_meta and scales hold one entry per layer");
+                  tok_parts.size() == metas && num_parts.size() == metas && max_item_tokens.size() == metas &&
+                  tok_first.size() == metas,
+              "quant_layers: runs, pieces, blocks, tok_ptr, tok_parts, num_parts, max_item_tokens and tok_first "
+              "hold one entry per attention metadata");
+  TORCH_CHECK(static_cast<int64_t>(layer_meta.size()) == layers && static_cast<int64_t>(scales.size()) == layers &&
+                  static_cast<int64_t>(softcaps.size()) == layers,
+              "quant_layers: layer_meta, scales and softcaps hold one entry per layer");
+  for (const double cap : softcaps) TORCH_CHECK(cap >= 0 && std::isfinite(cap), "quant_layers: bad soft-cap ", cap);
   for (int64_t layer = 0; layer < layers; ++layer) {
     TORCH_CHECK(layer_meta[layer] >= 0 && static_cast<size_t>(layer_meta[layer]) < metas, "quant_layers: layer ",
                 layer, " names metadata ", layer_meta[layer], " of ", metas);
@@ -233,7 +238,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   for (size_t m = 0; m < metas; ++m) {
     attentions.emplace_back(qkv.narrow(1, 0, qdim).view({t, num_heads, d}), pool_k, pool_v, runs[m], pieces[m],
                             blocks[m], tok_ptr[m], tok_parts[m], num_parts[m], max_item_tokens[m], tile_min_rows,
-                            tile_min_keys, scales[0]);
+                            tile_min_keys, scales[0], tok_first[m], 0.0);
   }
   float* hp = h.data_ptr<float>();
   float* qkvp = qkv.data_ptr<float>();
@@ -300,6 +305,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         if (tid == 0) {  // read by the items after the barrier
           attention.set_layer(pool_row);
           attention.scale_ = scales[layer];
+          attention.softcap_ = softcaps[layer];
         }
         if (!barrier.wait()) break;
         // Attention: pieces, then blocks (which fold in the pieces' partials).
@@ -346,7 +352,7 @@ TORCH_LIBRARY_FRAGMENT(hydragen, m) {
       "int[] rows, int[] counts, Tensor[] norms, float eps, Tensor pool_k, Tensor pool_v, Tensor[] group_slots, "
       "int[] layer_group, int[] layer_row, "
       "int num_heads, int num_kv_heads, Tensor[] runs, Tensor[] pieces, Tensor[] blocks, Tensor[] tok_ptr, "
-      "Tensor[] tok_parts, int[] num_parts, int[] max_item_tokens, int[] layer_meta, float[] scales, "
-      "int tile_min_rows, int tile_min_keys, int act_bits, int isa) -> Tensor");
+      "Tensor[] tok_parts, int[] num_parts, int[] max_item_tokens, Tensor[] tok_first, int[] layer_meta, "
+      "float[] scales, float[] softcaps, int tile_min_rows, int tile_min_keys, int act_bits, int isa) -> Tensor");
   m.impl("quant_layers", c10::DispatchKey::CPU, &quant_layers);
 }

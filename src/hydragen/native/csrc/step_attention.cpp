@@ -17,6 +17,11 @@
 //     rows (a 16-bit cache widened in registers), then folds in the partials covering each token (a CSR
 //     built once per step) and writes.
 //
+// A sliding window is a lower bound per token (tok_first: the first position it sees) against the position of
+// each item's first key (kpos, the items' last field): a tile row is masked below it as it is above its last key,
+// and attend() starts each row at it. The items come trimmed (step_work.py), so a window's keys that no token
+// sees are not read at all. A soft-cap (cap > 0) makes every score cap * tanh(score / cap) before the softmax.
+//
 // aten_vec.h maps ATen's Vectorized<float> to the AVX2 or AVX-512 registers -march=native gives.
 
 #include "aten_vec.h"  // before any ATen header
@@ -243,18 +248,31 @@ struct Strides {
 
 // A work item: query tokens [tok_lo, tok_hi) x the g query heads of one KV head, against the keys of the
 // slot runs [run_lo, run_hi) (a concatenation); token tok_lo + j sees the first min(first + j, total) of
-// them (first may be <= 0: such tokens see none of this item's keys).
+// them (first may be <= 0: such tokens see none of this item's keys). Its keys are at positions kpos, kpos + 1,
+// ... (read only under a window: token t then sees none before position tok_first[t]).
 struct Item {
-  int64_t tok_lo, tok_hi, run_lo, run_hi, first, total;
+  int64_t tok_lo, tok_hi, run_lo, run_hi, first, total, kpos;
 };
 
-inline Item item_at(const int64_t* row) { return {row[0], row[1], row[2], row[3], row[4], row[5]}; }
+constexpr int64_t kPieceFields = 8;  // item, part_row, kpos (step_work.PIECE_FIELDS)
+constexpr int64_t kBlockFields = 7;  // item, kpos (step_work.BLOCK_FIELDS)
+
+inline Item item_at(const int64_t* row, int64_t fields) {
+  return {row[0], row[1], row[2], row[3], row[4], row[5], row[fields - 1]};
+}
+
+// What masks and shapes the scores beyond the items: each token's first visible position (a window; null: none)
+// and the soft-cap (0: none).
+struct Bounds {
+  const int64_t* tok_first;
+  float cap;
+};
 
 // Per-thread scratch for the largest item, kept by each worker thread between calls (grown, never shrunk):
 // a decode step calls the op once per layer, and fresh buffers cost more than a short item's arithmetic.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha;
-  std::vector<int64_t> lim;
+  std::vector<int64_t> lim, beg;
 
   void fit(int64_t rows, int64_t d) {
     const auto grow = [](auto& x, int64_t n) {
@@ -267,6 +285,7 @@ struct Scratch {
     grow(l, rows);
     grow(alpha, rows);
     grow(lim, rows);
+    grow(beg, rows);
   }
 };
 
@@ -305,10 +324,12 @@ constexpr int64_t kSweepKeys = 64;  // keys swept ahead of the arithmetic (96 KB
 // heads from the pool once for all rows: with every head, one slot's rows are one contiguous read. Leaves
 // the unnormalised state in w: running max m, sum l, and acc = sum_i exp(s_i - m) v_i. Keys go by blocks
 // of kBlockKeys; the rows of the next block are prefetched while this one is computed (paged runs defeat
-// the hardware prefetcher at every page boundary).
+// the hardware prefetcher at every page boundary). Under a window a row takes its block's keys from its own
+// first one (w.beg) on: its scores, weights and V rows all start there.
 template <typename q_t, typename scalar_t>
 void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
-            const Item& it, int64_t h, int64_t nh, int64_t g, int64_t d, float scale, Scratch& w) {
+            const Item& it, int64_t h, int64_t nh, int64_t g, int64_t d, float scale, const Bounds& bd,
+            Scratch& w) {
   const int64_t gh = g * nh, nt = it.tok_hi - it.tok_lo, rows = nt * gh;
   float* qf = w.q.data();
   float* acc = w.acc.data();
@@ -379,12 +400,16 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
     krow.swap(next_k);
     vrow.swap(next_v);
     gather(std::min(kBlockKeys, kmax - pos - nk));
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {  // row r takes keys [beg, beg + lim) of this block
       const int64_t seen = std::min(it.first + r / gh, it.total);
-      w.lim[r] = std::max<int64_t>(0, std::min(nk, seen - pos));
+      const int64_t end = std::max<int64_t>(0, std::min(nk, seen - pos));
+      const int64_t beg = std::min(end, std::max<int64_t>(0, hta::first_seen(bd.tok_first, it.tok_lo + r / gh,
+                                                                              it.kpos) - pos));
+      w.beg[r] = beg;
+      w.lim[r] = end - beg;
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += g) {  // the g rows of a token and KV head share their K rows and lim
-      const scalar_t* const* kr = krow.data() + (r0 % gh) / g * kBlockKeys;
+    for (int64_t r0 = 0; r0 < rows; r0 += g) {  // the g rows of a token and KV head share K rows, beg and lim
+      const scalar_t* const* kr = krow.data() + (r0 % gh) / g * kBlockKeys + w.beg[r0];
       if (!shared_qk) {
         for (int64_t r = r0; r < r0 + g; ++r) dots(qf + r * d, kr, w.lim[r], d, w.s.data() + r * kBlockKeys);
         continue;
@@ -402,6 +427,9 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
         default: dots_rows<4>(qs, kr, w.lim[r0], d, ss); break;
       }
     }
+    if (bd.cap > 0.f) {
+      for (int64_t r = 0; r < rows; ++r) hta::soft_cap(w.s.data() + r * kBlockKeys, w.lim[r], bd.cap);
+    }
     for (int64_t r = 0; r < rows; ++r) {  // online softmax: p = exp(s - m) in place
       const int64_t n = w.lim[r];
       if (n == 0) continue;
@@ -413,9 +441,9 @@ void attend(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& s
       w.alpha[r] = alpha;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += g) {  // acc = acc * alpha + p V; the g rows of a token and KV head
-      const int64_t n = w.lim[r0];            // share their V rows and their lim
+      const int64_t n = w.lim[r0];            // share their V rows, beg and lim
       if (n == 0) continue;
-      const scalar_t* const* vr = vrow.data() + (r0 % gh) / g * kBlockKeys;
+      const scalar_t* const* vr = vrow.data() + (r0 % gh) / g * kBlockKeys + w.beg[r0];
       if (!shared_pv) {
         for (int64_t r = r0; r < r0 + g; ++r) {
           scale_add_rows(acc + r * d, w.alpha[r], w.s.data() + r * kBlockKeys, vr, n, d);
@@ -462,7 +490,8 @@ void tile_piece(const hsa::StepAttention& a, const Item& it, int64_t part_row, i
                          .run_lo = it.run_lo, .first = it.first, .total = it.total, .q_t = a.q_.stride(0),
                          .q_h = a.q_.stride(1), .k_s = a.k_.stride(0), .v_s = a.v_.stride(0),
                          .o = part.o + (part_row * hq + h * g) * d, .lse = part.lse + part_row * hq + h * g,
-                         .o_t = hq * d, .lse_t = hq};
+                         .o_t = hq * d, .lse_t = hq, .tok_first = a.first_, .kpos = it.kpos,
+                         .cap = static_cast<float>(a.softcap_)};
   hta::tile_attention(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_) + h * a.k_.stride(1),
                       reinterpret_cast<const scalar_t*>(a.vp_) + h * a.v_.stride(1), a.rp_, job, d,
                       static_cast<float>(a.scale_));
@@ -473,8 +502,8 @@ void tile_piece(const hsa::StepAttention& a, const Item& it, int64_t part_row, i
 template <typename q_t, typename scalar_t>
 void own_piece(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides& st, const int64_t* runs,
                const Item& it, int64_t part_row, int64_t h, int64_t nh, int64_t hq, int64_t g, int64_t d,
-               float scale, const Partials& part, Scratch& w) {
-  attend(q, k, v, st, runs, it, h, nh, g, d, scale, w);
+               float scale, const Bounds& bd, const Partials& part, Scratch& w) {
+  attend(q, k, v, st, runs, it, h, nh, g, d, scale, bd, w);
   const int64_t gh = g * nh, rows = (it.tok_hi - it.tok_lo) * gh;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t idx = (part_row + r / gh) * hq + h * g + r % gh;
@@ -491,9 +520,9 @@ void own_piece(const q_t* q, const scalar_t* k, const scalar_t* v, const Strides
 template <typename q_t, typename scalar_t>
 void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out, const Strides& st,
                    const int64_t* runs, const Item& it, const int64_t* tok_ptr, const int64_t* tok_parts,
-                   int64_t h, int64_t nh, int64_t hq, int64_t g, int64_t d, float scale, const Partials& part,
-                   Scratch& w) {
-  attend(q, k, v, st, runs, it, h, nh, g, d, scale, w);
+                   int64_t h, int64_t nh, int64_t hq, int64_t g, int64_t d, float scale, const Bounds& bd,
+                   const Partials& part, Scratch& w) {
+  attend(q, k, v, st, runs, it, h, nh, g, d, scale, bd, w);
   const int64_t gh = g * nh, rows = (it.tok_hi - it.tok_lo) * gh;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.tok_lo + r / gh, head = h * g + r % gh;
@@ -549,10 +578,12 @@ inline Strides strides_of(const hsa::StepAttention& a) {
   return {a.q_.stride(0), a.q_.stride(1), a.k_.stride(0), a.k_.stride(1), a.v_.stride(0), a.v_.stride(1)};
 }
 
+inline Bounds bounds_of(const hsa::StepAttention& a) { return {a.first_, static_cast<float>(a.softcap_)}; }
+
 template <typename q_t, typename scalar_t>
 void piece_item(const hsa::StepAttention& a, int64_t i) {
-  const int64_t* row = a.pp_ + 7 * (i / a.hkv_);
-  const Item it = item_at(row);
+  const int64_t* row = a.pp_ + kPieceFields * (i / a.hkv_);
+  const Item it = item_at(row, kPieceFields);
   const int64_t nt = it.tok_hi - it.tok_lo;
   const int64_t keys = std::min(it.first + nt - 1, it.total);
   const Partials part{a.part_o_.data_ptr<float>(), a.part_lse_.data_ptr<float>()};
@@ -561,7 +592,8 @@ void piece_item(const hsa::StepAttention& a, int64_t i) {
   } else if (i % a.hkv_ == 0) {
     own_piece<q_t, scalar_t>(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_),
                              reinterpret_cast<const scalar_t*>(a.vp_), strides_of(a), a.rp_, it, row[6], 0, a.hkv_,
-                             a.hq_, a.g_, a.d_, static_cast<float>(a.scale_), part, thread_scratch(a.rows_, a.d_));
+                             a.hq_, a.g_, a.d_, static_cast<float>(a.scale_), bounds_of(a), part,
+                             thread_scratch(a.rows_, a.d_));
   }
 }
 
@@ -571,16 +603,17 @@ void block_item(const hsa::StepAttention& a, int64_t i) {
   const Partials part{a.part_o_.data_ptr<float>(), a.part_lse_.data_ptr<float>()};
   segment_block<q_t, scalar_t>(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_),
                                reinterpret_cast<const scalar_t*>(a.vp_), a.out_.data_ptr<q_t>(), strides_of(a), a.rp_,
-                               item_at(a.bp_ + 6 * i), a.tp_, a.tq_, 0, a.hkv_, a.hq_, a.g_, a.d_,
-                               static_cast<float>(a.scale_), part, thread_scratch(a.rows_, a.d_));
+                               item_at(a.bp_ + kBlockFields * i, kBlockFields), a.tp_, a.tq_, 0, a.hkv_, a.hq_, a.g_,
+                               a.d_, static_cast<float>(a.scale_), bounds_of(a), part, thread_scratch(a.rows_, a.d_));
 }
 
 at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
                           const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                           const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
-                          int64_t tile_min_rows, int64_t tile_min_keys, double scale) {
+                          int64_t tile_min_rows, int64_t tile_min_keys, double scale, const at::Tensor& tok_first,
+                          double softcap) {
   const hsa::StepAttention job(q, k, v, runs, pieces, blocks, tok_ptr, tok_parts, num_parts, max_item_tokens,
-                               tile_min_rows, tile_min_keys, scale);
+                               tile_min_rows, tile_min_keys, scale, tok_first, softcap);
   for_each_item(
       job.num_pieces(), [&](int64_t i) { job.piece(i); }, job.num_blocks(), [&](int64_t i) { job.block(i); });
   return job.out();
@@ -593,8 +626,9 @@ namespace hsa {
 StepAttention::StepAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
                              const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                              const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens,
-                             int64_t tile_min_rows, int64_t tile_min_keys, double scale)
-    : q_(q), scale_(scale) {
+                             int64_t tile_min_rows, int64_t tile_min_keys, double scale, const at::Tensor& tok_first,
+                             double softcap)
+    : q_(q), scale_(scale), softcap_(softcap) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "step_attention: CPU tensors");
   TORCH_CHECK(k.dim() == v.dim() && (k.dim() == 3 || k.dim() == 4) && k.sizes() == v.sizes(),
               "step_attention: k/v must be [S, Hkv, D] (or every layer's, [L, S, Hkv, D]) of one shape");
@@ -622,12 +656,16 @@ StepAttention::StepAttention(const at::Tensor& q, const at::Tensor& k, const at:
   d_ = q.size(2);
   hkv_ = k_.size(1);
   TORCH_CHECK(hkv_ > 0 && hq_ % hkv_ == 0, "step_attention: Hq must be a multiple of Hkv");
-  for (const at::Tensor* x : {&runs, &pieces, &blocks, &tok_ptr, &tok_parts}) {
+  for (const at::Tensor* x : {&runs, &pieces, &blocks, &tok_ptr, &tok_parts, &tok_first}) {
     TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous() && x->device().is_cpu(),
                 "step_attention: metadata must be contiguous int64 CPU tensors");
   }
-  TORCH_CHECK(pieces.size(1) == 7 && blocks.size(1) == 6 && tok_ptr.numel() == t + 1,
+  TORCH_CHECK(pieces.size(1) == kPieceFields && blocks.size(1) == kBlockFields && tok_ptr.numel() == t + 1,
               "step_attention: metadata shapes do not match");
+  TORCH_CHECK(tok_first.numel() == 0 || tok_first.numel() == t,
+              "step_attention: tok_first holds a first visible position per token, or nothing (no window)");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "step_attention: softcap must be finite and >= 0 (0: off)");
+  first_ = tok_first.numel() ? tok_first.const_data_ptr<int64_t>() : nullptr;
   g_ = hq_ / hkv_;
   out_ = at::empty({t, hq_, d_}, q.options());
   part_o_ = at::empty({num_parts, hq_, d_}, q.options().dtype(at::kFloat));
@@ -677,7 +715,7 @@ TORCH_LIBRARY(hydragen, m) {
   m.def(
       "step_attention(Tensor q, Tensor k, Tensor v, Tensor runs, Tensor pieces, Tensor blocks, Tensor tok_ptr, "
       "Tensor tok_parts, int num_parts, int max_item_tokens, int tile_min_rows, int tile_min_keys, "
-      "float scale) -> Tensor");
+      "float scale, Tensor tok_first, float softcap) -> Tensor");
   m.impl("step_attention", c10::DispatchKey::CPU, &step_attention);
   m.def("vec_capability() -> str", [] { return std::string(HYDRAGEN_VEC_CAPABILITY); });
 }

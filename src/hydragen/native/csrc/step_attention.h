@@ -20,7 +20,7 @@ class StepAttention {
   StepAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs,
                 const at::Tensor& pieces, const at::Tensor& blocks, const at::Tensor& tok_ptr,
                 const at::Tensor& tok_parts, int64_t num_parts, int64_t max_item_tokens, int64_t tile_min_rows,
-                int64_t tile_min_keys, double scale);
+                int64_t tile_min_keys, double scale, const at::Tensor& tok_first, double softcap);
 
   int64_t num_pieces() const { return n_pieces_; }  // phase 1
   int64_t num_blocks() const { return n_blocks_; }  // phase 2
@@ -34,8 +34,10 @@ class StepAttention {
   at::Tensor k_pool_, v_pool_;                      // [L, S, Hkv, D], or undefined
   const char *kp_ = nullptr, *vp_ = nullptr;       // the current layer's first K / V row
   const int64_t *rp_, *pp_, *bp_, *tp_, *tq_;
+  const int64_t* first_ = nullptr;  // a window: each token's first visible position (kept alive by the caller)
   int64_t n_pieces_, n_blocks_, hq_, hkv_, g_, d_, rows_, tile_min_rows_, tile_min_keys_;
   double scale_;
+  double softcap_ = 0;  // 0: off
 
  private:
   using ItemFn = void (*)(const StepAttention&, int64_t);

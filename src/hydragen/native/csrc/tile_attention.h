@@ -9,6 +9,10 @@
 // nothing extra); a 16-bit cache is widened once per chunk of keys into a small float32 buffer. The softmax
 // runs over a chunk of keys at a time (online: running max and sum per row), and its per-row state is a
 // vector too. Rows are padded to whole register tiles; padded rows compute on zeros and are never written.
+// A causal or partly visible piece masks each row at its own last key; under a sliding window each row is also
+// masked below its first visible key (TileJob::tok_first against the piece's first key's position), so a shared
+// node's one matrix product serves decode tokens at different positions. A soft-cap (TileJob::cap) applies
+// cap * tanh(s / cap) to each chunk's scores before the mask.
 // Around the two products: the next chunk's K/V rows are prefetched, the score tiles keep each row's chunk
 // maximum as they store, the exponentials are inline (exp_nonpositive) and chunks are 60 keys. With those the
 // op over n = 64 tokens and 2,048 fp16 keys (two threads, 30 layers cycled, alternating processes) takes
@@ -53,7 +57,9 @@ constexpr int64_t kChunkKeys = 60;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A piece's query rows and keys. Row r is token tok_lo + r / g, query head hq0 + r % g; token j sees the first
-// min(first + j, total) keys of the concatenation of runs[run_lo:] (first may be <= 0: none).
+// min(first + j, total) keys of the concatenation of runs[run_lo:] (first may be <= 0: none). Under a sliding
+// window (tok_first set) the keys are at positions kpos, kpos + 1, ... and token t sees none before position
+// tok_first[t]: a lower bound per row, as the first is an upper one. cap > 0 soft-caps the scores.
 struct TileJob {
   int64_t tok_lo, nt, g, hq0, run_lo, first, total;
   int64_t q_t, q_h;                    // q strides (token, head), elements
@@ -61,10 +67,26 @@ struct TileJob {
   float* o;                            // token j, head r % g: o + j * o_t + (r % g) * d
   float* lse;                          // lse + j * lse_t + r % g
   int64_t o_t, lse_t;
+  const int64_t* tok_first = nullptr;  // per step token: the first position it sees, or null (no window)
+  int64_t kpos = 0;                    // the position of the piece's first key
+  float cap = 0.f;                     // soft-cap (0: off)
 };
 
+// s[0:n] = cap * tanh(s / cap), Gemma 2's soft-capped scores (the scale already in s).
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const Vec c(cap);
+  int64_t i = 0;
+  for (; i + kVL <= n; i += kVL) ((Vec::loadu(s + i) / c).tanh() * c).store(s + i);
+  if (i < n) ((Vec::loadu(s + i, n - i) / c).tanh() * c).store(s + i, n - i);
+}
+
+// The first key index (of an item whose first key sits at position kpos) token t sees: 0 without a window.
+inline int64_t first_seen(const int64_t* tok_first, int64_t t, int64_t kpos) {
+  return tok_first == nullptr ? 0 : std::max<int64_t>(0, tok_first[t] - kpos);
+}
+
 struct TileScratch {
-  std::vector<float> qt, st, ot, m, l, alpha, lim, cmax, kbuf, vbuf, vclean;
+  std::vector<float> qt, st, ot, m, l, alpha, lim, low, cmax, kbuf, vbuf, vclean;
   std::vector<const float*> krow, vrow;
   std::vector<std::pair<int64_t, const float*>> vbad;  // a masked chunk's keys whose V row is not finite
 };
@@ -223,12 +245,12 @@ inline void set_aside_bad_values(TileScratch& w, int64_t first_masked, int64_t n
   }
 }
 
-inline void add_bad_values(const TileScratch& w, const float* pt, const float* lim, int64_t rows, int64_t mpad,
-                           int64_t c0, int64_t d, float* ot) {
+inline void add_bad_values(const TileScratch& w, const float* pt, const float* lim, const float* low, int64_t rows,
+                           int64_t mpad, int64_t c0, int64_t d, float* ot) {
   for (const auto& [jj, vr] : w.vbad) {
     const float key = static_cast<float>(c0 + jj);
     for (int64_t r = 0; r < rows; ++r) {
-      if (lim[r] <= key) continue;  // row r does not see this key
+      if (lim[r] <= key || key < low[r]) continue;  // row r does not see this key
       const float p = pt[jj * mpad + r];
       for (int64_t e = 0; e < d; ++e)
         if (!std::isfinite(vr[e])) ot[e * mpad + r] += vr[e] * p;
@@ -248,20 +270,23 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
   grow(w.qt, d * mpad);
   grow(w.st, kChunkKeys * mpad);
   grow(w.ot, d * mpad);
-  for (auto* x : {&w.m, &w.l, &w.alpha, &w.lim, &w.cmax}) grow(*x, mpad);
+  for (auto* x : {&w.m, &w.l, &w.alpha, &w.lim, &w.low, &w.cmax}) grow(*x, mpad);
   grow(w.krow, kChunkKeys);
   grow(w.vrow, kChunkKeys);
   float* qt = w.qt.data();
   float* st = w.st.data();
   float* ot = w.ot.data();
-  float *m = w.m.data(), *l = w.l.data(), *alpha = w.alpha.data(), *lim = w.lim.data();
+  float *m = w.m.data(), *l = w.l.data(), *alpha = w.alpha.data(), *lim = w.lim.data(), *low = w.low.data();
+  float max_low = 0.f;  // the highest lower bound of a real row (0 without a window)
 
   for (int64_t r = 0; r < mpad; ++r) {
     const bool real = r < rows;
     m[r] = kNegInf;
     l[r] = 0.f;
-    // keys row r sees; padded rows see every key, so they never force the masked path
+    // keys row r sees, [low, lim); padded rows see every key, so they never force the masked path
     lim[r] = static_cast<float>(real ? std::max<int64_t>(0, std::min(job.first + r / job.g, job.total)) : kmax);
+    low[r] = real ? static_cast<float>(first_seen(job.tok_first, job.tok_lo + r / job.g, job.kpos)) : 0.f;
+    max_low = std::max(max_low, low[r]);
     if (!real) {
       for (int64_t e = 0; e < d; ++e) qt[e * mpad + r] = 0.f;
       continue;
@@ -307,8 +332,10 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
     }
     const float* const* krow = w.krow.data();
     const float* const* vrow = w.vrow.data();
-    const bool masked = min_lim < static_cast<float>(c0 + nc);  // some row stops seeing keys inside this chunk
-    float* cmax = masked ? nullptr : w.cmax.data();  // a masked chunk's maxima come after the mask
+    // Some row stops seeing keys inside this chunk, or (a window) starts seeing them only inside it or later.
+    const bool below = max_low > static_cast<float>(c0);
+    const bool masked = min_lim < static_cast<float>(c0 + nc) || below;
+    float* cmax = masked || job.cap > 0.f ? nullptr : w.cmax.data();  // else the maxima come after mask or cap
     if (cmax) std::fill(cmax, cmax + mpad, kNegInf);
     int64_t j = 0;
     for (; j + kScoreKeys<RV> <= nc; j += kScoreKeys<RV>)
@@ -316,7 +343,8 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
         score_tile<kScoreKeys<RV>, RV>(krow, qt, mpad, d, st, j, r0, cmax);
     for (; j < nc; ++j)
       for (int64_t r0 = 0; r0 < mpad; r0 += kRowTile) score_tile<1, RV>(krow, qt, mpad, d, st, j, r0, cmax);
-    const int64_t first_masked = std::max<int64_t>(0, static_cast<int64_t>(min_lim) - c0);
+    if (job.cap > 0.f) soft_cap(st, nc * mpad, job.cap);  // before the mask: a masked score stays -inf
+    const int64_t first_masked = below ? 0 : std::max<int64_t>(0, static_cast<int64_t>(min_lim) - c0);
     if (masked) {
       set_aside_bad_values(w, first_masked, nc, d);
       const Vec ninf(kNegInf);
@@ -324,7 +352,9 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
         const Vec key(static_cast<float>(c0 + jj));
         for (int64_t r0 = 0; r0 < mpad; r0 += kVL) {
           float* s = st + jj * mpad + r0;
-          Vec::blendv(Vec::loadu(s), ninf, Vec::loadu(lim + r0) <= key).store(s);
+          Vec x = Vec::blendv(Vec::loadu(s), ninf, Vec::loadu(lim + r0) <= key);
+          if (below) x = Vec::blendv(x, ninf, key < Vec::loadu(low + r0));
+          x.store(s);
         }
       }
     }
@@ -355,7 +385,7 @@ void tile_attention_rv(const q_t* q, const kv_t* k, const kv_t* v, const int64_t
       for (int64_t r0 = 0; r0 < mpad; r0 += kRowTile)
         value_cols<RV>(d - e0, vrow, st, alpha, mpad, nc, ot, e0, r0, std::make_integer_sequence<int, kValueCols<RV> - 1>{});
     }
-    if (masked && !w.vbad.empty()) add_bad_values(w, st, lim, rows, mpad, c0, d, ot);
+    if (masked && !w.vbad.empty()) add_bad_values(w, st, lim, low, rows, mpad, c0, d, ot);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = r / job.g, head = r % job.g;
