@@ -39,7 +39,7 @@ def references(tiny_models):
     return {name: hf_greedy(path, PROMPTS, T) for name, path in tiny_models.items()}
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3_mqa", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "llama3_mqa", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_transformers(tiny_models, references, name, sharing):
     llm = LLM(tiny_models[name], prefix_sharing=sharing, kv_cache_tokens=4096)
@@ -52,6 +52,45 @@ def test_greedy_matches_transformers(tiny_models, references, name, sharing):
         for c in out.outputs:
             assert c.token_ids == ref
             assert c.finish_reason == "length"
+
+
+# Prompts several windows long for models whose windows are 8 tokens: a 30-token shared stem, branches off
+# it, a prompt that is a prefix of another, and an unrelated one; 24 tokens generated.
+WINDOW = 8
+LONG_STEM = [(7 * i) % 200 + 20 for i in range(30)]
+LONG_PROMPTS = [
+    LONG_STEM + [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
+    LONG_STEM + [41, 42, 60],
+    LONG_STEM,
+    [9, 8, 7, 6, 5, 4, 3, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23],
+]
+LONG_T = 24
+
+
+@pytest.fixture(scope="module")
+def narrow_windows(tmp_path_factory):
+    """The Gemma tiny models with 8-token windows, and transformers' greedy tokens on LONG_PROMPTS."""
+    from tests.conftest import TINY, save_tiny
+
+    root = tmp_path_factory.mktemp("narrow")
+    out = {}
+    for name in ("gemma2", "gemma3"):
+        path = save_tiny({**TINY[name], "sliding_window": WINDOW}, root / name)
+        out[name] = (path, hf_greedy(path, LONG_PROMPTS, LONG_T))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("sharing, page_size", [(True, 16), (False, 16), (True, 4)])
+def test_greedy_matches_transformers_several_windows_long(narrow_windows, name, sharing, page_size):
+    """Windowed layers see only their last 8 positions of a 30-54-token context, through shared runs (pages
+    of 4: runs the window leaves partly or wholly behind) and private tails alike."""
+    path, ref = narrow_windows[name]
+    llm = LLM(path, prefix_sharing=sharing, kv_cache_tokens=4096, page_size=page_size)
+    params = SamplingParams(n=2, temperature=0, max_tokens=LONG_T, ignore_eos=True)
+    outs = llm.generate(LONG_PROMPTS, params, use_tqdm=False)
+    for out, want in zip(outs, ref, strict=True):
+        assert [c.token_ids for c in out.outputs] == [want, want]
 
 
 def test_prefill_once_per_tree_node(tiny_models):
