@@ -24,6 +24,7 @@ from hydragen.kv.layout import KVLayout, window_groups
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError
 from hydragen.model.gguf import read_gguf
+from hydragen.model.gguf_write import _add_tokenizer
 from hydragen.model.loader import load_model, parse_config
 from tests.conftest import TINY, save_tiny
 
@@ -235,8 +236,8 @@ def gguf_name(hf: str) -> str:
 
 def write_gemma_gguf(hf_dir, path, types: dict[str, Q], pattern: int | None = None) -> dict[str, np.ndarray]:
     """The HF checkpoint as llama.cpp's converter writes it: its metadata keys, norms stored as 1 + w,
-    tied embeddings, no lm_head; matrices in ``types`` (default F32). Returns the weights as the file
-    holds them, dequantized: what transformers must compute with to be the oracle."""
+    tied embeddings, no lm_head; matrices in ``types`` (default F32); a tokenizer. Returns the weights as
+    the file holds them, dequantized: what transformers must compute with to be the oracle."""
     from safetensors.torch import load_file
 
     hf = json.loads((hf_dir / "config.json").read_text())
@@ -264,6 +265,7 @@ def write_gemma_gguf(hf_dir, path, types: dict[str, Q], pattern: int | None = No
             w.add_rope_scaling_factor(rope["full_attention"]["factor"])
     if pattern is not None:
         w.add_sliding_window_pattern(pattern)
+    _add_tokenizer(w, hf["vocab_size"])  # the embedded model's, cut to the vocabulary (the engine needs one)
     stored = {}
     for name, t in sorted(load_file(hf_dir / "model.safetensors").items()):
         if name == "lm_head.weight":
@@ -446,7 +448,8 @@ def converter_spec() -> dict:
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 def test_llama_cpps_converter_output_computes_transformers_logits(tmp_path, outtype) -> None:
     """A tiny Gemma3ForCausalLM through convert_hf_to_gguf.py, loaded kept in the file's format: the logits
-    of transformers running the file's weights, over a context five windows long."""
+    of transformers running the file's weights over a context five windows long, and its greedy tokens
+    through the engine."""
     from hydragen.model.linear import PackedProjection
 
     hf_dir = tmp_path / "hf"
@@ -461,6 +464,14 @@ def test_llama_cpps_converter_output_computes_transformers_logits(tmp_path, outt
     got, want = logits_of(net, cfg, ids), hf_logits(oracle, ids)
     assert (got - want).abs().max() < (1e-5 if outtype == "f32" else 2e-3), (got - want).abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # and through the engine, on prompts several windows long
+    from hydragen import LLM, SamplingParams
+    from tests.unit.engine.test_engine_tiny import LONG_PROMPTS, LONG_T, hf_greedy
+
+    llm = LLM(str(path), kv_cache_tokens=4096, page_size=4)
+    params = SamplingParams(temperature=0, max_tokens=LONG_T, ignore_eos=True)
+    outs = llm.generate(LONG_PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(oracle), LONG_PROMPTS, LONG_T)
 
 
 @pytest.mark.slow
@@ -534,3 +545,19 @@ def test_16_bit_models_norm_in_gemmas_order(narrow_models) -> None:
         x, torch.ones(64, dtype=x.dtype), cfg.rms_norm_eps
     )
     assert not torch.equal(llama_order, want)  # the order matters in bfloat16
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gguf_kept_quantized_gives_transformers_greedy_tokens(gguf_models, name) -> None:
+    """Through the engine (window kernels, prompts several windows long): the quantized file's greedy
+    tokens are transformers' on its dequantized weights, and the F32 file's the checkpoint's."""
+    from hydragen import LLM, SamplingParams
+    from tests.unit.engine.test_engine_tiny import LONG_PROMPTS, LONG_T, hf_greedy
+
+    hf_dir, f32, quantized, oracle = gguf_models[name]
+    params = SamplingParams(n=2, temperature=0, max_tokens=LONG_T, ignore_eos=True)
+    for path, reference in ((quantized, oracle), (f32, hf_dir)):
+        want = hf_greedy(str(reference), LONG_PROMPTS, LONG_T)
+        llm = LLM(str(path), kv_cache_tokens=4096, page_size=4)
+        got = llm.generate(LONG_PROMPTS, params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in got] == [[w, w] for w in want], path.name
