@@ -157,10 +157,11 @@ def test_seeded_sampling_reproducible_and_distinct(tiny_models):
     assert [[x.token_ids for x in o.outputs] for o in c] != ids_a
 
 
-def test_logprobs_match_transformers(tiny_models):
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])  # Gemma 2: soft-capped scores and logits
+def test_logprobs_match_transformers(tiny_models, name):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_models["mistral"]
+    path = tiny_models[name]
     llm = LLM(path, kv_cache_tokens=4096)
     out = llm.generate(
         [PROMPTS[0]],
