@@ -6,6 +6,11 @@ new message is computed. The statistics line after each reply shows how many pro
 
 With standard input not a terminal (``printf 'Hi\\nAnd then?\\n' | hydragen chat``) every line is one user
 turn and only the replies go to standard output.
+
+A reasoning model's reasoning (``hydragen.reasoning``: its ``<think>`` block) is shown before its answer,
+dimmed on a terminal and set apart by a blank line, or not at all with ``hide_reasoning``
+(``--hide-reasoning``); the conversation keeps it as the reply's ``reasoning_content``, which the model's
+template shows or drops. Tool calls are read from the answer only.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TextIO
 
 from hydragen.chat_tools import MAX_ROUNDS, ChatTools, show_call
 from hydragen.prompt_input import TerminalPrompt
+from hydragen.reasoning.splitter import ReasoningSplitter, split_reasoning
 from hydragen.streaming import StreamResult, interrupt_flag, stream_request
 from hydragen.tools.session import ToolSession
 
@@ -40,13 +46,18 @@ class Chat:
         max_tokens: int | None = None,
         quiet: bool = False,
         tools: ChatTools | None = None,
+        hide_reasoning: bool = False,
+        chat_template_kwargs: dict | None = None,
         stdin: TextIO | None = None,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
     ) -> None:
         self.llm, self.params, self.context, self.max_tokens = llm, params, context, max_tokens
         self.system, self.quiet, self.tools = system, quiet, tools
+        self.hide_reasoning, self.template_kwargs = hide_reasoning, chat_template_kwargs
         self.session: ToolSession | None = None  # the reply being streamed's, with tools
+        self.splitter: ReasoningSplitter | None = None  # the reply being streamed's, with a reasoning model
+        self._shown = ""  # what the reply being streamed shows: "", "reasoning", "ended" or "content"
         self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
         self.interactive = self.stdin.isatty()
         self._hinted = False  # the busy-machine hint is given once
@@ -63,10 +74,26 @@ class Chat:
         styled = f"{DIM}{text}{PLAIN}" if self.stderr.isatty() else text
         print(styled, file=self.stderr, flush=True)
 
-    def _write(self, _: int, piece: str) -> None:
+    def _write(self, _: int, piece: str, final: bool = False) -> None:
+        """Show a piece of the reply: its reasoning (dimmed on a terminal, unless hidden), then its content
+        without the tool-call markup (``final``: the reply ended, so what was held back is decided)."""
+        thought = ""
+        if self.splitter is not None:
+            thought, piece = self.splitter.feed(piece, final)
         if self.session is not None:
-            piece = self.session.content(piece)
-        self.stdout.write(piece)
+            piece = self.session.content(piece, final)
+        dim, plain = (DIM, PLAIN) if self.stdout.isatty() else ("", "")
+        out = []
+        if thought and not self.hide_reasoning:
+            out += [dim if self._shown != "reasoning" else "", thought]  # dimmed from its start to its end
+            self._shown = "reasoning"
+        if self._shown == "reasoning" and (piece or final):
+            out.append(plain + ("\n\n" if piece else ""))  # the reasoning ends, set apart from the answer
+            self._shown = "ended"
+        if piece:
+            out.append(piece)
+            self._shown = "content"
+        self.stdout.write("".join(out))
         self.stdout.flush()
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -139,9 +166,10 @@ class Chat:
             reply = self._reply(conversation)
             if reply is None:
                 return
-            text, calls = reply
+            text, calls, thought = reply
+            said = {"reasoning_content": thought} if thought is not None else {}
             if not calls:
-                conversation.append({"role": "assistant", "content": text})
+                conversation.append({"role": "assistant", "content": text, **said})
                 break
             results = []
             for call in calls:
@@ -151,7 +179,7 @@ class Chat:
                     return
                 results.append(result)
             conversation.append(
-                {"role": "assistant", "content": text, "tool_calls": [c.to_openai() for c in calls]}
+                {"role": "assistant", "content": text, "tool_calls": [c.to_openai() for c in calls], **said}
             )
             conversation += [
                 {"role": "tool", "tool_call_id": c.id, "content": r}
@@ -161,12 +189,12 @@ class Chat:
 
     def _prompt_ids(self, conversation: list[dict], session: ToolSession | None) -> list[int]:
         if session is not None:
-            return session.prompt_ids(self.llm.tokenizer, conversation)
-        return self.llm.tokenizer.apply_chat_template(conversation)
+            return session.prompt_ids(self.llm.tokenizer, conversation, self.template_kwargs)
+        return self.llm.tokenizer.apply_chat_template(conversation, chat_template_kwargs=self.template_kwargs)
 
-    def _reply(self, conversation: list[dict]) -> tuple[str, list] | None:
-        """Generate and stream one assistant reply: (its text, its tool calls), or None when the
-        conversation no longer fits the context."""
+    def _reply(self, conversation: list[dict]) -> tuple[str, list, str | None] | None:
+        """Generate and stream one assistant reply: (its content, its tool calls, its reasoning or None), or
+        None when the conversation no longer fits the context."""
         session = self.tools.session() if self.tools is not None else None
         ids = self._prompt_ids(conversation, session)
         room = self.context - len(ids)
@@ -180,14 +208,20 @@ class Chat:
         if session is not None:
             params = session.sampling_params(params, self.tools.constraint)
         self.session = session
+        reasoning = self.llm.engine.reasoning
+        phase = reasoning.first_phase(ids) if reasoning is not None else None
+        self.splitter = ReasoningSplitter(reasoning, phase) if reasoning is not None else None
+        self._shown = ""
         stats = self.llm.engine.stats
         prompt0, computed0 = stats.prompt_tokens, stats.prefill_tokens
         with interrupt_flag() as stop:
             result = stream_request(self.llm.loop, ids, params, on_text=self._write, should_stop=stop)
-        text, calls = result.texts[0], []
+        self._write(0, "", final=True)
+        text, calls, thought = result.texts[0], [], None
+        if reasoning is not None:
+            thought, text = split_reasoning(text, reasoning, phase)
         reason = result.output.outputs[0].finish_reason if result.output is not None else None
         if session is not None:
-            self.stdout.write(session.content("", final=True))
             content, calls, _ = session.reply(text, reason) if not result.stopped else (text, [], None)
             text = content or ""
             for call in calls:
@@ -202,7 +236,7 @@ class Chat:
         if threads is not None and not self._hinted and (hint := threads.hint()) is not None:
             self._hinted = True
             self._note(hint)
-        return text, calls
+        return text, calls, thought
 
     def _result(self, call) -> str | None:
         """The result of ``call``, typed (or piped) in; None at the end of input, or when Ctrl-C or Ctrl-D

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,8 +17,10 @@ from hydragen.engine.loop import StepLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.errors import EngineBroken
+from hydragen.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from hydragen.model.linear import keeps_quantized_weights
 from hydragen.model.loader import DTYPES, load_model, resolve_device, resolve_dtype, resolve_kv_dtype
+from hydragen.reasoning.splitter import split_reasoning
 
 PromptType = str | list[int]
 
@@ -75,6 +78,13 @@ class LLM:
     properties it names, the default); a request's ``StructuredOutputsParams`` can say otherwise.
     ``tool_format`` (tool calling): "hermes", "llama3_json" or "generic"; None detects it from the chat
     template (hydragen.tools.formats).
+    ``generation_config``: "auto" takes the model's own sampling defaults (its generation_config.json or
+    GGUF metadata: temperature, top_p, top_k, min_p) for calls that pass no SamplingParams, as vLLM does
+    (``get_default_sampling_params``); "hydragen" keeps SamplingParams' defaults.
+    ``reasoning_parser`` (reasoning models: Qwen3, QwQ, the DeepSeek-R1 distills): "auto" (the default)
+    detects ``<think>...</think>`` from the chat template and tokenizer, "deepseek_r1" or "qwen3" (vLLM's
+    names) name it, "none" turns it off (hydragen.reasoning.formats). With one, ``chat`` outputs carry the
+    reasoning apart (``reasoning_content``) and output constraints hold after it, not inside it.
     """
 
     def __init__(
@@ -96,6 +106,8 @@ class LLM:
         literal_json_schema: bool = False,
         tool_format: str | None = None,
         kv_cache_dtype: str = "auto",
+        generation_config: str = "auto",
+        reasoning_parser: str = "auto",
         **engine_options,
     ):
         """The keyword arguments, and ``engine_options`` (``prefill_chunk``, ``prefill_budget``,
@@ -107,7 +119,8 @@ class LLM:
             random_weights=random_weights, min_shared_reads=min_shared_reads, page_size=page_size,
             tensor_parallel_size=tensor_parallel_size, jump_forward=jump_forward, dequantize=dequantize,
             threads=threads, literal_json_schema=literal_json_schema, tool_format=tool_format,
-            kv_cache_dtype=kv_cache_dtype, **engine_options,
+            kv_cache_dtype=kv_cache_dtype, generation_config=generation_config,
+            reasoning_parser=reasoning_parser, **engine_options,
         )  # fmt: skip
         self.engine_config = config = EngineConfig.from_options(**options)
         dev, dt = resolve_device(config.device), resolve_dtype(config.dtype)
@@ -135,6 +148,16 @@ class LLM:
         if governor is not None:
             governor.check(force=True)  # the other load seen while loading decides the first count
         self.engine.threads = governor
+        self.generation_defaults = GenerationDefaults({})
+        if config.generation_config == "auto":
+            self.generation_defaults = read_generation_defaults(self.model_path)
+            if self.generation_defaults:
+                print(self.generation_defaults.describe(), file=sys.stderr)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults (``generation_config="auto"``), what ``generate``
+        and ``chat`` use when given none (vLLM's method of the same name)."""
+        return SamplingParams(**self.generation_defaults.values)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -221,6 +244,7 @@ class LLM:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """``messages``: one conversation (list of {"role", "content"}) or a list of conversations.
 
@@ -228,7 +252,13 @@ class LLM:
         or {"type": "function", "function": {"name": ...}}) and ``parallel_tool_calls`` as in OpenAI's
         API; conversations may hold assistant ``tool_calls`` and ``role: "tool"`` results. Each output then
         carries ``tool_calls`` (hydragen.tools.ToolCall, [] when the reply is text) and ``content`` (the text
-        outside the calls), read by the call's ToolSession (hydragen.tools.session), as the server's."""
+        outside the calls), read by the call's ToolSession (hydragen.tools.session), as the server's.
+
+        ``chat_template_kwargs``: more variables for the chat template (``{"enable_thinking": False}`` for
+        Qwen3), as vLLM's. With a reasoning model (``LLM(reasoning_parser=...)``) each output carries
+        ``reasoning_content`` (its ``<think>`` block's text, None without one) and ``content`` (the text
+        after it, and outside any tool calls); ``text`` stays the whole reply. A ``structured_outputs``
+        constraint, or the tool-call grammar, holds for the text after the reasoning."""
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, Sequence) or not messages:
@@ -239,20 +269,29 @@ class LLM:
         items = []
         for conv in messages:
             if session is not None:
-                ids = session.prompt_ids(self.tokenizer, list(conv))
+                ids = session.prompt_ids(self.tokenizer, list(conv), chat_template_kwargs)
             else:
                 ids = self.tokenizer.apply_chat_template(
-                    list(conv), add_generation_prompt=add_generation_prompt
+                    list(conv),
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
             items.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
-        if session is None:
-            return self._run(items, sampling_params, use_tqdm)
-        structured = self.engine.structured
-        constraint = session.constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
-        outs = self._run(items, session.sampling_params(sampling_params, constraint), use_tqdm)
+        if session is not None:
+            structured = self.engine.structured
+            constraint = session.constraint(structured.compiler.ll_tokenizer, structured.literal_json_schema)
+            sampling_params = session.sampling_params(sampling_params, constraint)
+        outs = self._run(items, sampling_params, use_tqdm)
+        reasoning = self.engine.reasoning
         for out in outs:
+            phase = reasoning.first_phase(out.prompt_token_ids) if reasoning is not None else None
             for c in out.outputs:
-                c.content, c.tool_calls, _ = session.reply(c.text, c.finish_reason)
+                content = c.text
+                if reasoning is not None:
+                    c.reasoning_content, content = split_reasoning(c.text, reasoning, phase)
+                    c.content = content
+                if session is not None:
+                    c.content, c.tool_calls, _ = session.reply(content, c.finish_reason)
         return outs
 
     def _tool_session(self, tools, tool_choice, parallel_tool_calls, conversations):
@@ -269,7 +308,7 @@ class LLM:
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")

@@ -144,6 +144,7 @@ class StepAttentionMeta:
             segment_list, seg_pos = _trim_segments(segment_list, seg_pos, tok_first)
         work = cut_step(unit_list, segment_list, num_tokens, tok_first, unit_pos, seg_pos)
         long = dict(dtype=torch.int64)
+        none = torch.zeros(0, dtype=torch.int64, device=device)  # no window: no bounds, no key positions
         seg_run = [0]
         for seg in segment_list:
             seg_run.append(seg_run[-1] + len(seg[2]))
@@ -166,9 +167,9 @@ class StepAttentionMeta:
             unit_list=unit_list,
             segment_list=segment_list,
             window=window,
-            tok_first=put(tok_first if tok_first is not None else []),
-            unit_pos=put(unit_pos if window is not None else []),
-            seg_pos=put(seg_pos if window is not None else []),
+            tok_first=put(tok_first) if window is not None else none,
+            unit_pos=put(unit_pos) if window is not None else none,
+            seg_pos=put(seg_pos) if window is not None else none,
         )
 
     def unit_positions(self) -> list[int]:
@@ -249,7 +250,7 @@ def _ints(values, n: int, what: str) -> tuple[int, ...]:
 
 def _check_segments(segments, num_tokens: int, positioned: bool = False):
     """Normalised segments (empty runs dropped), one past the last slot they read, and each one's first key's
-    position (a fifth field; needed when ``positioned``, else 0)."""
+    position (a fifth field, needed and read when ``positioned``; else ignored, and the list empty)."""
     out = []
     key_pos = []
     slots_needed = 0
@@ -263,10 +264,8 @@ def _check_segments(segments, num_tokens: int, positioned: bool = False):
             form = "tok_lo, tok_hi, runs, visible" + (", first key's position" if positioned else "")
             raise ValueError(f"segment {s} must be ({form}), got {seg!r}") from None
         lo, hi, visible = _ints((lo, hi, visible), 3, f"segment {s}: tok_lo, tok_hi, visible must be ints")
-        if where:
+        if positioned:
             key_pos += _ints(where, 1, f"segment {s}: its first key's position must be an int")
-        else:
-            key_pos.append(0)
         if lo != pos:
             raise ValueError(f"segment {s} starts at token {lo}, expected {pos}: segments tile the tokens")
         if hi < lo:
@@ -291,8 +290,8 @@ def _check_segments(segments, num_tokens: int, positioned: bool = False):
 
 
 def _check_units(units, num_tokens: int, positioned: bool = False):
-    """The non-empty units, and each one's first key's position (a sixth field; needed when ``positioned``,
-    else 0)."""
+    """The non-empty units, and each one's first key's position (a sixth field, needed and read when
+    ``positioned``; else ignored, and the list empty)."""
     kept, key_pos = [], []
     for i, unit in enumerate(units):
         n = UNIT_FIELDS + 1 if positioned or _length(unit) == UNIT_FIELDS + 1 else UNIT_FIELDS
@@ -310,7 +309,8 @@ def _check_units(units, num_tokens: int, positioned: bool = False):
             )
         if kv_hi > kv_lo and tok_hi > tok_lo:
             kept.append((kv_lo, kv_hi, tok_lo, tok_hi, causal))
-            key_pos.append(where[0] if where else 0)
+            if positioned:
+                key_pos.append(where[0])
     return kept, key_pos
 
 

@@ -22,7 +22,7 @@ Two kinds:
 Items of each kind are sorted most expensive first, so threads taking them in order finish together.
 
 **Windows cut the work** (``window`` given): a unit, a segment, and then every piece and block is trimmed
-to begin at the first key one of its tokens sees (``_trim``), and a piece none of whose tokens sees any of
+to begin at the first key one of its tokens sees (``_cut``), and a piece none of whose tokens sees any of
 its keys is dropped, before anything is chunked or counted. So a sliding layer reads, per token tile, at most
 the window plus the tile's spread of positions: a decode token's context of 8K keys under a window of 1K is
 one chunk of 1K keys (split over the threads as before), a shared run wholly before every window costs
@@ -215,9 +215,9 @@ class _WorkItems:
         for t0 in range(tok_lo, tok_hi, PIECE_TOKENS):
             t1 = min(t0 + PIECE_TOKENS, tok_hi)
             f = first + t0 - tok_lo
-            cut = self._cut(t0, t1, total, pos)
+            cut = 0 if self.tok_first is None else self._cut(t0, t1, total, pos)
             if not self._seen(t0, t1, f - cut, total - cut, pos + cut):
-                continue  # a window puts all of it out of sight
+                continue  # nothing to see (a window puts all of it out of sight)
             if cut:
                 r0, r1 = self._runs(cut_runs(runs, cut, total))
             else:
@@ -259,7 +259,7 @@ class _WorkItems:
         into that many chunks, every one a piece, so one long context is read by several threads. Under a
         window the keys before the first any of its tokens sees go first (and each block's own, again)."""
         total = sum(b - a for a, b in runs)
-        cut = self._cut(tok_lo, tok_hi, total, pos)
+        cut = 0 if self.tok_first is None else self._cut(tok_lo, tok_hi, total, pos)
         if cut:  # the segment's runs less its leading out-of-window keys, read as a whole segment's are
             runs, total, visible, pos = cut_runs(runs, cut, total), total - cut, visible - cut, pos + cut
             first_run = None
@@ -276,6 +276,6 @@ class _WorkItems:
         for t0 in range(tok_lo, tok_hi, TOKENS_PER_BLOCK):
             t1 = min(t0 + TOKENS_PER_BLOCK, tok_hi)
             first, left = visible + t0 - tok_lo - c0, total - c0
-            cut = self._cut(t0, t1, left, pos + c0)  # this block's tokens' own leading keys out of sight
+            cut = 0 if self.tok_first is None else self._cut(t0, t1, left, pos + c0)  # its tokens' own
             r0, r1 = self._runs(cut_runs(runs if rest is None else rest, cut, left)) if cut else whole
             self.blocks.append((t0, t1, r0, r1, first - cut, left - cut, pos + c0 + cut))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import sys
 import time
 
@@ -143,18 +144,19 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.n < 1:  # before SamplingParams, so the summary's arithmetic never sees n < 1
         raise UsageError(f"-n must be at least 1, got {args.n}")
-    params = sampling_params(
-        args,
+    fields = dict(
         n=args.n,
         max_tokens=args.max_tokens,
         stop=args.stop or None,
         ignore_eos=args.ignore_eos,
         structured_outputs=constraint(args),
     )
+    sampling_params(args, **fields)  # bad flags are reported before the model loads
     apply_machine_flags(args)
     config = engine_config_of(args, **_kv_budget(args, args.n))
     text = _read_prompt(args.prompt)
     llm, load_s, context = load_llm(args, config)
+    params = sampling_params(args, llm.generation_defaults.values, **fields)
     ids = _prompt_ids(llm, args, text)
     if len(ids) >= context:
         flag = "--max-model-len" if args.max_model_len is not None else "the model's context"
@@ -222,11 +224,13 @@ def run_chat(args: argparse.Namespace) -> int:
         raise UsageError("--tool-choice needs --tools")
     try:  # read before the model loads, so a bad file is reported at once
         tool_list = load_tools(args.tools) if args.tools is not None else None
+        template_kwargs = _template_kwargs(args.chat_template_kwargs)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    params = sampling_params(args, max_tokens=args.max_tokens or 1)
+    sampling_params(args, max_tokens=args.max_tokens or 1)  # bad flags are reported before the model loads
     apply_machine_flags(args)
     llm, load_s, context = load_llm(args, engine_config_of(args, **_kv_budget(args, 1)))
+    params = sampling_params(args, llm.generation_defaults.values, max_tokens=args.max_tokens or 1)
     if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         raise UsageError(f"{llm.model_path} has no chat template; use `hydragen generate --raw` instead")
     tools = None
@@ -236,6 +240,23 @@ def run_chat(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
     chat = Chat(
-        llm, params, context, system=args.system, max_tokens=args.max_tokens, quiet=args.quiet, tools=tools
-    )
+        llm, params, context, system=args.system, max_tokens=args.max_tokens, quiet=args.quiet, tools=tools,
+        hide_reasoning=args.hide_reasoning, chat_template_kwargs=template_kwargs,
+    )  # fmt: skip
     return chat.run(load_s)
+
+
+def _template_kwargs(value: str | None) -> dict | None:
+    """``--chat-template-kwargs``: a JSON object of template variables, checked as a request's are."""
+    if value is None:
+        return None
+    from hydragen.model.tokenizer import check_template_kwargs
+
+    try:
+        kwargs = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs is not JSON: {e}") from None
+    try:
+        return check_template_kwargs(kwargs)
+    except ValueError as e:
+        raise ValueError(f"--chat-template-kwargs: {e}") from None

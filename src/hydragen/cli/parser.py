@@ -64,15 +64,23 @@ def _add_random_weights_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    """The sampling flags. Each defaults to None: unset, it takes the model's own default (its
+    generation_config.json or GGUF metadata, unless --generation-config hydragen), else the one shown."""
+    p.set_defaults(default_temperature=temperature)
+    model = "the model's own, else "
     p.add_argument(
         "--temperature",
         type=float,
-        default=temperature,
-        help=f"sampling temperature, 0 = greedy (default {temperature})",
+        default=None,
+        help=f"sampling temperature, 0 = greedy (default: {model}{temperature})",
     )
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default 0)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop p < min_p x the top p, 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {model}0.95)")
+    p.add_argument(
+        "--top-k", type=int, default=None, help=f"keep the k most likely tokens (default: {model}off)"
+    )
+    p.add_argument(
+        "--min-p", type=float, default=None, help=f"drop p < min_p x the top p (default: {model}off)"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
 
 
@@ -132,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="CHOICE",
         help="with --tools: auto (default), required, none, or a function's name",
+    )
+    c.add_argument(
+        "--hide-reasoning",
+        action="store_true",
+        help="a reasoning model's reasoning (its <think> block) is not shown (default: shown before the "
+        "answer, dimmed on a terminal)",
+    )
+    c.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="more variables for the chat template, a JSON object (e.g. '{\"enable_thinking\": false}' "
+        "for Qwen3)",
     )
     c.add_argument("-q", "--quiet", action="store_true", help="no banner and no per-turn statistics")
     c.set_defaults(func=run_chat)

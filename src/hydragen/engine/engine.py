@@ -80,6 +80,8 @@ class EngineCore:
     model = _view("runner", "model")
     tokenizer = _view("outputs", "tokenizer")
     eos_ids = _view("outputs", "eos_ids")
+    # The model's reasoning format (hydragen.reasoning.ReasoningFormat), None when it does not reason.
+    reasoning = property(lambda self: self.structured.reasoning)
 
     def sequence_kv_need(self, prompt_len: int, max_tokens: int) -> int:
         """KV slots (whole pages) one sequence needs to be sure to finish when it runs alone: every context

@@ -34,6 +34,10 @@ class CompletionOutput:
     # text) and its text outside them (None when there is none); both None without tools.
     tool_calls: list | None = None
     content: str | None = None
+    # LLM.chat with a reasoning model (LLM(reasoning_parser=...)): the text of the reply's <think> block,
+    # without the tags and the whitespace around it (None when it did not reason); ``content`` is then the
+    # text after the block (and outside any tool calls), while ``text`` stays the whole reply. vLLM's name.
+    reasoning_content: str | None = None
 
 
 @dataclass

@@ -105,12 +105,11 @@ class _Reads:
         for lo, hi in own:
             self.slots += range(lo, hi)
         context = slot_runs(pages, page_size, cut * page_size, w.start)
-        at = positioned(context, cut * page_size)
         if w.parents is not None:  # a draft tree: context by units, ancestors per token (root at start)
-            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in at]
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in positioned(context, cut * page_size)]
             self.segments += [(*s, w.start) for s in tree_segments(t0, self.slots[t0:], w.parents)]
         elif k >= UNIT_TOKENS:
-            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in at]
+            self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in positioned(context, cut * page_size)]
             if len(own) == 1:
                 self.units.append((own[0][0], own[0][1], t0, t0 + k, 1, w.start))
                 self.segments.append((t0, t0 + k, [], 0, w.start))

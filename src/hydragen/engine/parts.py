@@ -6,7 +6,7 @@ owner here, and ``EngineCore`` only wires their calls.
 * ``Scheduler`` owns who runs and what each step computes;
 * ``ModelRunner`` owns the model and the sampler;
 * ``OutputProcessor`` owns "finished", the text and each request's report;
-* ``StructuredOutputs`` owns the grammars.
+* ``StructuredOutputs`` owns the grammars (and knows the model's reasoning format, after which they start).
 
 A tensor-parallel group's rank 0 (``parallel``) builds its own pool and runner, which drive the other ranks.
 """
@@ -24,6 +24,7 @@ from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import PagePool
 from hydragen.model.linear import keeps_quantized_weights
 from hydragen.model.loader import resolve_device, resolve_dtype, resolve_kv_dtype
+from hydragen.reasoning.formats import resolve_reasoning
 from hydragen.structured.controller import StructuredOutputs
 
 DEFAULT_KV_CACHE_TOKENS = 65536
@@ -69,6 +70,11 @@ def build_parts(model, cfg, tokenizer, config: EngineConfig, parallel, min_reads
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set(cfg.eos_token_ids)
     outputs = OutputProcessor(tokenizer, eos, cfg.max_position_embeddings)
     structured = StructuredOutputs(
-        tokenizer, cfg.vocab_size, eos, config.jump_forward, config.literal_json_schema
+        tokenizer,
+        cfg.vocab_size,
+        eos,
+        config.jump_forward,
+        config.literal_json_schema,
+        reasoning=resolve_reasoning(tokenizer, config.reasoning_parser),
     )
     return Parts(device, pool, kv, scheduler, runner, outputs, structured)

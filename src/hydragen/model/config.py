@@ -87,7 +87,14 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             family=family.name,
         )
-        return cls(**{**common, **family.config(cfg)})
+        fields = {**common, **family.config(cfg)}
+        if fields["rope_scaling"] is not None and fields["rope_scaling"]["rope_type"] == "longrope":
+            from hydragen.model.rope import longrope_scaling
+
+            rotary = fields.get("rotary_dim") or fields["head_dim"]
+            context = fields["max_position_embeddings"]  # the family's (a window may cap it)
+            fields["rope_scaling"] = longrope_scaling(fields["rope_scaling"], cfg, context, rotary)
+        return cls(**fields)
 
     def uses_local_rope(self, layer: int) -> bool:
         """Whether ``layer`` rotates by the local RoPE (``local_rope_theta``): the windowed layers' own."""

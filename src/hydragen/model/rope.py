@@ -1,4 +1,8 @@
-"""Rotary position embeddings (rotate-half layout): default, linear, Llama-3 and YaRN frequency scaling."""
+"""Rotary position embeddings (rotate-half layout): default, linear, Llama-3, YaRN and LongRoPE scaling.
+
+``head_dim`` here is the dimensions rotated: all of a head's, or its leading ``rotary_dim`` (partial rotary,
+Phi-4-mini's 96 of 128), the rest passing through unrotated (``model/linear.py``, ``rotate_leading``).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,17 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs name LongRoPE "su"
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        # LongRoPE: each frequency divided by its own factor, of the set longrope_scaling chose
+        ext = torch.tensor(scaling["ext_factors"], dtype=torch.float32)
+        return 1.0 / (ext * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
@@ -57,6 +67,8 @@ def attention_factor(scaling: dict | None) -> float:
     """The factor YaRN puts on cos and sin (so on every attention score, squared): 1 for other scalings.
     ``attention_factor`` when the config gives it, else 0.1 ln(factor) + 1, or DeepSeek's ratio of two such
     terms when it gives ``mscale`` and ``mscale_all_dim``."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return float(scaling["attention_factor"])  # resolved with the config (longrope_scaling)
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -72,6 +84,55 @@ def attention_factor(scaling: dict | None) -> float:
     return m(factor)
 
 
+def longrope_scaling(
+    scaling: dict[str, Any], hf: dict[str, Any], context: int, rotary_dims: int
+) -> dict[str, Any]:
+    """LongRoPE (Phi-3's "su"/"longrope") resolved for a model run at ``context`` tokens: which factor set
+    rotates every position, and the attention factor on cos and sin.
+
+    LongRoPE has two sets of per-frequency factors: ``short_factor`` for sequences within
+    ``original_max_position_embeddings`` and ``long_factor`` beyond. transformers picks per forward by the
+    sequence's length, and when a sequence grows past the original length its generate recomputes the whole
+    cache with the long set: a token's keys then depend on how long its sequence gets. Shared and cached KV
+    cannot: a page is computed once, for every sequence that reaches it. So hydragen picks one set per model,
+    by the context it runs the model at (as llama.cpp does by ``n_ctx`` and vLLM by ``max_model_len``): the
+    long set when that context exceeds the original length, else the short one. Equal to transformers for
+    every sequence when the context is within the original length, and for every sequence whose prompt is
+    longer than it otherwise; a shorter sequence of a long-context model gets the long set here and the short
+    one in transformers.
+
+    The attention factor is transformers': ``attention_factor`` when given, else
+    ``sqrt(1 + ln(factor) / ln(original))`` with ``factor`` the declared ``max_position_embeddings`` over the
+    original length (1 when that is at most 1), whichever set rotates.
+    """
+    orig = (
+        hf.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings")
+    )
+    if not orig:
+        raise ValueError("longrope rope scaling needs original_max_position_embeddings")
+    orig = int(orig)
+    factor = scaling.get("factor") or int(hf.get("max_position_embeddings", context)) / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    long = context > orig
+    for key in ("short_factor", "long_factor"):
+        got = scaling.get(key)
+        if not isinstance(got, (list, tuple)) or len(got) != rotary_dims // 2:
+            n = "none" if not isinstance(got, (list, tuple)) else len(got)
+            raise ValueError(f"longrope {key} should list {rotary_dims // 2} factors (rotary dims / 2): {n}")
+    return {
+        **scaling,
+        "rope_type": "longrope",
+        "original_max_position_embeddings": orig,
+        "attention_factor": float(attention),
+        "long": long,
+        "ext_factors": tuple(float(x) for x in scaling["long_factor" if long else "short_factor"]),
+    }
+
+
 class Rotary:
     """cos/sin of each absolute position, computed once per forward for that forward's positions.
 
@@ -84,7 +145,8 @@ class Rotary:
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, device):
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
-        self.scale = attention_factor(scaling)  # on cos and sin: YaRN's, else 1
+        # on cos and sin, in float32 as transformers: YaRN's and LongRoPE's attention factor, else 1
+        self.scale = attention_factor(scaling)
         self.max_positions = max_positions
         # Each frequency twice (rotate-half pairs column i with i + D/2), and the sign rotate-half puts on
         # the first half: folded into the sin table, exact (IEEE negation commutes with rounding), it saves
@@ -119,6 +181,7 @@ def parse_rope(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[float, dict
     if scaling is not None:
         scaling = dict(scaling)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"

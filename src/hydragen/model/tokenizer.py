@@ -25,6 +25,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
+from hydragen.errors import ParamError
 from hydragen.model.errors import ModelFileError, first_line
 
 _META = "hydragen_tokenizer.json"  # extra eos ids from the GGUF metadata, kept beside the cached tokenizer
@@ -71,10 +72,17 @@ class Tokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        conversation: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[int]:
         """Render with the model's template, then tokenize without adding specials (the template has them).
-        ``tools``: function definitions for a template that renders them (Hugging Face's convention)."""
+        ``tools``: function definitions for a template that renders them (Hugging Face's convention).
+        ``chat_template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``), as vLLM's
+        request field; names the rendering itself uses are refused (``check_template_kwargs``)."""
+        extra = check_template_kwargs(chat_template_kwargs)
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
         if not isinstance(conversation, (list, tuple)) or not conversation:
@@ -89,7 +97,11 @@ class Tokenizer:
 
         try:
             text = self._tok.apply_chat_template(
-                list(conversation), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                list(conversation),
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **extra,
             )
         except TemplateError as e:  # e.g. templates that raise on non-alternating roles
             raise ValueError(f"the chat template rejected the conversation: {e}") from e
@@ -121,6 +133,39 @@ class Tokenizer:
     def clean_up_tokenization_spaces(self) -> bool:
         """Whether ``decode`` rewrites the Rust tokenizer's text (" ." to "." and the like)."""
         return bool(getattr(self._tok, "clean_up_tokenization_spaces", False))
+
+
+# What a chat template gets from the rendering itself, or what Hugging Face's apply_chat_template reads as
+# its own arguments: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs) -> dict:
+    """``chat_template_kwargs`` as the template gets them ({} for None), or ParamError naming the key at
+    fault: a dict of string keys, none of them reserved (``RESERVED_TEMPLATE_KWARGS``)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ParamError(
+            "chat_template_kwargs", "chat_template_kwargs must be an object of template variables"
+        )
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ParamError(
+                "chat_template_kwargs", f"chat_template_kwargs key {key!r} is not a variable name"
+            )
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ParamError(
+                f"chat_template_kwargs.{key}",
+                f"chat_template_kwargs cannot set {key!r}: the rendering sets it itself",
+            )
+    return dict(kwargs)
 
 
 def _ids(value: Any) -> list[int]:

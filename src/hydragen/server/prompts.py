@@ -58,7 +58,8 @@ class PromptEncoder:
         if not chat:
             return await self.completion(body), None
         tools = body.tool_session(tool_format)
-        return [(await self.chat(body.conversation(), tools), None)], tools
+        ids = await self.chat(body.conversation(), tools, body.chat_template_kwargs)
+        return [(ids, None)], tools
 
     # ---- completions ---------------------------------------------------------------------------
     async def completion(self, body) -> list[tuple[list[int], str | None]]:
@@ -101,23 +102,28 @@ class PromptEncoder:
         return out
 
     # ---- chat --------------------------------------------------------------------------------------
-    async def chat(self, conversation: list[dict], tools=None) -> list[int]:
+    async def chat(
+        self, conversation: list[dict], tools=None, template_kwargs: dict | None = None
+    ) -> list[int]:
         """Token ids of the conversation through the chat template; ``tools``: the request's ToolSession
-        (hydragen.tools), which renders its functions, earlier calls and results."""
+        (hydragen.tools), which renders its functions, earlier calls and results; ``template_kwargs``: the
+        request's ``chat_template_kwargs``."""
         if self.tok is None or not self.tok.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        return await asyncio.to_thread(self._template, conversation, tools)
+        return await asyncio.to_thread(self._template, conversation, tools, template_kwargs)
 
-    def _template(self, conversation: list[dict], tools) -> list[int]:
+    def _template(self, conversation: list[dict], tools, template_kwargs: dict | None = None) -> list[int]:
         chars = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in conversation)
         if tools is not None:  # the functions' definitions are rendered into the prompt too
             chars += sum(len(json.dumps(t.to_openai())) for t in tools.tools)
         self._check_chars(chars, "messages")
         try:
             if tools is None:
-                ids = self.tok.apply_chat_template(conversation, add_generation_prompt=True)
+                ids = self.tok.apply_chat_template(
+                    conversation, add_generation_prompt=True, chat_template_kwargs=template_kwargs
+                )
             else:
-                ids = tools.prompt_ids(self.tok, conversation)
+                ids = tools.prompt_ids(self.tok, conversation, template_kwargs)
         except ParamError as e:
             raise APIError(400, str(e), e.param, code="invalid_value") from None
         except ValueError as e:

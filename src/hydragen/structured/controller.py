@@ -4,11 +4,17 @@ logits, and turn each sampled token into the tokens to append (jump-forward incl
 The engine calls three hooks and nothing else of this package: ``attach`` when a request is added
 (a bad constraint raises ParamError there, before anything runs), ``mask`` before sampling, and
 ``after_sample`` for each constrained sequence's new token.
+
+With a reasoning model (``reasoning``, a ``hydragen.reasoning.ReasoningFormat``), a constraint holds for
+what follows the reasoning: each sequence's grammar is an ``AfterReasoning`` that starts where its prompt
+says (``ReasoningFormat.first_phase``): after ``</think>``, or at once with ``<think>`` allowed first.
 """
 
 from __future__ import annotations
 
 from hydragen.errors import ParamError
+from hydragen.reasoning.formats import CONTENT
+from hydragen.structured.after_reasoning import AfterReasoning
 from hydragen.structured.compiler import GrammarCompiler
 from hydragen.structured.jump import jump_forward
 from hydragen.structured.masking import BatchMasker
@@ -23,8 +29,10 @@ class StructuredOutputs:
         eos_ids: set[int],
         jump_forward: bool = True,
         literal_json_schema: bool = False,
+        reasoning=None,
     ):
         self.tokenizer = tokenizer
+        self.reasoning = reasoning  # the model's ReasoningFormat: constraints start after the reasoning
         self.jump_forward = jump_forward
         # How schemas that leave additionalProperties open are read, unless a request says
         # (structured/schema_defaults.py): False generates only the named properties, as the peers do.
@@ -44,21 +52,38 @@ class StructuredOutputs:
         if params.structured_outputs is None:
             return
         start = self.compile(params.structured_outputs)
+        r = self.reasoning
+        phase = CONTENT if r is None or not seqs else r.first_phase(seqs[0].prompt_ids)
         for s in seqs:
-            s.grammar = GrammarState(start.deep_copy())
+            if phase == CONTENT:
+                s.grammar = GrammarState(start.deep_copy())
+            else:
+                s.grammar = AfterReasoning(start.deep_copy(), r.start_id, r.end_id, phase)
 
     def mask(self, logits, seqs) -> None:
-        """Mask the constrained rows of a decode step's logits in place (one batched op)."""
-        rows = [(s.grammar.matcher, i) for i, s in enumerate(seqs) if s.grammar is not None]
+        """Mask the constrained rows of a decode step's logits in place (one batched op); a row still in
+        its reasoning is left alone."""
+        rows, extra = [], []
+        for i, s in enumerate(seqs):
+            g = s.grammar
+            if g is not None and g.masked:
+                rows.append((g.matcher, i))
+                extra += [(i, t) for t in g.also_allowed]
         if rows:
-            self.masker.apply(logits, rows)
+            self.masker.apply(logits, rows, extra)
 
     def after_sample(self, s, token: int) -> list[int]:
         """The tokens to append for sampled ``token``: it (or its canonical re-split) and, with
-        jump-forward on, the tokens the grammar forces after it. Raises GrammarViolation."""
-        s.grammar.accept(token)
+        jump-forward on, the tokens the grammar forces after it. Raises GrammarViolation. A token of the
+        reasoning is appended as it is; after the one that ends it, what the grammar forces at its start."""
+        took = s.grammar.accept(token)
         if not self.jump_forward or s.grammar.done:
             return [token]
+        if not took:
+            forced = s.grammar.forced_tokens()  # [] unless the reasoning just ended
+            if forced:
+                s.grammar.accept_all(forced)
+            return [token, *forced]
         return jump_forward(s.grammar, self.compiler.ll_tokenizer, self._encode, token)
 
     def _encode(self, text: str) -> list[int]:

@@ -38,9 +38,12 @@ class BatchMasker:
             self._bits = torch.empty(rows, self.words, dtype=torch.int32)
         return self._bits[:rows]
 
-    def apply(self, logits: torch.Tensor, matchers: list[tuple[object, int]]) -> torch.Tensor:
+    def apply(
+        self, logits: torch.Tensor, matchers: list[tuple[object, int]], extra: list[tuple[int, int]] = ()
+    ) -> torch.Tensor:
         """Mask ``logits`` [B, V] in place: row i keeps only the tokens its matcher allows, for every
-        (matcher, i) given; other rows are untouched."""
+        (matcher, i) given, and the tokens ``extra`` names for it ((row, token) pairs); other rows are
+        untouched."""
         import llguidance
         import llguidance.torch as lt
 
@@ -51,6 +54,10 @@ class BatchMasker:
         bits = self._buffer(rows)
         bits.fill_(-1)
         lt.fill_next_token_bitmask_par(self._executor, matchers, bits)
+        if extra:
+            words = bits.numpy().view(numpy.uint32)
+            for row, token in extra:
+                words[row, token >> 5] |= numpy.uint32(1 << (token & 31))
         self.fill_seconds.append(time.perf_counter() - t0)
         with torch.inference_mode():  # the logits are an inference tensor (the forward ran in that mode)
             # Set bits of the inverted words are the blocked tokens; words are little-endian, so byte k

@@ -15,6 +15,11 @@ class GrammarState:
     def __init__(self, matcher):
         self.matcher = matcher
 
+    # The step's mask: whether this state masks its row now, and tokens it allows beyond its grammar's
+    # (``AfterReasoning`` leaves the reasoning unmasked and lets a reply open it).
+    masked = True
+    also_allowed: tuple[int, ...] = ()
+
     @property
     def done(self) -> bool:
         """The grammar is complete and nothing may follow: the sequence ends here."""
@@ -24,8 +29,10 @@ class GrammarState:
         if not ok or self.matcher.is_error():
             raise GrammarViolation(f"{what}: {self.matcher.get_error() or 'rejected by the grammar'}")
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int) -> bool:
+        """Advance over ``token``; True (the grammar took it: ``AfterReasoning`` may say otherwise)."""
         self._check(self.matcher.consume_token(token), f"token {token} does not fit the grammar")
+        return True
 
     def accept_all(self, tokens: list[int]) -> None:
         self._check(self.matcher.consume_tokens(tokens), f"tokens {tokens[:8]} do not fit the grammar")

@@ -58,11 +58,15 @@ class ToolRequest:
     def enforced(self) -> bool:
         return self.choice.mode != "none"
 
-    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
-        """The conversation through the model's chat template, tools included where they belong."""
+    def prompt_ids(self, tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """The conversation through the model's chat template, tools included where they belong;
+        ``template_kwargs``: the request's ``chat_template_kwargs``."""
         conversation = template_messages(messages, self.tools, self.choice, self.fmt)
         return tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tools=template_tools(self.tools, self.choice, self.fmt)
+            conversation,
+            add_generation_prompt=True,
+            tools=template_tools(self.tools, self.choice, self.fmt),
+            chat_template_kwargs=template_kwargs,
         )
 
     def constraint(

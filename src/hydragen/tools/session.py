@@ -67,9 +67,10 @@ class ToolSession:
         return self.request.tools
 
     # ---- the prompt and the constraint --------------------------------------------------------------
-    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
-        """The conversation through the model's chat template, tools included where they belong."""
-        return self.request.prompt_ids(tokenizer, messages)
+    def prompt_ids(self, tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """The conversation through the model's chat template, tools included where they belong;
+        ``template_kwargs``: the request's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``)."""
+        return self.request.prompt_ids(tokenizer, messages, template_kwargs)
 
     def constraint(self, ll_tokenizer, default_literal: bool) -> StructuredOutputsParams | None:
         """The call grammar for the grammar engine's view of the tokenizer (None: calls are not enforced);

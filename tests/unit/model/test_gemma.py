@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hydragen.attention.layer_spec import AttentionSpec, model_layer_specs
-from hydragen.kv.layout import KVLayout, window_groups
+from hydragen.kv.layout import KVLayout, model_kv_layout, window_groups
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError
 from hydragen.model.gguf import read_gguf
@@ -131,7 +131,7 @@ def test_gemma2_config() -> None:
         AttentionSpec(scale, 64, cap),
         AttentionSpec(scale, None, cap),
     )
-    assert cfg.kv_groups == (0, 1, 0, 1)
+    assert cfg.kv_groups == (1, 0, 1, 0)  # full layers first: group 0 keeps every page
 
 
 def test_gemma3_config_new_and_old_layouts() -> None:
@@ -143,7 +143,8 @@ def test_gemma3_config_new_and_old_layouts() -> None:
     assert (cfg.rope_theta, cfg.rope_scaling) == (1_000_000.0, {"rope_type": "linear", "factor": 8.0})
     assert (cfg.local_rope_theta, cfg.local_rope_scaling) == (10_000.0, None)
     assert [cfg.uses_local_rope(i) for i in range(6)] == [True, True, False, True, True, False]
-    assert cfg.kv_groups == (0, 0, 1, 2, 2, 1)
+    assert cfg.kv_groups == (1, 1, 0, 2, 2, 0)
+    assert model_kv_layout(cfg).released == {1: 64, 2: 64}  # group 0 (full) keeps every page
     # google/gemma-3-4b's text config, as saved before per-layer-type rope dicts and layer_types
     old = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
     old |= dict(
@@ -159,13 +160,13 @@ def test_gemma3_config_new_and_old_layouts() -> None:
 
 
 def test_window_groups_take_equal_rows() -> None:
-    assert window_groups([True, False] * 3) == (0, 1, 0, 1, 0, 1)
+    assert window_groups([True, False] * 3) == (1, 0, 1, 0, 1, 0)
     assert window_groups([True] * 4) == window_groups([False] * 4) == (0,) * 4
     gemma3_1b = window_groups([(i + 1) % 6 != 0 for i in range(26)])
     layout = KVLayout(gemma3_1b)
     assert (layout.groups, layout.rows) == (7, 4)  # 28 rows a page for 26 layers
     full = {g for g, i in zip(gemma3_1b, range(26), strict=True) if (i + 1) % 6 == 0}
-    assert len(full) == 1 and all(gemma3_1b.count(g) <= 4 for g in set(gemma3_1b))
+    assert full == {0} and all(gemma3_1b.count(g) <= 4 for g in set(gemma3_1b))
 
 
 def test_refused_with_one_line(tmp_path) -> None:
