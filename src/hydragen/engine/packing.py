@@ -88,6 +88,15 @@ def slot_runs(pages, page_size: int, first: int, end: int) -> list[tuple[int, in
     return out
 
 
+def _released(pages) -> int:
+    """How many leading pages of a window group's table are released (-1, kv/window_pages.py): pages before
+    the window of every token the table still computes, so nothing of this step reads them."""
+    n = 0
+    while n < len(pages) and pages[n] < 0:
+        n += 1
+    return n
+
+
 @dataclass
 class _Reads:
     """One KV group's side of a step: the slot each token's K/V goes to, and what each token reads."""
@@ -119,10 +128,11 @@ class _Reads:
             self.segments.append((t0, t0 + k, context + own, w.start - cut * page_size + 1, cut * page_size))
 
     def add_shared(self, plan: StepPlan, starts: list[int], page_size: int, pages_of) -> None:
-        """The plan's shared runs: one non-causal unit each over its slots, for all its items' tokens."""
+        """The plan's shared runs: one non-causal unit each over its slots, for all its items' tokens (in a
+        window group, from its first page not yet released)."""
         for run in plan.shared:
             pages = pages_of(plan.work[run.lo].pages)
-            first = run.page_lo * page_size
+            first = max(run.page_lo, min(_released(pages), run.page_hi)) * page_size
             for lo, hi, p in positioned(slot_runs(pages, page_size, first, run.page_hi * page_size), first):
                 self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0, p))
 
@@ -169,7 +179,8 @@ def pack(
     for g in range(1, groups):  # the same reads in each other group's pages
         mine = _Reads()
         for w, cut, t0 in zip(plan.work, cuts, starts, strict=False):
-            mine.add_item(w, cut, t0, group_pages(w.pages, g), page_size)
+            pages = group_pages(w.pages, g)
+            mine.add_item(w, max(cut, _released(pages)), t0, pages, page_size)
         mine.add_shared(plan, starts, page_size, lambda pages, g=g: group_pages(pages, g))
         reads.append(mine)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731

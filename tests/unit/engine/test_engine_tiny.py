@@ -105,6 +105,37 @@ def test_greedy_matches_transformers_several_windows_long(narrow_windows, name, 
     outs = llm.generate(LONG_PROMPTS, params, use_tqdm=False)
     for out, want in zip(outs, ref, strict=True):
         assert [c.token_ids for c in out.outputs] == [want, want]
+    llm.engine.kv.check([])
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_windowed_groups_give_back_pages_before_the_window(narrow_windows, name):
+    """Mid-generation, every running table's windowed KV groups hold no page wholly before its window (the
+    full-attention group 0 keeps them all), sharing off (a released page goes back at once) and the step
+    reading past the gaps gives transformers' tokens."""
+    path, ref = narrow_windows[name]
+    llm = LLM(path, prefix_sharing=False, kv_cache_tokens=4096, page_size=4)
+    eng = llm.engine
+    released = eng.pool.layout.released
+    assert released and 0 not in released and set(released.values()) == {WINDOW}
+    requests = [
+        eng.add_request(p, SamplingParams(max_tokens=LONG_T, temperature=0, ignore_eos=True))
+        for p in LONG_PROMPTS
+    ]
+    seen = 0
+    while eng.has_unfinished():
+        eng.step()
+        for s in eng.scheduler.running:
+            table = s.kv
+            gone = max(0, (table.computed - WINDOW + 1) // 4)  # pages no later token's window reaches
+            for g in released:
+                held = eng.pool.in_group(table.pages, g)
+                assert all(p < 0 for p in held[:gone]) and all(p >= 0 for p in held[gone:]), (g, gone, held)
+            assert all(p >= 0 for p in table.pages)
+            seen += gone > 0
+    assert seen
+    eng.kv.check([])
+    assert [r.seqs[0].out.generated for r in requests] == ref
 
 
 def test_prefill_once_per_tree_node(tiny_models):
