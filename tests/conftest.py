@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,27 +152,82 @@ TINY = {
         pad_token_id=0,
         tie_word_embeddings=True,
     ),
+    # Gemma 2: sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar != head_dim, soft-capped scores
+    # and logits, windows on alternate layers (wider than the tests' contexts: windowed = full attention).
+    "gemma2": dict(
+        arch="Gemma2ForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=64,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        max_position_embeddings=512,
+        random_norms=True,
+        embed_std=0.02,
+    ),
+    # Gemma 3 (text): Gemma 2's layer with QK-norm over head_dim > hidden / heads, two local layers to one
+    # global, local layers on their own RoPE base and global ones on rope_theta with linear scaling.
+    "gemma3": dict(
+        arch="Gemma3ForCausalLM",
+        config_class="Gemma3TextConfig",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=64,
+        sliding_window_pattern=3,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        max_position_embeddings=512,
+        random_norms=True,
+        embed_std=0.02,
+    ),
 }
 
 
 def _save_tiny(name: str, root) -> str:
+    return save_tiny(TINY[name], root / name)
+
+
+def save_tiny(spec: dict, path) -> str:
+    """A random checkpoint of ``spec`` (a ``TINY`` entry) saved at ``path``. ``config_class`` names the
+    config when it is not the architecture's ("Gemma3TextConfig"); ``random_norms`` draws the norm weights
+    too (Gemma stores w of x * (1 + w): zeros by default, which would hide a norm taken for another);
+    ``embed_std`` the embeddings' (Gemma's scaled, tied embeddings at 0.15 make a model repeat its input)."""
     import transformers
 
-    spec = dict(TINY[name])
+    spec = dict(spec)
     arch = spec.pop("arch")
     old_rope = spec.pop("old_rope", None)
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    random_norms = spec.pop("random_norms", False)
+    embed_std = spec.pop("embed_std", 0.15)
+    config_cls = getattr(transformers, spec.pop("config_class", arch.replace("ForCausalLM", "Config")))
     cfg = config_cls(bos_token_id=1, eos_token_id=2, **spec)
     torch.manual_seed(1234)
     model = getattr(transformers, arch)(cfg)
     with torch.no_grad():  # larger weights than the default init give peaky, well-separated logits
         for p in model.parameters():
-            if p.dim() == 2:
+            if p is model.get_input_embeddings().weight:
+                p.normal_(0, embed_std)
+            elif p.dim() == 2:
                 p.normal_(0, 0.15)
-    path = root / name
+            elif random_norms:
+                p.normal_(0, 0.3)
     model.save_pretrained(path)
     if old_rope is not None:  # rewrite the config in the old (rope_theta + rope_scaling) layout
-        cfg_path = path / "config.json"
+        cfg_path = Path(path) / "config.json"
         d = json.loads(cfg_path.read_text())
         d.pop("rope_parameters", None)
         d.update(old_rope)

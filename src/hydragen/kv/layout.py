@@ -94,3 +94,27 @@ def group_windows(groups, windows) -> tuple[int | None, ...]:
         mine = [w for w, of in zip(windows, groups, strict=True) if of == g]
         out.append(None if None in mine else max(mine))
     return tuple(out)
+
+
+def window_groups(windowed: list[bool] | tuple[bool, ...]) -> tuple[int, ...]:
+    """KV groups for a model whose layers are sliding-window (True) or full attention (False): windowed
+    layers never share a group with full ones (their pages are released as the window moves on).
+
+    Every group has as many layers as the smaller kind (the largest group sets the pool's rows, so unequal
+    groups waste memory): the full layers in groups of that size and the windowed ones cut, in layer order,
+    into groups of that size (vLLM's hybrid cache groups the same way). Gemma 2 (1:1) gets two groups;
+    Gemma 3's 1B (22 windowed, 4 full) gets 7 groups of 4 rows, 28 rows a page for 26 layers, where one
+    windowed and one full group would take 44 (and the full layers' pages, the ones a long context keeps,
+    would carry 22 rows for 4 layers). Full groups are numbered first: group 0, whose page ids the tables
+    and the prefix tree use, keeps every page (``KVLayout.released``)."""
+    kinds = [bool(w) for w in windowed]
+    if all(kinds) or not any(kinds):
+        return (0,) * len(kinds)
+    size = min(kinds.count(True), kinds.count(False))
+    seen = {True: 0, False: 0}
+    keys = []  # (windowed, chunk) per layer
+    for w in kinds:
+        keys.append((w, seen[w] // size))
+        seen[w] += 1
+    number = {key: n for n, key in enumerate(sorted(set(keys)))}  # (False, ...) first: full groups
+    return tuple(number[key] for key in keys)

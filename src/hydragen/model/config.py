@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydragen.attention.layer_spec import AttentionSpec
+from hydragen.model.rope import SUPPORTED_ROPE_TYPES, parse_rope
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs name LongRoPE "su"
+__all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "parse_rope"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class ModelConfig:
     rotary_dim: int = 0  # leading dimensions of each head that RoPE rotates (0: all of them)
     embed_scale: float = 1.0  # the token embeddings are multiplied by this (Gemma: sqrt(hidden))
     final_logit_softcap: float | None = None  # logits become cap * tanh(logits / cap) (Gemma 2)
+    # RoPE of the layers with a sliding window, when theirs differs from rope_theta/rope_scaling (Gemma 3's
+    # local layers); None: every layer rotates by rope_theta and rope_scaling.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -59,28 +63,9 @@ class ModelConfig:
                 f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
             )
         # Rope: new layout keeps everything in `rope_parameters`; old layout uses rope_theta + rope_scaling.
+        # (Gemma 3 keeps one such dict per layer type: its family reads them, with parse_rope.)
         params = dict(cfg.get("rope_parameters") or {})
-        theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = params or cfg.get("rope_scaling") or None
-        if scaling is not None:
-            scaling = dict(scaling)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
-                )
-            scaling["rope_type"] = rope_type
-            if rope_type == "yarn":
-                key = "original_max_position_embeddings"
-                orig = scaling.get(key) or cfg.get(key)
-                if not orig:
-                    raise ValueError("yarn rope scaling needs original_max_position_embeddings")
-                scaling["original_max_position_embeddings"] = int(orig)
-                if scaling.get("factor") is None:  # DeepSeek's configs give the two lengths instead
-                    scaling["factor"] = int(cfg.get("max_position_embeddings", orig)) / int(orig)
-            if rope_type == "default":
-                scaling = None
+        theta, scaling = parse_rope(params, cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         common: dict[str, Any] = dict(
@@ -110,6 +95,14 @@ class ModelConfig:
             context = fields["max_position_embeddings"]  # the family's (a window may cap it)
             fields["rope_scaling"] = longrope_scaling(fields["rope_scaling"], cfg, context, rotary)
         return cls(**fields)
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates by the local RoPE (``local_rope_theta``): the windowed layers' own."""
+        return (
+            self.local_rope_theta is not None
+            and bool(self.layer_specs)
+            and self.layer_specs[layer].window is not None
+        )
 
     @property
     def rotary_dims(self) -> int:

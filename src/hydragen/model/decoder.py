@@ -4,8 +4,9 @@ The model knows nothing about caches or sharing: each layer hands its rotated q/
 callback supplied by the runner, which stores K/V in the pool and returns the attention output.
 q/k/v and gate/up are packed into single projections, and each projection carries its neighbours
 (model/linear.py): a Llama layer is RMSNorm+qkv+rotary, attention, o+residual, RMSNorm+gate/up+SwiGLU and
-down+residual. A family's switches (``ModelConfig``: QK-norm, ...) take the steps they change out of the
-fused calls; the family's module (model/families/) names its checkpoint's tensors.
+down+residual. A family's switches (``ModelConfig``: QK-norm, sandwich norms, GeGLU, the embedding scale,
+the final logit soft-cap, a second RoPE for windowed layers) take the steps they change out of the fused
+calls; the family's module (model/families/) names its checkpoint's tensors.
 Weights are float tensors in the model dtype, or kept in the checkpoint's compact format (GGUF quantized
 blocks, 16-bit floats), whichever the loader hands ``load_hf_state_dict``.
 """
@@ -55,6 +56,9 @@ class DecoderLayer(nn.Module):
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim), requires_grad=False)
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim), requires_grad=False)
+        if cfg.sandwich_norms:  # on the attention output and the MLP output, before each joins the residual
+            self.post_attn_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+            self.post_mlp_norm = nn.Parameter(torch.ones(h), requires_grad=False)
         self.split = (q, kv, kv)
 
 
@@ -75,10 +79,20 @@ class DecoderModel(nn.Module):
             None if cfg.tie_word_embeddings else DenseProjection(torch.empty(cfg.vocab_size, cfg.hidden_size))
         )
         self.rotary: Rotary | None = None
+        self.local_rotary: Rotary | None = None  # the windowed layers' own RoPE (Gemma 3), if they have one
+        if cfg.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown MLP activation {cfg.activation!r} (the decoder has silu, gelu_tanh)")
+        # The layers with the plain path: Llama's, whose steps the projections fuse (QK-norm aside).
+        self._plain_tail = not cfg.sandwich_norms and cfg.activation == "silu"
+        self._local_rope = tuple(cfg.uses_local_rope(i) for i in range(cfg.num_layers))
 
     def setup_rotary(self, device) -> None:
         c = self.cfg
         self.rotary = Rotary(c.rotary_dims, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device)
+        if c.local_rope_theta is not None:
+            self.local_rotary = Rotary(
+                c.rotary_dims, c.local_rope_theta, c.local_rope_scaling, c.max_position_embeddings, device
+            )
 
     @torch.inference_mode()
     def forward(
@@ -96,8 +110,15 @@ class DecoderModel(nn.Module):
         c = self.cfg
         t = input_ids.shape[0]
         h = self.embed_tokens(input_ids)
+        if c.embed_scale != 1.0:  # rounded to the model's dtype first, as transformers does (Gemma)
+            h = h * torch.tensor(c.embed_scale, dtype=h.dtype)
+        cols = (c.num_heads + c.num_kv_heads) * c.head_dim
         cos, sin = self.rotary.tables(positions, h.dtype)  # once per forward, shared by every layer
-        rope = (cos.view(t, -1), sin.view(t, -1), (c.num_heads + c.num_kv_heads) * c.head_dim)
+        rope = (cos.view(t, -1), sin.view(t, -1), cols)
+        local_rope = rope
+        if self.local_rotary is not None:  # the windowed layers' table, also once per forward
+            cos, sin = self.local_rotary.tables(positions, h.dtype)
+            local_rope = (cos.view(t, -1), sin.view(t, -1), cols)
         eps = c.rms_norm_eps
         if layers is not None:
             h = layers(h.contiguous(), rope)
@@ -106,15 +127,16 @@ class DecoderModel(nn.Module):
         # heads: with either, q and k are rotated after the projection.
         apart = c.qk_norm or c.rotary_dims != c.head_dim
         for i, layer in enumerate(self.layers):
+            layer_rope = local_rope if self._local_rope[i] else rope
             if apart:
                 q, k, v = layer.qkv(h, norm=layer.attn_norm, eps=eps).split(layer.split, dim=-1)
                 if c.qk_norm:  # norm each head of q and k, then rotate
                     q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, eps).view(t, -1)
                     k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, eps).view(t, -1)
-                q = rotate_leading(q, _rope_for(rope, q), c.head_dim)
-                k = rotate_leading(k, _rope_for(rope, k), c.head_dim)
+                q = rotate_leading(q, _rope_for(layer_rope, q), c.head_dim)
+                k = rotate_leading(k, _rope_for(layer_rope, k), c.head_dim)
             else:
-                qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=rope)
+                qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=layer_rope)
                 q, k, v = qkv.split(layer.split, dim=-1)
             o = attention(
                 i,
@@ -122,13 +144,35 @@ class DecoderModel(nn.Module):
                 k.reshape(t, c.num_kv_heads, c.head_dim),
                 v.reshape(t, c.num_kv_heads, c.head_dim),
             )
-            if self.fuse_residual:
+            if not self._plain_tail:
+                h = self._layer_tail(layer, o.reshape(t, -1), h)
+            elif self.fuse_residual:
                 h = mlp_tail(layer.o, layer.gate_up, layer.down, o.reshape(t, -1), h, layer.mlp_norm, eps)
             else:
                 h = h.add_(self.reduce(layer.o(o.reshape(t, -1))))
                 mlp = layer.gate_up(h, norm=layer.mlp_norm, eps=eps, swiglu=True)
                 h = h.add_(self.reduce(layer.down(mlp)))
         return rms_norm(h, self.norm, eps) if final_norm else h
+
+    def _layer_tail(self, layer: DecoderLayer, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """A layer after attention, op by op: o, its norm (sandwich norms), the residual, the MLP's norm,
+        gate/up and the activation (SwiGLU or GeGLU), down, its norm, the residual. h is updated in place.
+        A norm after a projection needs the projection's whole output, so a tensor-parallel shard reduces
+        first (``reduce``)."""
+        c, eps = self.cfg, self.cfg.rms_norm_eps
+        attn = self.reduce(layer.o(o))
+        if c.sandwich_norms:
+            attn = rms_norm(attn, layer.post_attn_norm, eps)
+        h = h.add_(attn)
+        silu = c.activation == "silu"
+        mlp = layer.gate_up(h, norm=layer.mlp_norm, eps=eps, swiglu=silu)
+        if not silu:  # GeGLU: gelu (tanh approximation) of the gate times up
+            gate, up = mlp.chunk(2, dim=-1)
+            mlp = F.gelu(gate, approximate="tanh") * up
+        out = self.reduce(layer.down(mlp))
+        if c.sandwich_norms:
+            out = rms_norm(out, layer.post_mlp_norm, eps)
+        return h.add_(out)
 
     # Hooks a tensor-parallel shard overrides (hydragen.tp.sharded_model): a vocabulary shard's
     # lookup, and the sum over ranks of a row-parallel projection's partial output.
@@ -146,10 +190,14 @@ class DecoderModel(nn.Module):
         rows it samples."""
         norm, eps = (None, 0.0) if normalized else (self.norm, self.cfg.rms_norm_eps)
         if self.lm_head is not None:
-            return self.lm_head(hidden, norm=norm, eps=eps).float()
-        if norm is not None:
-            hidden = rms_norm(hidden, norm, eps)
-        return F.linear(hidden, self.embed.weight).float()
+            logits = self.lm_head(hidden, norm=norm, eps=eps).float()
+        else:
+            if norm is not None:
+                hidden = rms_norm(hidden, norm, eps)
+            logits = F.linear(hidden, self.embed.weight).float()
+        if (cap := self.cfg.final_logit_softcap) is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.inference_mode()
     def load_hf_state_dict(
@@ -175,9 +223,13 @@ class DecoderModel(nn.Module):
         h, inter = c.hidden_size, c.intermediate_size
         names = self.family.layer_tensors
 
+        # Norms computing x * (1 + w) (Gemma's) multiply in float32 and round once: their weights stay float32
+        # (linear.rms_norm then takes that order).
+        norm_dtype = torch.float32 if self.family.hf_norm_offset else dtype
+
         def vector(name: str, n: int, offset: float = 0.0) -> nn.Parameter:
             t = _checked(name, sd.pop(name), (n,)).to(device, torch.float32) + offset
-            return nn.Parameter(t.to(dtype), requires_grad=False)
+            return nn.Parameter(t.to(norm_dtype), requires_grad=False)
 
         def projection(names: list[tuple[str, int]], cols: int, bias: list[str] | None = None) -> Projection:
             parts = [_checked(n, sd.pop(n), (rows, cols)) for n, rows in names]
@@ -217,6 +269,9 @@ class DecoderModel(nn.Module):
             if c.qk_norm:
                 layer.q_norm = vector(w("q_norm"), c.head_dim, norm_offset)
                 layer.k_norm = vector(w("k_norm"), c.head_dim, norm_offset)
+            if c.sandwich_norms:
+                layer.post_attn_norm = vector(w("post_attn_norm"), h, norm_offset)
+                layer.post_mlp_norm = vector(w("post_mlp_norm"), h, norm_offset)
             # The layer's freed copies (q and k put back in HF row order) go back to the OS now: glibc cuts
             # the next layer's small lasting tensors (its norms) from their chunks, and takes fresh memory
             # for the next copies, ~1 copy a layer that only the final trim returned (25 MB on a 1B shape).

@@ -76,11 +76,14 @@ class Family:
     fused_stack: bool = False
     # Norm weights in a Hugging Face checkpoint are stored as w with the norm computing x * (1 + w)
     # (Gemma): the loader adds this to them, so the decoder always computes x * w (llama.cpp's GGUF already
-    # holds 1 + w).
+    # holds 1 + w). Such norms multiply in float32 and round once, so their weights stay float32.
     hf_norm_offset: float = 0.0
     config: ConfigFn = _no_fields  # HF config -> family ModelConfig fields (norms, activation, specs, ...)
     gguf_config: GGUFConfigFn = _no_fields  # GGUF metadata -> HF config fields this family adds
     model_type: str = ""  # the HF model_type a GGUF of this family reads as (default: the family name)
+    # HF architectures of this family's kin that hydragen refuses -> the one line that says why and what to
+    # load instead (Gemma 3's vision-language checkpoint).
+    hf_refused: dict[str, str] = field(default_factory=dict)
 
     def hf_tensor(self, role: str) -> str:
         return self.layer_tensors[role]

@@ -269,6 +269,11 @@ def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFT
 
     arch = meta("general.architecture")
     family = family_for_gguf(arch)
+    if family is None and arch == "clip":  # llama.cpp's mmproj: the vision tower beside a text model's GGUF
+        why = (
+            "a multimodal projector (mmproj), a vision tower: hydragen runs text models (load the text GGUF)"
+        )
+        raise ModelFileError(path, why)
     if family is None:
         supported = ", ".join(supported_gguf())
         raise ModelFileError(path, f"unsupported GGUF architecture {arch!r} (supported: {supported})")

@@ -25,8 +25,12 @@ Rope = tuple[torch.Tensor, torch.Tensor, int]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32; the weight multiplies in x's dtype (Llama's order), or, a float32 weight on 16-bit
+    x (Gemma's norms), in float32 before the one rounding to x's dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != x.dtype:
+        return (weight.float() * xf).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 

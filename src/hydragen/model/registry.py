@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hydragen.model.families import llama, mistral, phi3, qwen2, qwen3
+from hydragen.model.families import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from hydragen.model.family import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -11,6 +11,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen2.FAMILY,
     qwen3.FAMILY,
     phi3.FAMILY,
+    gemma2.FAMILY,
+    gemma3.FAMILY,
 )
 
 
@@ -27,6 +29,8 @@ def family_for_hf(architecture: str) -> Family:
     for f in FAMILIES:
         if architecture in f.hf_architectures:
             return f
+        if architecture in f.hf_refused:
+            raise ValueError(f.hf_refused[architecture])
     raise ValueError(
         f"unsupported model architecture {architecture!r}; hydragen supports {', '.join(supported_hf())}"
     )

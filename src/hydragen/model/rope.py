@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs name LongRoPE "su"
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -167,3 +170,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     half = x.shape[-1] // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
     return x * cos + swapped * signed_sin
+
+
+def parse_rope(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from one rope parameter dict (new layout: theta and scaling together), else
+    from ``cfg``'s old-layout ``rope_theta`` and ``rope_scaling``. ``cfg`` also has YaRN's lengths."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = params or cfg.get("rope_scaling") or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+        scaling["rope_type"] = rope_type
+        if rope_type == "yarn":
+            key = "original_max_position_embeddings"
+            orig = scaling.get(key) or cfg.get(key)
+            if not orig:
+                raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+            scaling["original_max_position_embeddings"] = int(orig)
+            if scaling.get("factor") is None:  # DeepSeek's configs give the two lengths instead
+                scaling["factor"] = int(cfg.get("max_position_embeddings", orig)) / int(orig)
+        if rope_type == "default":
+            scaling = None
+    return theta, scaling

@@ -82,6 +82,41 @@ def test_every_rank_keeps_a_float16_cache_when_asked(tiny_models) -> None:
         assert_same_tokens_and_logits(one, two)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_tp2_matches_tp1_on_gemma(tmp_path, name) -> None:
+    """Gemma under TP = 2 (4 heads, 2 KV heads: 2 and 1 per rank): sandwich norms after the all-reduce,
+    replicated (1 + w) and QK norms, soft-caps and 8-token windows on prompts several windows long, each
+    layer's KV group on every rank; Gemma 3 also from a GGUF kept quantized (Q8_0 blocks split by rank)."""
+    from tests.conftest import TINY, save_tiny
+    from tests.unit.engine.test_engine_tiny import LONG_PROMPTS
+
+    path = save_tiny({**TINY[name], "sliding_window": 8}, tmp_path / name)
+    models = [path]
+    if name == "gemma3":
+        from tests.unit.model.test_gemma import Q, gguf_spec, write_gemma_gguf
+
+        hf_dir = tmp_path / "gguf-source"
+        save_tiny(gguf_spec(name), hf_dir)
+        q8 = {n: Q.Q8_0 for n in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")}
+        q8 |= {"model.layers.2.self_attn.o_proj.weight": Q.Q8_0}
+        write_gemma_gguf(hf_dir, tmp_path / "gemma3-q8.gguf", q8)
+        models.append(str(tmp_path / "gemma3-q8.gguf"))
+    for model in models:
+        one = LLM(model, kv_cache_tokens=4096, page_size=4)
+        with LLM(model, kv_cache_tokens=4096, page_size=4, tensor_parallel_size=2) as two:
+            logits_one, logits_two = _recording(one), _recording(two)
+            params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
+            want = one.generate(LONG_PROMPTS, params, use_tqdm=False)
+            got = two.generate(LONG_PROMPTS, params, use_tqdm=False)
+            assert _tokens(got) == _tokens(want), model
+            assert len(logits_two) == len(logits_one) > 1
+            # float weights: 1e-5 as every TP check; blocks: each rank quantizes the activations of its own
+            # columns of o and down (15 bits, its own scale), ~1e-4 apart
+            tolerance = 5e-4 if model.endswith(".gguf") else 1e-5
+            for a, b in zip(logits_one, logits_two, strict=True):
+                assert (a - b).abs().max().item() < tolerance, model
+
+
 def test_prefix_cache_hits_across_requests_under_tp(llama_pair) -> None:
     one, two = llama_pair
     prompt = STEM + [50, 51, 52, 53]

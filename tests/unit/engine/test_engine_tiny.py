@@ -40,7 +40,19 @@ def references(tiny_models):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "llama3_mqa", "mistral", "qwen2", "qwen3", "phi3", "phi3_window", "phi4_mini"]
+    "name",
+    [
+        "llama",
+        "llama3_mqa",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "phi3_window",
+        "phi4_mini",
+        "gemma2",
+        "gemma3",
+    ],
 )
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_transformers(tiny_models, references, name, sharing):
@@ -54,6 +66,79 @@ def test_greedy_matches_transformers(tiny_models, references, name, sharing):
         for c in out.outputs:
             assert c.token_ids == ref
             assert c.finish_reason == "length"
+
+
+# Prompts several windows long for models whose windows are 8 tokens: a 30-token shared stem, branches off
+# it, a prompt that is a prefix of another, and an unrelated one; 24 tokens generated.
+WINDOW = 8
+LONG_STEM = [(7 * i) % 200 + 20 for i in range(30)]
+LONG_PROMPTS = [
+    LONG_STEM + [41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
+    LONG_STEM + [41, 42, 60],
+    LONG_STEM,
+    [9, 8, 7, 6, 5, 4, 3, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23],
+]
+LONG_T = 24
+
+
+@pytest.fixture(scope="module")
+def narrow_windows(tmp_path_factory):
+    """The Gemma tiny models with 8-token windows, and transformers' greedy tokens on LONG_PROMPTS."""
+    from tests.conftest import TINY, save_tiny
+
+    root = tmp_path_factory.mktemp("narrow")
+    out = {}
+    for name in ("gemma2", "gemma3"):
+        path = save_tiny({**TINY[name], "sliding_window": WINDOW}, root / name)
+        out[name] = (path, hf_greedy(path, LONG_PROMPTS, LONG_T))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("sharing, page_size", [(True, 16), (False, 16), (True, 4)])
+def test_greedy_matches_transformers_several_windows_long(narrow_windows, name, sharing, page_size):
+    """Windowed layers see only their last 8 positions of a 30-54-token context, through shared runs (pages
+    of 4: runs the window leaves partly or wholly behind) and private tails alike."""
+    path, ref = narrow_windows[name]
+    llm = LLM(path, prefix_sharing=sharing, kv_cache_tokens=4096, page_size=page_size)
+    params = SamplingParams(n=2, temperature=0, max_tokens=LONG_T, ignore_eos=True)
+    outs = llm.generate(LONG_PROMPTS, params, use_tqdm=False)
+    for out, want in zip(outs, ref, strict=True):
+        assert [c.token_ids for c in out.outputs] == [want, want]
+    llm.engine.kv.check([])
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_windowed_groups_give_back_pages_before_the_window(narrow_windows, name):
+    """Mid-generation, every running table's windowed KV groups hold no page wholly before the window of
+    where its previous forward ended (they move a forward late: kv/window_pages.py; the full-attention
+    group 0 keeps them all), sharing off (a released page goes back at once) and the step reading past the
+    gaps gives transformers' tokens."""
+    path, ref = narrow_windows[name]
+    llm = LLM(path, prefix_sharing=False, kv_cache_tokens=4096, page_size=4)
+    eng = llm.engine
+    released = eng.pool.layout.released
+    assert released and 0 not in released and set(released.values()) == {WINDOW}
+    requests = [
+        eng.add_request(p, SamplingParams(max_tokens=LONG_T, temperature=0, ignore_eos=True))
+        for p in LONG_PROMPTS
+    ]
+    seen = 0
+    while eng.has_unfinished():
+        before = {id(s.kv): s.kv.computed for s in eng.scheduler.running}
+        eng.step()
+        for s in eng.scheduler.running:
+            table = s.kv
+            previous = before.get(id(table), 0)  # where its previous forward ended
+            gone = max(0, (previous - WINDOW + 1) // 4)  # pages no token from there on reaches
+            for g in released:
+                held = eng.pool.in_group(table.pages, g)
+                assert all(p < 0 for p in held[:gone]) and all(p >= 0 for p in held[gone:]), (g, gone, held)
+            assert all(p >= 0 for p in table.pages)
+            seen += gone > 0
+    assert seen
+    eng.kv.check([])
+    assert [r.seqs[0].out.generated for r in requests] == ref
 
 
 def test_prefill_once_per_tree_node(tiny_models):
@@ -120,10 +205,11 @@ def test_seeded_sampling_reproducible_and_distinct(tiny_models):
     assert [[x.token_ids for x in o.outputs] for o in c] != ids_a
 
 
-def test_logprobs_match_transformers(tiny_models):
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])  # Gemma 2: soft-capped scores and logits
+def test_logprobs_match_transformers(tiny_models, name):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_models["mistral"]
+    path = tiny_models[name]
     llm = LLM(path, kv_cache_tokens=4096)
     out = llm.generate(
         [PROMPTS[0]],
