@@ -215,8 +215,8 @@ def test_streaming_work_per_piece_is_bounded(fmt):
     piece does not grow with the reply (a scan of the whole reply per piece would examine ~4.5 * 10^8)."""
     from hydragen.tools.parser import MAX_HEADER
 
-    first = fmt.call_text("note", json.dumps({"body": "x" * 20_000, "tags": [{"a": "}{"}]}))
-    reply = first + fmt.separator + fmt.call_text("add", json.dumps({"a": '\\"' * 10_000}))
+    first = ("note", json.dumps({"body": "x" * 20_000, "tags": [{"a": "}{"}]}))
+    reply = fmt.calls_text([first, ("add", json.dumps({"a": '\\"' * 10_000}))])
     stream = ToolCallStream(fmt)
     work, deltas = [], []
     for ch in reply:
@@ -238,7 +238,13 @@ def _accepts(llm, grammar: str, text: str) -> bool:
 
 
 def _call(fmt, name, args) -> str:
-    return fmt.call_text(name, json.dumps(args))
+    """A reply of one call."""
+    return fmt.calls_text([(name, json.dumps(args))])
+
+
+def _calls(fmt, *calls) -> str:
+    """A reply of parallel calls, ``(name, args)`` each."""
+    return fmt.calls_text([(name, json.dumps(args)) for name, args in calls])
 
 
 @pytest.mark.parametrize("kind", ["llama_sp", "llama3"])
@@ -247,7 +253,7 @@ def test_grammar_per_tool_choice(llms, kind):
     fmt = llm.tool_format
     tools = parse_tools(TOOLS)
     one = _call(fmt, "add", {"a": 1, "b": 2})
-    two = one + fmt.separator + _call(fmt, "get_weather", {"city": "Oslo", "unit": "c"})
+    two = _calls(fmt, ("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "c"}))
 
     def grammar(mode, parallel=True, name=None):
         return tool_grammar(tools, ToolChoice(mode, name), fmt, parallel)
@@ -264,9 +270,9 @@ def test_grammar_per_tool_choice(llms, kind):
     assert not _accepts(llm, grammar("named", name="get_weather"), one)
     assert _accepts(llm, grammar("auto"), "No call needed.")
     assert _accepts(llm, grammar("auto"), two)
-    if fmt.begin:  # marker formats: text may come first, the call after the marker is enforced
+    if fmt.marker:  # marker formats: text may come first, the call after the marker is enforced
         assert _accepts(llm, grammar("auto"), "Let me check.\n" + one)
-        assert not _accepts(llm, grammar("auto"), "Let me check.\n" + fmt.begin + "oops")
+        assert not _accepts(llm, grammar("auto"), "Let me check.\n" + fmt.marker + "oops")
 
 
 def test_named_function_forces_the_whole_wrapper(llms):
@@ -301,9 +307,7 @@ def test_generic_rendering_writes_tools_calls_and_results_as_text():
     out = template_messages(HISTORY, parse_tools(TOOLS), ToolChoice("auto"), GENERIC)
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
     assert '"name": "get_weather"' in out[0]["content"] and "<tool_call>" in out[0]["content"]
-    assert out[2]["content"] == _call(GENERIC, "get_weather", {"city": "Paris"}) + "\n" + _call(
-        GENERIC, "add", {"a": 1, "b": 2}
-    )
+    assert out[2]["content"] == _calls(GENERIC, ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2}))
     assert (
         out[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n3\n</tool_response>"
     )
