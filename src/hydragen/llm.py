@@ -76,8 +76,8 @@ class LLM:
     ``literal_json_schema`` (structured outputs, tool arguments): read a schema object that does not say
     ``additionalProperties`` as JSON Schema does (any extra keys) instead of as the peers do (only the
     properties it names, the default); a request's ``StructuredOutputsParams`` can say otherwise.
-    ``tool_format`` (tool calling): "hermes", "llama3_json" or "generic"; None detects it from the chat
-    template (hydragen.tools.formats).
+    ``tool_format`` (tool calling): "hermes", "llama3_json", "mistral", "mistral_v11", "phi4_mini_json" or
+    "generic"; None detects it from the chat template (hydragen.tools.formats).
     ``generation_config``: "auto" takes the model's own sampling defaults (its generation_config.json or
     GGUF metadata: temperature, top_p, top_k, min_p) for calls that pass no SamplingParams, as vLLM does
     (``get_default_sampling_params``); "hydragen" keeps SamplingParams' defaults.

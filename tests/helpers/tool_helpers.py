@@ -2,8 +2,13 @@
 downloads): a Qwen2 with a Hermes-style template (``<tool_call>`` JSON, added non-special marker tokens,
 as Qwen2.5 has them), a Llama with a Llama-3.x-style template (bare JSON calls, header special tokens)
 and a Llama whose SentencePiece-style tokenizer adds a dummy-prefix space (Llama-2 / Mistral v0.1), with
-a template that knows nothing of tools. The templates are written for these tests, in the style of those
-families; their weights are random, so what the models say is noise, but every token boundary is real.
+a template that knows nothing of tools; and three for the formats of issue 41: a SentencePiece Mistral
+v0.3 (``[TOOL_CALLS] [...]``), a byte-level "tekken" Mistral with a Small-3.2-style template
+(``[TOOL_CALLS]f[CALL_ID]id[ARGS]{...}``) and a Phi-4-mini (tools in the system message's ``tools``
+field). Their control tokens are *special*, as in the real tokenizers, so a decode that skips special
+tokens loses Mistral's markers. The templates are written for these tests, in the style of those
+families (what matters for tools is theirs: markers, spacing, the id checks); their weights are random, so
+what the models say is noise, but every token boundary is real.
 """
 
 from __future__ import annotations
@@ -80,9 +85,86 @@ INST_TEMPLATE = (
 )
 
 
-def byte_level_bpe(specials: list[str], added: list[str], template: str, eos: str, vocab: int = 700):
-    """A byte-level BPE (GPT-2 / Qwen2 / Llama-3 style) trained on ``_CORPUS``; ``specials`` are special
-    tokens, ``added`` are added tokens that are not special (their text stays in decoded output)."""
+# Mistral 7B v0.3 style (SentencePiece, so "[TOOL_CALLS] [" with a space): the tools before the last user
+# message, the system message with the last user message, each earlier call's JSON with its id, results
+# as {"content": ..., "call_id": ...}; ids that are not 9 characters are refused, as the real template does.
+_ID_CHECK = (
+    "{% if {x} is not string or {x} | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+)
+MISTRAL_V03_TEMPLATE = (
+    "{% if messages[0].role == 'system' %}{% set sys = messages[0].content %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set sys = none %}"
+    "{% set loop_messages = messages %}{% endif %}"
+    "{% set users = loop_messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{{ bos_token }}"
+    "{% for m in loop_messages %}"
+    "{% if m.role == 'user' %}"
+    "{% if tools and m == users[-1] %}[AVAILABLE_TOOLS] [{% for t in tools %}{{ t | tojson }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}][/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {% if sys is not none and m == users[-1] %}{{ sys }}\n\n{% endif %}{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}"
+    + _ID_CHECK.replace("{x}", "c.id")
+    + '{{ (c.function | tojson)[:-1] }}, "id": "{{ c.id }}"}{% if not loop.last %}, {% endif %}'
+    "{% endfor %}]{{ eos_token }}"
+    "{% elif m.role == 'assistant' %} {{ m.content | trim }}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}"
+    + _ID_CHECK.replace("{x}", "m.tool_call_id")
+    + '[TOOL_RESULTS] {"content": {{ m.content }}, "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]'
+    "{% endif %}{% endfor %}"
+)
+
+# Mistral Small 3.2 style (tekken v11: no dummy prefix): calls as [TOOL_CALLS]f[CALL_ID]id[ARGS]{...}, one
+# after the other, results as [TOOL_RESULTS]id[TOOL_CONTENT]...[/TOOL_RESULTS], 9-character ids checked.
+MISTRAL_V11_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0].role == 'system' %}[SYSTEM_PROMPT]{{ messages[0].content }}[/SYSTEM_PROMPT]{% endif %}"
+    "{% set users = messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}"
+    "{% if tools and m == users[-1] %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
+    + _ID_CHECK.replace("{x}", "c.id")
+    + "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}"
+    "{% endfor %}{{ eos_token }}"
+    "{% elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}"
+    + _ID_CHECK.replace("{x}", "m.tool_call_id")
+    + "[TOOL_RESULTS]{{ m.tool_call_id }}[TOOL_CONTENT]{{ m.content }}[/TOOL_RESULTS]"
+    "{% endif %}{% endfor %}"
+)
+
+# Phi-4-mini-instruct's: the functions only as a JSON string in a system message's "tools" field, between
+# <|tool|> and <|/tool|>; every other message (tool results too) as <|role|>content<|end|>, nothing of calls.
+PHI4_MINI_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and 'tools' in m and m['tools'] is not none %}"
+    "{{ '<|system|>' + m['content'] + '<|tool|>' + m['tools'] + '<|/tool|>' + '<|end|>' }}"
+    "{% else %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+MISTRAL_CONTROLS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]
+MISTRAL_CONTROLS += ["[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+TEKKEN_CONTROLS = ["<s>", "</s>", *MISTRAL_CONTROLS, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]"]
+TEKKEN_CONTROLS += ["[CALL_ID]", "[TOOL_CONTENT]"]
+PHI4_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>"]
+PHI4_SPECIALS += ["<|/tool|>", "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>"]
+# more training text for their BPEs, so their call syntax has merges
+_CALL_CORPUS = [
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {}}]',
+]
+
+
+def byte_level_bpe(
+    specials: list[str], added: list[str], template: str, eos: str, vocab: int = 700, corpus: list[str] = ()
+):
+    """A byte-level BPE (GPT-2 / Qwen2 / Llama-3 style) trained on ``_CORPUS`` and ``corpus``; ``specials``
+    are special tokens, ``added`` are added tokens that are not special (their text stays in decoded
+    output)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -92,17 +174,19 @@ def byte_level_bpe(specials: list[str], added: list[str], template: str, eos: st
     trainer = trainers.BpeTrainer(
         vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator([*_CORPUS, *corpus] * 4, trainer)
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     tok.add_tokens([AddedToken(a, special=False, normalized=False) for a in added])
     return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, eos_token=eos)
 
 
-def sentencepiece_bpe(template: str):
+def sentencepiece_bpe(template: str, specials: list[str] = ()):
     """A Llama-2-style tokenizer: the normalizer prepends the dummy-prefix "▁" and turns spaces into "▁",
     BPE with byte fallback (<0x00>..<0xFF>), and the decoder strips the leading space again. Its merges
-    include `▁"`, so `",` encodes as `▁"` `,`: one space more than the text."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
+    include `▁"`, so `",` encodes as `▁"` `,`: one space more than the text. ``specials``: control tokens
+    (special, as Mistral's [INST] and [TOOL_CALLS]); with them, text is split at them and each piece gets
+    the dummy prefix only at the start of the text (a Metaspace pre-tokenizer, prepend scheme "first")."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -112,6 +196,7 @@ def sentencepiece_bpe(template: str):
         vocab.setdefault(ch, len(vocab))
     merges = []
     pieces = ['▁"', '",', '":', '{"', '"}', "▁{", "na", "name", "ar", "arg", "▁t", "▁th", "▁the", "er", "es"]
+    pieces += ["▁[", "▁[{"] if specials else []
     for word in pieces:
         left = word[0]
         for ch in word[1:]:
@@ -120,7 +205,11 @@ def sentencepiece_bpe(template: str):
             vocab.setdefault(left, len(vocab))
     bpe = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
     tok = Tokenizer(bpe)
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    if specials:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
@@ -129,11 +218,31 @@ def sentencepiece_bpe(template: str):
     )
 
 
+def tiny_tool_tokenizer(kind: str):
+    """The Hugging Face tokenizer of ``tiny_tool_model(kind)`` (only the new formats' kinds)."""
+    if kind == "mistral":
+        return sentencepiece_bpe(MISTRAL_V03_TEMPLATE, MISTRAL_CONTROLS)
+    if kind == "mistral_v11":
+        tok = byte_level_bpe(TEKKEN_CONTROLS, [], MISTRAL_V11_TEMPLATE, eos="</s>", corpus=_CALL_CORPUS)
+        tok.bos_token = "<s>"
+        return tok
+    if kind == "phi4":
+        return byte_level_bpe(PHI4_SPECIALS, [], PHI4_MINI_TEMPLATE, eos="<|end|>", corpus=_CALL_CORPUS)
+    raise ValueError(kind)
+
+
 def tiny_tool_model(kind: str, dest: Path) -> str:
-    """``kind``: "qwen2" (Hermes-style template), "llama3" (Llama-3.x-style template) or "llama_sp"
-    (SentencePiece tokenizer with a dummy prefix, a template without tools)."""
+    """``kind``: "qwen2" (Hermes-style template), "llama3" (Llama-3.x-style template), "llama_sp"
+    (SentencePiece tokenizer with a dummy prefix, a template without tools), "mistral" (Mistral v0.3
+    style), "mistral_v11" (Mistral Small 3.2 style) or "phi4" (Phi-4-mini style)."""
     if (dest / "config.json").exists():
         return str(dest)
+    if kind in ("mistral", "mistral_v11", "phi4"):
+        tok = tiny_tool_tokenizer(kind)
+        eos = [tok.eos_token_id]
+        if kind == "phi4":
+            eos.append(tok.convert_tokens_to_ids("<|endoftext|>"))
+        return save_random_model("LlamaForCausalLM", tok, dest, eos)
     if kind == "qwen2":
         tok = byte_level_bpe(
             ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],

@@ -23,7 +23,8 @@ from hydragen.reasoning.formats import REASONING_PARSERS
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_PAGE_SIZE = 16
 ATTENTION = ("auto", "fused", "torch", "triton", "none")
-TOOL_FORMATS = ("hermes", "llama3_json", "generic")
+# the names of hydragen.tools.formats.FORMATS (tests/unit/tools/test_tool_formats.py keeps them equal)
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "mistral_v11", "phi4_mini_json", "generic")
 GENERATION_CONFIGS = ("auto", "hydragen")
 
 

@@ -170,7 +170,8 @@ class OutputProcessor:
             return None
         if s.out.detok is None:
             stops = s.params.stop
-            s.out.detok = _TextState(new_detokenizer(self.tokenizer), StopChecker(stops) if stops else None)
+            detok = new_detokenizer(self.tokenizer, s.params.skip_special_tokens)
+            s.out.detok = _TextState(detok, StopChecker(stops) if stops else None)
         return s.out.detok
 
     def _add_text(self, s: SequenceState, tokens: list[int]) -> None:

@@ -43,6 +43,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     structured_outputs: object | None = None  # a hydragen.StructuredOutputsParams: constrain the output
+    # vLLM's: leave special tokens out of the text (a tool call's special-token markers need them in)
+    skip_special_tokens: bool = True
     # which of EngineCore.step's reports the request gets (streaming: DELTA)
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
@@ -85,6 +87,8 @@ class SamplingParams:
                 bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a bool")
+        if not isinstance(self.skip_special_tokens, bool):
+            bad("skip_special_tokens", "must be a bool")
         if self.seed is not None and not (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX):
             bad("seed", "must be None or an integer that fits in int64")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):

@@ -3,19 +3,22 @@ JSON Schemas and the call format.
 
 - ``required``: one call or more (one with ``parallel_tool_calls`` false), nothing else;
 - named function: exactly one call of that function;
-- ``auto``: free text, or calls. For a format with a marker (``<tool_call>``) the text is a *lazy*
-  lexeme that ends at the first marker, after which the call is enforced: until then the mask allows
-  everything (llguidance computes it in microseconds), and the model decides whether to call. For a
-  bare-JSON format (llama3_json) a reply that starts with ``{`` is a call.
+- ``auto``: free text, or calls. For a format with a marker (``<tool_call>``, ``[TOOL_CALLS]``,
+  ``functools[``) the text is a *lazy* lexeme that ends at the first marker, after which the calls are
+  enforced: until then the mask allows everything (llguidance computes it in microseconds), and the model
+  decides whether to call. For a bare-JSON format (llama3_json) a reply that starts with ``{`` is a call.
 
-Each function is its own alternative, ``{"name": "f", "arguments": <f's schema>}``, so the name and the
-keys are literal text: once the name is decided, jump-forward appends ``", "arguments": {"key": `` at
-once, and with a single candidate (a named function, or one tool) the whole wrapper is forced.
+The rules follow the format's description: the calls are ``opener call (separator call)* closer``, a call
+is ``before_name`` then one alternative per function, ``f`` + ``before_arguments`` + <f's schema>, then
+``after_arguments``. So the name and the keys are literal text: once the name is decided, jump-forward
+appends ``", "arguments": {"key": `` at once, and with a single candidate (a named function, or one
+tool) the whole wrapper is forced.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from hydragen.structured.schema_defaults import close_objects
 from hydragen.tools.formats import CallFormat
@@ -33,10 +36,11 @@ def _lit(text: str) -> str:
 
 def special_markers(fmt: CallFormat, ll_tokenizer) -> dict[str, int]:
     """The format's markers that are one special token for the grammar engine (llguidance treats every
-    added token as special: Qwen2.5's ``<tool_call>``, although not special to Hugging Face): the grammar
-    must name them as tokens (``<[id]>``); as text they could only be spelled in pieces."""
+    added token as special: Qwen2.5's ``<tool_call>``, although not special to Hugging Face; Mistral's
+    ``[TOOL_CALLS]``): the grammar must name them as tokens (``<[id]>``); as text they could only be spelled
+    in pieces."""
     found = {}
-    for marker in {fmt.begin.strip(), fmt.end.strip()} - {""}:
+    for marker in fmt.tokens:
         ids = ll_tokenizer.tokenize_str(marker)
         if len(ids) == 1 and ll_tokenizer.is_special_token(ids[0]):
             found[marker] = ids[0]
@@ -82,24 +86,26 @@ def tool_grammar(
         parallel = False
     rules = []
     for i, tool in enumerate(tools):
-        head = _lit(f'{json.dumps(tool.name)}, "{fmt.arguments_key}": ')
-        rules.append(f"fn_{i}: {head} args_{i}")
+        rules.append(f"fn_{i}: {_text(tool.name + fmt.before_arguments, special)} args_{i}")
         rules.append(f"args_{i}: %json {json.dumps(_arguments_schema(tool, literal_json_schema))}")
     names = " | ".join(f"fn_{i}" for i in range(len(tools)))
-    rules.append(f'object: {_lit("{" + chr(34) + "name" + chr(34) + ": ")} ({names}) "}}"')
-    begin, end = _text(fmt.begin, special), _text(fmt.end, special)
-    rules.append(" ".join(x for x in ("call:", begin, "object", end) if x))
-    more = f" ({_lit(fmt.separator)} call)*" if parallel else ""
+    after = _text(fmt.after_arguments, special)
+    rules.append(" ".join(x for x in ("call:", _text(fmt.before_name, special), f"({names})", after) if x))
+    separator = _text(fmt.separator, special)
+    more = f" ({separator + ' ' if separator else ''}call)*" if parallel else ""
+    closer = f" {_text(fmt.closer, special)}" if fmt.closer else ""
+    opener = f"{_text(fmt.opener, special)} " if fmt.opener else ""
     if choice.mode in ("required", "named"):
-        top = [f"start: call{more}"]
-    elif fmt.begin:  # auto, with a marker: free text until the marker, then the rest of the call
-        lead = fmt.begin[: fmt.begin.index(fmt.trigger) + len(fmt.trigger)]
-        first = " ".join(x for x in (_text(fmt.begin[len(lead) :], special), "object", end) if x)
-        if fmt.trigger in special:  # a special token cannot occur in TEXT: no laziness needed
-            top = [f"start: TEXT | TEXT {_text(lead, special)} {first}{more}"]
+        top = [f"start: {opener}call{more}{closer}"]
+    elif fmt.marker:  # auto, with a marker: free text until the marker, then the rest of the calls
+        lead = fmt.lead[: fmt.lead.index(fmt.marker) + len(fmt.marker)]
+        rest = _text(fmt.lead[len(lead) :], special)
+        first = " ".join(x for x in (rest, f"({names})", after) if x) + more + closer
+        if fmt.marker in special:  # a special token cannot occur in TEXT: no laziness needed
+            top = [f"start: TEXT | TEXT {_text(lead, special)} {first}"]
         else:
-            top = [f"start: TEXT | lead {first}{more}", f"lead[lazy]: TEXT {_lit(lead)}"]
+            top = [f"start: TEXT | lead {first}", f"lead[lazy]: TEXT {_lit(lead)}"]
         top.append(r"TEXT: /(.|\n)*/")
     else:  # auto, bare JSON: a reply starting with "{" is a call, any other reply is text
-        top = [f"start: TEXT | call{more}", r"TEXT: /([^{](.|\n)*)?/"]
+        top = [f"start: TEXT | {opener}call{more}{closer}", rf"TEXT: /([^{re.escape(fmt.trigger)}](.|\n)*)?/"]
     return "\n".join(["%llguidance {}", *top, *rules]) + "\n"

@@ -10,6 +10,12 @@ The scanner keeps only what it cannot decide yet: a possible start of the call m
 whitespace, a header being written. So the work for a piece is proportional to the piece plus that
 small remainder, never to the reply so far; ``scanned`` counts the characters it examined. Grammar-
 enforced replies always have the shape it reads; it stays lenient about whitespace between the parts.
+
+What it reads comes from the format's description (tools/formats.py): a *header* is the text from the
+marker (or from the end of the previous call's arguments) up to the next call's arguments, with the
+function's name in it (``[TOOL_CALLS] [{"name": "f", "arguments": ``, ``}, {"name": "g", "arguments": ``,
+``[TOOL_CALLS]f[ARGS]``); after a call, anything but the next header (the list's closer, say) ends the
+calls.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import re
 from dataclasses import dataclass, field
 
 from hydragen.tools.formats import CallFormat
-from hydragen.tools.spec import ToolCall
+from hydragen.tools.spec import NAME, ToolCall
 
-_STRING = r'"(?:[^"\\]|\\.)*"'
-# A header is `{"name": "f", "arguments": ` with a name of at most 64 characters: one that has not matched
-# within this many characters never will (whitespace aside), and the scanner stops looking.
+# A header is `{"name": "f", "arguments": ` (with the end of the previous call and the separator before it)
+# and a name of at most 64 characters: one that has not matched within this many characters never will
+# (whitespace aside), and the scanner stops looking.
 MAX_HEADER = 256
 _IN_STRING = re.compile(r'["\\]')  # what ends a run of plain characters inside a JSON string
 _OUTSIDE_STRING = re.compile(r'[{}\[\]"]')  # what changes the nesting outside strings
@@ -73,27 +79,29 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-class _Literals:
-    """Matches literal parts in order, each after optional whitespace, across pieces."""
+def _lenient(fmt: CallFormat, text: str) -> str:
+    """A regex for the literal ``text`` that allows whitespace between its parts (markers, JSON punctuation
+    and words) and none inside them."""
+    markers = "".join(f"{re.escape(m)}|" for m in sorted(fmt.tokens, key=len, reverse=True))
+    parts = re.findall(rf"{markers}[{{}}\[\],:]|[^\s{{}}\[\],:]+", text)
+    return r"\s*".join(re.escape(p) for p in parts)
 
-    def __init__(self, parts: list[str]):
-        self.parts = [p for p in parts if p]
-        self.part = 0
-        self.matched = 0  # characters of the current part matched so far
 
-    def feed(self, text: str, pos: int) -> tuple[int, bool | None]:
-        """(where it stopped, True when every part matched / False on a mismatch / None: needs more)."""
-        while self.part < len(self.parts) and pos < len(text):
-            ch, want = text[pos], self.parts[self.part]
-            if self.matched == 0 and ch.isspace():
-                pos += 1
-                continue
-            if ch != want[self.matched]:
-                return pos, False
-            pos, self.matched = pos + 1, self.matched + 1
-            if self.matched == len(want):
-                self.part, self.matched = self.part + 1, 0
-        return pos, (True if self.part == len(self.parts) else None)
+def _header(fmt: CallFormat, before: str) -> str:
+    """A regex for a header: ``before`` (the text up to a call's name), the name, and the text up to its
+    arguments."""
+    return rf"\s*{_lenient(fmt, before)}(?P<name>{NAME.pattern}){_lenient(fmt, fmt.before_arguments)}\s*"
+
+
+def _patterns(fmt: CallFormat) -> tuple[re.Pattern, re.Pattern]:
+    """(the first call's header, from the end of the marker; what follows a call's arguments: the end of
+    the call, the separator and the next call's header). Anything else after a call, the list's closer
+    included, ends the calls."""
+    after_marker = fmt.lead[fmt.lead.index(fmt.marker) + len(fmt.marker) :]
+    after_call = rf"\s*{_lenient(fmt, fmt.after_arguments)}"
+    return re.compile(_header(fmt, after_marker)), re.compile(
+        after_call + _header(fmt, fmt.separator + fmt.before_name)
+    )
 
 
 class _ObjectEnd:
@@ -142,23 +150,19 @@ class CallScanner:
         self.fmt = fmt
         self.calls: list[PartialCall] = []
         self.scanned = 0
-        self._state = "content" if fmt.begin else "start"
+        self._state = "content" if fmt.marker else "start"
         self._whitespace: list[str] = []  # content's trailing whitespace, held until text follows it
         self._tail = ""  # content's end that may be the start of the marker
         self._head = ""  # a call header being written
         self._object: _ObjectEnd | None = None
-        self._literals: _Literals | None = None
-        self._header_pattern = re.compile(
-            rf'\s*\{{\s*"name"\s*:\s*({_STRING})\s*,\s*"{fmt.arguments_key}"\s*:\s*'
-        )
+        self._first, self._next = _patterns(fmt)
+        self._pattern = self._first  # the header the scanner looks for now
         self._handlers = {
             "content": self._content,
             "start": self._start,
             "text": self._text,
             "header": self._header,
             "arguments": self._arguments,
-            "close": self._close,
-            "between": self._between,
         }
 
     def feed(self, piece: str, final: bool = False) -> list[Event]:
@@ -205,7 +209,7 @@ class CallScanner:
     def _start(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
         """Bare-JSON formats: a reply whose first character is "{" is calls, as the grammar has it."""
         self.scanned += 1
-        self._state = "header" if text[pos] == "{" else "text"
+        self._state = "header" if text[pos] == self.fmt.trigger else "text"
         return pos
 
     def _text(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
@@ -215,15 +219,16 @@ class CallScanner:
         return len(text)
 
     def _header(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
+        """A call's header (after a call: the rest of that call first)."""
         before = len(self._head)
         self._head += text[pos : pos + MAX_HEADER - before]
         self.scanned += len(self._head)
-        m = self._header_pattern.match(self._head)
+        m = self._pattern.match(self._head)
         if m is None:
             if len(self._head) >= MAX_HEADER:
                 self._state = "done"
             return pos + len(self._head) - before
-        self.calls.append(PartialCall(json.loads(m.group(1))))
+        self.calls.append(PartialCall(m.group("name")))
         events.append(CallStarted(len(self.calls) - 1, self.calls[-1].name))
         self._head, self._object, self._state = "", _ObjectEnd(), "arguments"
         return pos + m.end() - before
@@ -252,31 +257,8 @@ class CallScanner:
             return stop
         call.complete = True
         events.append(CallComplete(index))
-        self._literals, self._state = _Literals(["}", self.fmt.end.strip()]), "close"
+        self._pattern, self._state = self._next, "header"
         return stop
-
-    def _close(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
-        """After the arguments: the rest of the call's wrapper."""
-        end, matched = self._literal_run(text, pos)
-        if matched:
-            self._literals = _Literals([self.fmt.separator.strip(), self.fmt.begin.strip()])
-            self._state = "between"
-        return end
-
-    def _between(self, text: str, pos: int, final: bool, events: list[Event]) -> int:
-        """After a call: the separator and the next call's marker (a bare-JSON call starts at its "{",
-        which the header reads)."""
-        end, matched = self._literal_run(text, pos)
-        if matched:
-            self._state = "header"
-        return end
-
-    def _literal_run(self, text: str, pos: int) -> tuple[int, bool]:
-        end, done = self._literals.feed(text, pos)
-        self.scanned += end - pos
-        if done is False:  # anything else after a call ends the calls
-            self._state = "done"
-        return end, bool(done)
 
 
 def parse(text: str, fmt: CallFormat, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
@@ -285,5 +267,9 @@ def parse(text: str, fmt: CallFormat, cut: bool = False) -> tuple[str | None, li
     written (``complete`` False: they do not parse). Otherwise only the complete calls."""
     scanner = CallScanner(fmt)
     content = "".join(e.text for e in scanner.feed(text, final=True) if isinstance(e, Content))
-    calls = [ToolCall(c.name, c.arguments, complete=c.complete) for c in scanner.calls if c.complete or cut]
+    calls = [
+        ToolCall(c.name, c.arguments, fmt.new_id(), complete=c.complete)
+        for c in scanner.calls
+        if c.complete or cut
+    ]
     return (content or None), calls

@@ -1,14 +1,20 @@
 """A conversation with tools, turned into the messages a chat template renders.
 
-With a template that speaks the format (hermes, llama3_json), the template renders everything: the
-tools (passed as ``tools=``, Hugging Face's convention), earlier calls (assistant ``tool_calls`` with
-their arguments as objects, as templates expect) and results (``role: "tool"``). With a template that
-knows nothing of tools (generic), hydragen writes them as text the template can render: the tools'
-description joins the system message, earlier calls become the assistant's text in the format's markup,
-and results become a user message of ``<tool_response>`` blocks (consecutive results merged, so templates
-that insist on alternating roles accept them). An assistant message's ``reasoning_content`` goes to the
-template as it is: templates of reasoning models read it (Qwen3's shows it for the turns after the last
-user message), others ignore it.
+Where each part goes is the format's description (tools/formats.py: ``tools_in``, ``calls_in``,
+``results_in``). With a template that speaks the format (hermes, llama3_json, mistral, mistral_v11), the
+template renders everything: the tools (passed as ``tools=``, Hugging Face's convention), earlier calls
+(assistant ``tool_calls`` with their arguments as objects, as templates expect) and results (``role:
+"tool"``). Mistral's templates accept only ids of 9 letters and digits: other ids are turned into such ids,
+the same for a call and its result (``CallFormat.template_id``). Phi-4-mini's template takes the functions
+as a JSON string in the system message's ``tools`` field, and renders no calls: hydragen writes earlier
+calls into the assistant's text in the format's markup, adds one sentence showing the call syntax to the
+system message, and passes results as ``role: "tool"``. With a template that knows nothing of tools
+(generic), hydragen writes all of it as text the template can render: the tools' description joins the
+system message, earlier calls become the assistant's text in the format's markup, and results become a
+user message of ``<tool_response>`` blocks (consecutive results merged, so templates that insist on
+alternating roles accept them). An assistant message's ``reasoning_content`` goes to the template as it
+is: templates of reasoning models read it (Qwen3's shows it for the turns after the last user message),
+others ignore it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import json
 
 from hydragen.errors import ParamError
-from hydragen.tools.formats import CallFormat, generic_instructions
+from hydragen.tools.formats import CallFormat, call_syntax, generic_instructions, system_field_tools
 from hydragen.tools.spec import Tool, ToolChoice
 
 
@@ -40,7 +46,7 @@ def _reasoning(value, i: int) -> str:
     return value
 
 
-def _calls(message: dict, i: int) -> list[dict]:
+def _calls(message: dict, i: int, fmt: CallFormat) -> list[dict]:
     """The assistant message's tool_calls in the template's shape (arguments as objects)."""
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list):
@@ -60,7 +66,7 @@ def _calls(message: dict, i: int) -> list[dict]:
         args = _arguments(fn.get("arguments", "{}"), f"{where}.function.arguments")
         out.append(
             {
-                "id": call.get("id") or "",
+                "id": fmt.template_id(call.get("id") or ""),
                 "type": "function",
                 "function": {"name": fn["name"], "arguments": args},
             }
@@ -91,37 +97,40 @@ def template_messages(
                 raise ParamError(
                     f"messages[{i}].content", f"messages[{i}] (a tool result) needs a string content"
                 )
-            if fmt.template_renders_tools:
-                out.append({"role": "tool", "content": content, "tool_call_id": m.get("tool_call_id") or ""})
+            if fmt.results_in == "template":
+                call_id = fmt.template_id(m.get("tool_call_id") or "")
+                out.append({"role": "tool", "content": content, "tool_call_id": call_id})
             else:
                 results.append(f"<tool_response>\n{content}\n</tool_response>")
             continue
         flush_results()
-        calls = _calls(m, i) if role == "assistant" else []
+        calls = _calls(m, i, fmt) if role == "assistant" else []
         if not calls:
             out.append({"role": role, "content": content})
-        elif fmt.template_renders_tools:
+        elif fmt.calls_in == "template":
             out.append({"role": role, "content": content, "tool_calls": calls})
         else:
-            written = fmt.separator.join(
-                fmt.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"])) for c in calls
+            written = fmt.calls_text(
+                [(c["function"]["name"], json.dumps(c["function"]["arguments"])) for c in calls]
             )
             out.append({"role": role, "content": f"{content}\n{written}" if content else written})
         if role == "assistant" and m.get("reasoning_content") is not None:
             out[-1]["reasoning_content"] = _reasoning(m["reasoning_content"], i)
     flush_results()
-    if tools and choice.mode != "none" and not fmt.template_renders_tools:
-        described = generic_instructions(tools)
+    if tools and choice.mode != "none" and fmt.tools_in != "template":
+        described = generic_instructions(tools) if fmt.tools_in == "text" else call_syntax(fmt)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{described}"}
         else:
             out.insert(0, {"role": "system", "content": described})
+        if fmt.tools_in == "system":  # the template reads the functions from the system message's field
+            out[0]["tools"] = system_field_tools(tools)
     return out
 
 
 def template_tools(tools: list[Tool], choice: ToolChoice, fmt: CallFormat) -> list[dict] | None:
     """The ``tools=`` a template gets: the functions in OpenAI's shape, or None (tool_choice "none", or a
-    template that cannot render them)."""
-    if not tools or choice.mode == "none" or not fmt.template_renders_tools:
+    template that takes them another way, or not at all)."""
+    if not tools or choice.mode == "none" or fmt.tools_in != "template":
         return None
     return [t.to_openai() for t in tools]

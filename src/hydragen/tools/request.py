@@ -84,8 +84,9 @@ class ToolRequest:
         return StructuredOutputsParams(grammar=lark)
 
     def sampling_params(self, params, constraint: StructuredOutputsParams | None):
-        """``params`` (one SamplingParams, a list, or None) with this request's output grammar; a request
-        that constrains its output another way cannot also call tools (ParamError)."""
+        """``params`` (one SamplingParams, a list, or None) with this request's output grammar, decoded with
+        special tokens kept where the format's markers may be ones; a request that constrains its output
+        another way cannot also call tools (ParamError)."""
         from hydragen.engine.sampling_params import SamplingParams
 
         many = isinstance(params, list)
@@ -97,7 +98,12 @@ class ToolRequest:
                     f"tool_choice {self.choice.mode!r} constrains the output to tool calls; it cannot be "
                     "combined with another output constraint (use tool_choice 'none')",
                 )
-            out.append(dataclasses.replace(p, structured_outputs=constraint) if constraint else p)
+            if constraint is not None:
+                # the reply keeps its special tokens when the format's markers may be ones (Mistral's
+                # [TOOL_CALLS] is special to Hugging Face): skipped, the parser would never see a call
+                skip = not self.fmt.tokens and p.skip_special_tokens
+                p = dataclasses.replace(p, structured_outputs=constraint, skip_special_tokens=skip)
+            out.append(p)
         return out if many else out[0]
 
     def locate(self, error: ParamError) -> ParamError:

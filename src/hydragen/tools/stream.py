@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from hydragen.tools.formats import CallFormat
 from hydragen.tools.parser import ArgumentsWritten, CallComplete, CallScanner, CallStarted, Content
-from hydragen.tools.spec import new_call_id
 
 
 class ToolCallStream:
@@ -35,7 +34,12 @@ class ToolCallStream:
                 deltas.append({"content": event.text})
             elif isinstance(event, CallStarted):
                 fn = {"name": event.name, "arguments": ""}
-                start = {"index": event.index, "id": new_call_id(), "type": "function", "function": fn}
+                start = {
+                    "index": event.index,
+                    "id": self.scanner.fmt.new_id(),
+                    "type": "function",
+                    "function": fn,
+                }
                 self._send([start], deltas)
             elif isinstance(event, ArgumentsWritten):
                 self._send([{"index": event.index, "function": {"arguments": event.text}}], deltas)

@@ -1,11 +1,13 @@
 """Tool calling through /v1/chat/completions with the ``openai`` client: message.tool_calls with ids,
 finish_reason "tool_calls", streamed delta.tool_calls that the client's accumulator rebuilds, history
 with assistant calls and tool results, tool_choice none / auto / required / named, and 400s naming the
-field. On tiny random models speaking each format (hermes, llama3_json, generic)."""
+field. On tiny random models speaking each format (hermes, llama3_json, mistral, mistral_v11,
+phi4_mini_json, generic)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -25,7 +27,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama3", "llama_sp"])
+@pytest.fixture(scope="module", params=["qwen2", "llama3", "llama_sp", "mistral", "mistral_v11", "phi4"])
 def live(request, tmp_path_factory):
     path = tiny_tool_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
     srv = LiveServer(LLM(path, kv_cache_tokens=16384))
@@ -42,12 +44,13 @@ def _create(live, **kw):
     return _client(live).chat.completions.create(**args)
 
 
-def _valid(call, tools=TOOLS) -> None:
+def _valid(live, call, tools=TOOLS) -> None:
     import jsonschema
 
     schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema)
-    assert call.id.startswith("call_") and call.type == "function"
+    shape = r"[A-Za-z0-9]{9}" if live.llm.tool_format.ids == "alnum9" else r"call_[0-9a-f]{24}"
+    assert re.fullmatch(shape, call.id) and call.type == "function"  # Mistral's templates take 9 characters
 
 
 def test_required_and_named_return_tool_calls(live):
@@ -55,11 +58,11 @@ def test_required_and_named_return_tool_calls(live):
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
-        _valid(call)
+        _valid(live, call)
     r = _create(live, tool_choice=NAMED, temperature=1.0)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
-    _valid(call)
+    _valid(live, call)
     assert len({c.id for c in r.choices[0].message.tool_calls}) == 1
     live.assert_no_leak()
 
@@ -97,7 +100,7 @@ def test_two_step_loop_with_results_in_the_history(live):
     choice = r.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     for call in choice.message.tool_calls or []:  # auto: text or calls; calls that come are valid
-        _valid(call)
+        _valid(live, call)
     # the history renders without tools too (tool_choice none hides the tools, not the earlier turns)
     assert (
         _create(live, messages=history, tool_choice="none", max_tokens=4).choices[0].message.tool_calls
@@ -112,7 +115,7 @@ def test_none_and_auto(live):
     for c in r.choices:
         assert (c.finish_reason == "tool_calls") == bool(c.message.tool_calls)
         for call in c.message.tool_calls or []:
-            _valid(call)
+            _valid(live, call)
 
 
 def _error(live, **body) -> dict:
@@ -251,7 +254,8 @@ def test_a_reply_sent_back_as_model_dump_continues_the_conversation(live, with_c
         extra = {} if with_calls else {"tools": openai.NOT_GIVEN}
         return _create(live, messages=[*ASK, message, *after], temperature=0, max_tokens=8, **extra)
 
-    expected = turn2(_minimal(whole))
+    # the same ids as in the minimal message: Mistral's templates write them into the prompt
+    expected = {"whole": turn2(_minimal(whole)), "streamed": turn2(_minimal(streamed))}
     streamed_dump = streamed.model_dump()
     assert {"refusal", "annotations", "audio", "function_call", "parsed"} <= set(streamed_dump)
     if with_calls:
@@ -260,10 +264,10 @@ def test_a_reply_sent_back_as_model_dump_continues_the_conversation(live, with_c
     dumps = [whole.model_dump(), whole.model_dump(exclude_none=False), whole.model_dump(mode="json")]
     assert {"refusal", "annotations", "audio", "function_call"} <= set(dumps[0])
     dumps += [streamed_dump, {**dumps[0], "parsed": {"city": "Paris"}}]  # .parse()'s copy of the content
-    for dumped in dumps:
+    for dumped, source in zip(dumps, ["whole"] * 3 + ["streamed", "whole"], strict=True):
         got = turn2(dumped)
-        assert got.usage.prompt_tokens == expected.usage.prompt_tokens
-        assert got.choices[0].message.content == expected.choices[0].message.content
+        assert got.usage.prompt_tokens == expected[source].usage.prompt_tokens
+        assert got.choices[0].message.content == expected[source].choices[0].message.content
     live.assert_no_leak()
 
 

@@ -275,6 +275,7 @@ def test_bad_inputs_raise_clear_errors(tiny_models):
         dict(stop_token_ids=[-1]),
         dict(logprobs=50),
         dict(seed="x"),
+        dict(skip_special_tokens="no"),
         dict(temperature=float("nan")),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):

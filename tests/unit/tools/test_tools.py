@@ -1,6 +1,8 @@
 """Tool calling offline: the request fields, the formats and their detection, the grammar per tool_choice,
 the parser (whole and streamed), prompt rendering, and validity over many requests with varied tool sets
-on tiny random Qwen2 (hermes), Llama-3 (llama3_json) and SentencePiece Llama (generic) models."""
+on tiny random Qwen2 (hermes), Llama-3 (llama3_json), SentencePiece Llama (generic), Mistral v0.3
+(mistral), Mistral Small 3.2 (mistral_v11) and Phi-4-mini (phi4_mini_json) models. The newer formats'
+own unit tests (detection, split markers, rendering, ids) are in test_tool_formats.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from hydragen import LLM, SamplingParams, StructuredOutputsParams
 from hydragen.bench.structured.tool_workloads import call_problems, random_tools, run_tool_requests
 from hydragen.errors import ParamError
 from hydragen.tools.formats import GENERIC, HERMES, LLAMA3_JSON, detect_format
-from hydragen.tools.grammar import tool_grammar
+from hydragen.tools.grammar import special_markers, tool_grammar
 from hydragen.tools.parser import CallScanner, Content, parse
 from hydragen.tools.render import template_messages
 from hydragen.tools.request import ToolRequest
@@ -29,12 +31,14 @@ WEATHER = tool_json(
 ADD = tool_json("add", {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer"}})
 TOOLS = [WEATHER, ADD]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NEW_KINDS = ["mistral", "mistral_v11", "phi4"]  # the formats of issue 41
+KINDS = ["qwen2", "llama3", "llama_sp", *NEW_KINDS]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_models")
-    return {k: tiny_tool_model(k, root / k) for k in ("qwen2", "llama3", "llama_sp")}
+    return {k: tiny_tool_model(k, root / k) for k in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +96,7 @@ def test_formats_are_detected_from_the_template(llms, embedded_llm):
     assert llms["qwen2"].tool_format is HERMES
     assert llms["llama3"].tool_format is LLAMA3_JSON
     assert llms["llama_sp"].tool_format is GENERIC
+    assert [llms[k].tool_format.name for k in NEW_KINDS] == ["mistral", "mistral_v11", "phi4_mini_json"]
     assert embedded_llm.tool_format is GENERIC  # SmolLM2's template has no tools
     assert detect_format(llms["qwen2"].tokenizer) is HERMES
 
@@ -215,8 +220,8 @@ def test_streaming_work_per_piece_is_bounded(fmt):
     piece does not grow with the reply (a scan of the whole reply per piece would examine ~4.5 * 10^8)."""
     from hydragen.tools.parser import MAX_HEADER
 
-    first = fmt.call_text("note", json.dumps({"body": "x" * 20_000, "tags": [{"a": "}{"}]}))
-    reply = first + fmt.separator + fmt.call_text("add", json.dumps({"a": '\\"' * 10_000}))
+    first = ("note", json.dumps({"body": "x" * 20_000, "tags": [{"a": "}{"}]}))
+    reply = fmt.calls_text([first, ("add", json.dumps({"a": '\\"' * 10_000}))])
     stream = ToolCallStream(fmt)
     work, deltas = [], []
     for ch in reply:
@@ -233,24 +238,35 @@ def test_streaming_work_per_piece_is_bounded(fmt):
 def _accepts(llm, grammar: str, text: str) -> bool:
     compiler = llm.engine.structured.compiler
     matcher = compiler.matcher_for(StructuredOutputsParams(grammar=grammar))
-    ids = compiler.ll_tokenizer.tokenize_str(text)
+    if any(m in text for m in special_markers(llm.tool_format, compiler.ll_tokenizer)):
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)  # special markers as their tokens
+    else:
+        ids = compiler.ll_tokenizer.tokenize_str(text)
     return matcher.consume_tokens(ids) and not matcher.is_error() and matcher.is_accepting()
 
 
 def _call(fmt, name, args) -> str:
-    return fmt.call_text(name, json.dumps(args))
+    """A reply of one call."""
+    return fmt.calls_text([(name, json.dumps(args))])
 
 
-@pytest.mark.parametrize("kind", ["llama_sp", "llama3"])
+def _calls(fmt, *calls) -> str:
+    """A reply of parallel calls, ``(name, args)`` each."""
+    return fmt.calls_text([(name, json.dumps(args)) for name, args in calls])
+
+
+@pytest.mark.parametrize("kind", ["llama_sp", "llama3", *NEW_KINDS])
 def test_grammar_per_tool_choice(llms, kind):
     llm = llms[kind]
     fmt = llm.tool_format
     tools = parse_tools(TOOLS)
     one = _call(fmt, "add", {"a": 1, "b": 2})
-    two = one + fmt.separator + _call(fmt, "get_weather", {"city": "Oslo", "unit": "c"})
+    two = _calls(fmt, ("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "c"}))
+
+    special = special_markers(fmt, llm.engine.structured.compiler.ll_tokenizer)
 
     def grammar(mode, parallel=True, name=None):
-        return tool_grammar(tools, ToolChoice(mode, name), fmt, parallel)
+        return tool_grammar(tools, ToolChoice(mode, name), fmt, parallel, special=special)
 
     assert _accepts(llm, grammar("required"), one) and _accepts(llm, grammar("required"), two)
     assert not _accepts(llm, grammar("required", parallel=False), two)
@@ -264,9 +280,9 @@ def test_grammar_per_tool_choice(llms, kind):
     assert not _accepts(llm, grammar("named", name="get_weather"), one)
     assert _accepts(llm, grammar("auto"), "No call needed.")
     assert _accepts(llm, grammar("auto"), two)
-    if fmt.begin:  # marker formats: text may come first, the call after the marker is enforced
+    if fmt.marker:  # marker formats: text may come first, the call after the marker is enforced
         assert _accepts(llm, grammar("auto"), "Let me check.\n" + one)
-        assert not _accepts(llm, grammar("auto"), "Let me check.\n" + fmt.begin + "oops")
+        assert not _accepts(llm, grammar("auto"), "Let me check.\n" + fmt.marker + "oops")
 
 
 def test_named_function_forces_the_whole_wrapper(llms):
@@ -301,9 +317,7 @@ def test_generic_rendering_writes_tools_calls_and_results_as_text():
     out = template_messages(HISTORY, parse_tools(TOOLS), ToolChoice("auto"), GENERIC)
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
     assert '"name": "get_weather"' in out[0]["content"] and "<tool_call>" in out[0]["content"]
-    assert out[2]["content"] == _call(GENERIC, "get_weather", {"city": "Paris"}) + "\n" + _call(
-        GENERIC, "add", {"a": 1, "b": 2}
-    )
+    assert out[2]["content"] == _calls(GENERIC, ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2}))
     assert (
         out[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n3\n</tool_response>"
     )
@@ -348,7 +362,7 @@ def test_template_rendering_passes_calls_and_results_to_the_template(llms):
 
 
 # ---- through the engine -------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["qwen2", "llama3", "llama_sp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_chat_returns_parsed_calls(llms, kind):
     llm = llms[kind]
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=120)
@@ -369,25 +383,28 @@ def test_chat_returns_parsed_calls(llms, kind):
 NOTE = tool_json("note", {"title": {"type": "string", "maxLength": 8}, "body": {"type": "string"}})
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3", "llama_sp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_chat_returns_a_cut_call_as_the_server_does(llms, kind):
     """Offline, as on the server
     (tests/integration/server/test_tools_server.py::test_a_cut_call_is_the_same_streamed_and_not): a greedy
-    reply cut by max_tokens inside the call returns it as far as it was written, with ``complete`` False
-    and finish_reason "length"; cut by a stop string, it returns no call."""
+    reply cut by max_tokens inside a call returns it as far as it was written, with ``complete`` False
+    and finish_reason "length", after the calls it completed (none, unless the model is quick to close
+    one: mistral_v11's tokenizer packs a call into fewer tokens); cut by a stop string, it returns no
+    call."""
     llm = llms[kind]
     cut = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=60), tools=[NOTE], tool_choice="required")
     c = cut[0].outputs[0]
     assert c.finish_reason == "length" and c.content is None
-    assert [(t.name, t.complete) for t in c.tool_calls] == [("note", False)]
-    assert c.tool_calls[0].arguments.startswith('{"title": ') and c.tool_calls[0].arguments in c.text
-    assert not arguments_parse(c.tool_calls[0].arguments)
+    *done, last = c.tool_calls
+    assert [(t.name, t.complete) for t in c.tool_calls] == [("note", True)] * len(done) + [("note", False)]
+    assert last.arguments.startswith('{"title": ') and last.arguments in c.text
+    assert not arguments_parse(last.arguments) and all(arguments_parse(t.arguments) for t in done)
     stopped = SamplingParams(temperature=0, max_tokens=120, stop=['"body"'])
     c = llm.chat(ASK, stopped, tools=[NOTE], tool_choice="required")[0].outputs[0]
     assert c.finish_reason == "stop" and c.tool_calls == [] and c.text.endswith('", ')
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3", "llama_sp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_required_and_named_calls_are_always_valid(llms, kind):
     """120 requests, each with its own random tool set (1-8 functions with nested, bounded schemas),
     tool_choice "required" or a named function, sampled at temperature 1: every call parses and
@@ -413,6 +430,40 @@ def test_required_and_named_calls_are_always_valid(llms, kind):
         ended += reply.finish_reason == "tool_calls"
     # a random model may keep adding parallel calls until max_tokens; single calls always end
     assert ended >= sum(not p for _, _, p in meta)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mistral_v11"])
+def test_mistral_call_ids_go_back_into_the_template(llms, kind):
+    """Mistral's templates refuse call ids that are not 9 letters and digits. A reply's calls get such ids,
+    and a client that sends the calls and their results back with them gets the next turn rendered, each
+    id written for the call and for its result; ids of another shape are turned into such ids, where the
+    template alone refuses them."""
+    llm = llms[kind]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120) for seed in range(3)]
+    outs = llm.chat([ASK] * 3, params, tools=[WEATHER], tool_choice="required", use_tqdm=False)
+    c = max((o.outputs[0] for o in outs), key=lambda c: len(c.tool_calls))  # bounded: every call complete
+    assert c.finish_reason == "stop" and all(re.fullmatch(r"[A-Za-z0-9]{9}", t.id) for t in c.tool_calls)
+    calls = [t.to_openai() for t in c.tool_calls]
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls}]
+    history += [{"role": "tool", "tool_call_id": t.id, "content": "sunny"} for t in c.tool_calls]
+    request = ToolRequest.build(TOOLS, "auto", None, llm.tool_format)
+    text = llm.tokenizer.decode(request.prompt_ids(llm.tokenizer, history), skip_special_tokens=False)
+    assert all(text.count(t.id) == 2 for t in c.tool_calls)  # the call's and its result's
+    add = {"name": "add", "arguments": {"a": 1}}
+    openai_ids = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": add}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
+    with pytest.raises(ValueError, match="length 9"):  # the template's own check
+        llm.tokenizer.apply_chat_template(openai_ids)
+    text = llm.tokenizer.decode(request.prompt_ids(llm.tokenizer, openai_ids), skip_special_tokens=False)
+    mapped = llm.tool_format.template_id("call_1")
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", mapped) and text.count(mapped) == 2 and "call_1" not in text
 
 
 # ---- hydragen chat --tools ------------------------------------------------------------------------------
@@ -572,7 +623,7 @@ def test_bench_tool_workloads_run(llms, tmp_path):
     assert len(paths) == 3 and all(p.stat().st_size > 0 for p in paths)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama_sp"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama_sp", *NEW_KINDS])
 def test_auto_enforces_the_call_once_the_marker_is_written(llms, kind):
     """auto: the reply's text is free; once the call marker is in it (here appended with
     EngineCore.append_forced, as if the model had written it), the rest is grammar-enforced and the reply
