@@ -12,7 +12,7 @@ import pytest
 
 from hydragen.bench.quant.memory import in_fresh_process
 from hydragen.model.config import ModelConfig
-from hydragen.model.gguf_write import random_maker, write_llama_gguf
+from hydragen.model.gguf_write import random_maker, write_gguf
 from hydragen.model.presets import PRESETS
 from hydragen.native import quant
 
@@ -32,7 +32,7 @@ TARGET = 1.15
 @pytest.fixture(scope="module")
 def real_shape_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("load_memory") / "llama-1b-layers.Q4_K_M.gguf"
-    write_llama_gguf(path, ModelConfig.from_hf(SHAPE), "Q4_K_M", random_maker())
+    write_gguf(path, ModelConfig.from_hf(SHAPE), "Q4_K_M", random_maker())
     yield path
     path.unlink()
 

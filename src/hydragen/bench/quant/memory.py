@@ -78,7 +78,7 @@ def in_fresh_process(call: str) -> dict:
 
 def memory_row(model, label: str) -> dict:
     from hydragen.model.config import ModelConfig
-    from hydragen.model.gguf_write import random_maker, write_llama_gguf
+    from hydragen.model.gguf_write import random_maker, write_gguf
     from hydragen.model.loader import resolve_model_path
 
     path = resolve_model_path(model)
@@ -95,7 +95,7 @@ def memory_row(model, label: str) -> dict:
                 max_position_embeddings=256,
             )
         )
-        runtime_model = write_llama_gguf(Path(tmp) / "runtime.gguf", tiny, "Q4_K_M", random_maker())
+        runtime_model = write_gguf(Path(tmp) / "runtime.gguf", tiny, "Q4_K_M", random_maker())
         probe = in_fresh_process(f"q.rss_probe({str(path)!r}, {str(runtime_model)!r})")
     peak = in_fresh_process(f"q.peak_probe({str(path)!r})")
     file_mb = path.stat().st_size / 2**20
