@@ -1,0 +1,178 @@
+"""The GGUF writer, family by family: each family's file laid out as llama.cpp's converter lays it out (the
+architecture's own tensor names, q/k permuted only for Llama, Qwen3's QK-norms), read back by hydragen's
+reader with every Hugging Face tensor equal to what was written, and run to transformers' greedy tokens; the
+llama-quantize type rules as they differ between families."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hydragen import LLM, SamplingParams
+from hydragen.model.config import ModelConfig
+from hydragen.model.gguf import read_gguf
+from hydragen.model.gguf_write import (
+    checkpoint_maker,
+    model_types,
+    scheme_type,
+    tensor_shapes,
+    write_gguf,
+    writer_family,
+)
+from hydragen.model.presets import PRESETS
+
+Q = gguf.GGMLQuantizationType
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+]  # tests/conftest.py's tiny checkpoints of the families with a GGUF form
+PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [11, 12, 13, 40, 41], [7, 8, 9]]
+
+
+def _checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    return json.loads((Path(path) / "config.json").read_text()), load_file(Path(path) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def written(tiny_models, tmp_path_factory):
+    """Each family's tiny checkpoint written by the writer, as F32 and as Q8_0."""
+    root = tmp_path_factory.mktemp("gguf_write")
+    out = {}
+    for name in FAMILIES:
+        hf, sd = _checkpoint(tiny_models[name])
+        cfg = ModelConfig.from_hf(hf)
+        for scheme in ("F32", "Q8_0"):
+            out[name, scheme] = write_gguf(
+                root / f"{name}.{scheme}.gguf", cfg, scheme, checkpoint_maker(sd, cfg)
+            )
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_is_laid_out_in_its_llama_cpp_architecture(tiny_models, written, name) -> None:
+    """The file's architecture is the family's, and every tensor name is one that llama.cpp's gguf package
+    lists for that architecture (gguf.MODEL_TENSORS): Qwen3's QK-norms, Qwen2's q/k/v biases."""
+    reader = gguf.GGUFReader(written[name, "F32"])
+    arch = reader.fields["general.architecture"].contents()
+    assert arch == name
+    known = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)]
+    cfg = ModelConfig.from_hf(_checkpoint(tiny_models[name])[0])
+    allowed = {
+        gguf.TENSOR_NAMES[t].format(bid=i) + suffix
+        for t in known
+        for i in range(cfg.num_layers)
+        for suffix in (".weight", ".bias")
+    }
+    names = [t.name for t in reader.tensors]
+    assert set(names) <= allowed, set(names) - allowed
+    assert ("blk.0.attn_q_norm.weight" in names) == (name == "qwen3")
+    assert ("blk.0.attn_q.bias" in names) == (name == "qwen2")
+    assert reader.fields[f"{arch}.attention.key_length"].contents() == cfg.head_dim
+    assert (f"{arch}.vocab_size" in reader.fields) == (name == "llama")  # Llama's converter adds it
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_reader_reads_back_what_was_written(tiny_models, written, name) -> None:
+    """F32: every Hugging Face tensor exactly, q/k put back in HF order where llama.cpp permutes them. Q8_0:
+    the matrices are their Q8_0 rounding (the file's bytes), the vectors exact."""
+    hf, sd = _checkpoint(tiny_models[name])
+    cfg = ModelConfig.from_hf(hf)
+    family = writer_family(cfg)
+    config, got = read_gguf(written[name, "F32"])
+    assert ModelConfig.from_hf(config) == cfg
+    assert config["architectures"] == hf["architectures"]
+    assert set(got) == {hf_name for _, hf_name, _ in family.gguf_tensors(cfg)}
+    for key, t in got.items():
+        assert torch.equal(t, sd[key].float()), key
+    # the file itself: Llama's q rows permuted, Qwen's as they are
+    raw = {t.name: np.array(t.data) for t in gguf.GGUFReader(written[name, "F32"]).tensors}
+    stored_q, hf_q = raw["blk.0.attn_q.weight"], sd["model.layers.0.self_attn.q_proj.weight"].numpy()
+    assert np.array_equal(stored_q, hf_q) == (not family.gguf_permuted_qk)
+
+    _, q8 = read_gguf(written[name, "Q8_0"])
+    types = {family.hf_name(t.name): t.tensor_type for t in gguf.GGUFReader(written[name, "Q8_0"]).tensors}
+    assert Q.Q8_0 in types.values()
+    for key, t in q8.items():
+        w = sd[key].float().numpy()
+        if w.ndim == 1:
+            assert types[key] == Q.F32 and np.array_equal(t.numpy(), w), key
+        else:  # Q8_0, or F16 where rows are not whole 32-blocks (Qwen2's 60-wide o projection)
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(w, types[key]), types[key])
+            assert np.array_equal(t.numpy(), rounded), key
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_written_file_generates_transformers_greedy_tokens(tiny_models, written, name) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[name], dtype=torch.float32)
+    want = [
+        hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in PROMPTS
+    ]
+    llm = LLM(str(written[name, "F32"]), kv_cache_tokens=1024)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_llama_quantize_treats_qwen3_by_category_and_never_as_70b() -> None:
+    """Qwen3-8B's Q4_K_M mix (llama.cpp's src/llama-quant.cpp has no Qwen rule): QK-norms stay F32, attn_v and
+    ffn_down Q6_K in the more-bits layers, the untied output Q6_K; an 80-layer Qwen3 is no 70B (its loader
+    types none), where an 80-layer Qwen2 is one with or without KV groups and a Llama only with them."""
+    cfg = ModelConfig.from_hf(PRESETS["qwen3-8b"])
+    types = model_types("Q4_K_M", cfg)
+    assert types["blk.0.attn_q_norm.weight"] == types["blk.35.attn_k_norm.weight"] == Q.F32
+    assert [i for i in range(36) if types[f"blk.{i}.attn_v.weight"] == Q.Q6_K] == [
+        i for i in range(36) if types[f"blk.{i}.ffn_down.weight"] == Q.Q6_K
+    ]
+    assert (
+        types["blk.3.attn_v.weight"]
+        == types["blk.6.attn_v.weight"]
+        == types["blk.31.attn_v.weight"]
+        == Q.Q6_K
+    )
+    assert types["blk.5.attn_v.weight"] == types["blk.5.attn_q.weight"] == Q.Q4_K
+    assert types["output.weight"] == Q.Q6_K and types["token_embd.weight"] == Q.Q4_K
+    tied = model_types("Q4_K_M", ModelConfig.from_hf(PRESETS["qwen3-1.7b"]))
+    assert "output.weight" not in tied and tied["token_embd.weight"] == Q.Q6_K
+
+    def v(family: str, gqa: int) -> Q:
+        from hydragen.model.registry import family_named
+
+        return scheme_type(
+            "Q4_K_S", "blk.10.attn_v.weight", 4096, 80, False, gqa, family=family_named(family)
+        )
+
+    assert v("qwen3", 8) == v("llama", 1) == Q.Q4_K
+    assert v("qwen2", 1) == v("qwen2", 8) == v("llama", 8) == Q.Q5_K
+    # a fused attn_qkv (Phi-3's) is quantized as llama-quantize's attn_v category
+    assert scheme_type("Q4_K_M", "blk.0.attn_qkv.weight", 3072, 32, False) == Q.Q6_K
+    assert scheme_type("Q8_0", "blk.0.attn_q.bias", 1, 32, False, ndim=1) == Q.F32
+    assert scheme_type("F16", "blk.0.attn_q_norm.weight", 128, 32, False, ndim=1) == Q.F32
+
+
+def test_a_tiny_qwen3_in_q4_k_m_loads_and_keeps_its_norms_in_f32(tmp_path) -> None:
+    """A random Qwen3 in llama-quantize's mix: Q4_K/Q6_K matrices kept quantized, QK-norms read as floats."""
+    from hydragen.model.gguf_write import random_maker
+    from hydragen.model.linear import PackedProjection
+    from hydragen.model.loader import load_model
+
+    shape = PRESETS["qwen3-1.7b"] | dict(num_hidden_layers=2, vocab_size=512)
+    cfg = ModelConfig.from_hf(shape)
+    path = write_gguf(tmp_path / "qwen3.gguf", cfg, "Q4_K_M", random_maker())
+    assert dict(tensor_shapes(cfg))["blk.1.attn_k_norm.weight"] == (128,)
+    net, got, _ = load_model(path, torch.device("cpu"), torch.float32)
+    assert got.family == "qwen3" and got.qk_norm and got.tie_word_embeddings
+    assert isinstance(net.layers[1].qkv, PackedProjection)
+    assert set(net.layers[1].qkv.qtypes) == {int(Q.Q4_K), int(Q.Q6_K)}  # attn_v in a more-bits layer
+    assert torch.equal(net.layers[1].q_norm, torch.ones(128))
