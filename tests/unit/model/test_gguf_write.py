@@ -176,3 +176,13 @@ def test_a_tiny_qwen3_in_q4_k_m_loads_and_keeps_its_norms_in_f32(tmp_path) -> No
     assert isinstance(net.layers[1].qkv, PackedProjection)
     assert set(net.layers[1].qkv.qtypes) == {int(Q.Q4_K), int(Q.Q6_K)}  # attn_v in a more-bits layer
     assert torch.equal(net.layers[1].q_norm, torch.ones(128))
+
+
+def test_every_preset_has_a_gguf_layout_and_the_awaiting_ones_say_what_they_wait_for() -> None:
+    from hydragen.model.presets import AWAITING_FAMILY, config_for_random_weights
+
+    for name, hf in PRESETS.items():
+        assert model_types("Q4_K_M", ModelConfig.from_hf(hf)), name
+    for name, hf in AWAITING_FAMILY.items():
+        with pytest.raises(ValueError, match=f"needs the {hf['architectures'][0]} family"):
+            config_for_random_weights(name)
