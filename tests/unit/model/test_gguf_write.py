@@ -186,3 +186,17 @@ def test_every_preset_has_a_gguf_layout_and_the_awaiting_ones_say_what_they_wait
     for name, hf in AWAITING_FAMILY.items():
         with pytest.raises(ValueError, match=f"needs the {hf['architectures'][0]} family"):
             config_for_random_weights(name)
+
+
+def test_linear_rope_scaling_and_mistral_are_written_as_llama_cpp_writes_them(tiny_models, tmp_path) -> None:
+    """A linear RoPE factor goes into ``{arch}.rope.scaling.*`` and reads back; Mistral has no architecture
+    of its own in llama.cpp, whose converter writes it as ``llama``, and so does the writer."""
+    from hydragen.model.gguf_write import random_maker
+
+    hf = PRESETS["qwen3-1.7b"] | dict(num_hidden_layers=1, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    hf |= dict(rope_scaling={"rope_type": "linear", "factor": 4.0})
+    cfg = ModelConfig.from_hf(hf)
+    config, _ = read_gguf(write_gguf(tmp_path / "linear.gguf", cfg, "Q8_0", random_maker()))
+    assert ModelConfig.from_hf(config) == cfg and cfg.rope_scaling["factor"] == 4.0
+    mistral = ModelConfig.from_hf(_checkpoint(tiny_models["mistral"])[0])
+    assert writer_family(mistral).gguf_architecture == "llama"
