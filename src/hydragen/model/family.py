@@ -13,8 +13,9 @@ What a family provides, and who reads it:
 * llama.cpp's block names for its roles (``GGUF_LAYER_ROLES`` plus ``gguf_layer_tensors``) and whether q/k
   rows are permuted (``gguf_permuted_qk``): the GGUF reader (``model/gguf.py``) and the GGUF writer
   (``model/gguf_write.py``) both, through ``Family.hf_name`` and ``Family.gguf_tensors``, so a file the
-  writer lays out is the file the reader expects. A role whose shape is not in ``ROLE_SHAPES`` (a fused
-  ``qkv``, a norm of its own) gives its shape in ``role_shapes``; norms that llama.cpp stores as ``1 + w``
+  writer lays out is the file the reader expects. A fused tensor (Phi-3's ``attn_qkv``) is one role, named
+  for the fused checkpoint tensor; a role whose shape is not in ``ROLE_SHAPES`` (a fused ``qkv``, a norm of
+  its own) gives its shape in ``role_shapes``; norms that llama.cpp stores as ``1 + w``
   say so with ``hf_norm_offset`` (the writer adds it to a checkpoint's norms, the loader to those it reads);
 * the GGUF metadata beyond what every architecture has (``gguf_metadata``: ``{arch}.KEY`` values such as
   Llama's ``vocab_size`` or a sliding window), and which shapes llama-quantize treats as its 70B type

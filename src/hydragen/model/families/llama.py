@@ -4,12 +4,15 @@ layer. llama.cpp's converter permutes q/k rows for its GPT-J-style RoPE; the rea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydragen.model.family import Family
 
+if TYPE_CHECKING:
+    from hydragen.model.config import ModelConfig
 
-def _gguf_metadata(cfg: Any) -> dict[str, Any]:
+
+def _gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
     # convert_hf_to_gguf.py's LlamaModel adds these to every architecture's keys
     return {"vocab_size": cfg.vocab_size, "rope.dimension_count": cfg.rotary_dims}
 
