@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hydragen.model.config import ModelConfig
+# A model's config as the writer hands it over: a ``hydragen.model.config.ModelConfig`` (not imported here:
+# the config reads the registry, which reads this module).
+ModelConfig = Any
 
 # A layer's tensors as the decoder names them (role) -> the suffix after "model.layers.{i}." in a Hugging
 # Face checkpoint. Each family starts from Llama's names and replaces or adds its own.
@@ -69,7 +70,7 @@ GGUF_TOP_TENSORS: dict[str, str] = {
 }
 
 # ShapeFn(config) -> a role's weight shape in the Hugging Face layout: (rows, cols), or (n,) for a vector.
-ShapeFn = Callable[["ModelConfig"], tuple[int, ...]]
+ShapeFn = Callable[[ModelConfig], tuple[int, ...]]
 
 # The decoder's roles and their shapes (model/decoder.py builds exactly these).
 ROLE_SHAPES: dict[str, ShapeFn] = {

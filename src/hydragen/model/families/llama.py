@@ -4,12 +4,9 @@ layer. llama.cpp's converter permutes q/k rows for its GPT-J-style RoPE; the rea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hydragen.model.family import Family
-
-if TYPE_CHECKING:
-    from hydragen.model.config import ModelConfig
+from hydragen.model.family import Family, ModelConfig
 
 
 def _gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
