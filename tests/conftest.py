@@ -19,6 +19,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# LongRoPE factor lists in the range of Phi-3's: short ones near 1, long ones growing to tens (cut to the
+# tiny models' rotary dims / 2).
+PHI_SHORT = [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.7, 2.1]
+PHI_LONG = [1.0, 1.3, 2.0, 3.5, 6.0, 11.0, 19.0, 32.0]
+
 TINY = {
     "llama": dict(
         arch="LlamaForCausalLM",
@@ -87,6 +92,63 @@ TINY = {
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+    # Phi-3: fused qkv_proj / gate_up_proj, GQA, LongRoPE in the old config layout with a context past the
+    # original length: the long factors rotate every position, and every prompt of
+    # the tests is longer than the original 4 tokens, so transformers uses them too.
+    "phi3": dict(
+        arch="Phi3ForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=4,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        old_rope=dict(
+            rope_theta=10000.0,
+            rope_scaling={"type": "longrope", "short_factor": PHI_SHORT[:8], "long_factor": PHI_LONG[:8]},
+        ),
+    ),
+    # Phi-3-mini-4k's shape of context: a sliding window (48) shorter than the context (512) caps the context
+    # at the window, which is within LongRoPE's original length (64): the short factors, with the attention
+    # factor of 512 over 64 on cos and sin, as transformers computes every sequence of at most 64 tokens.
+    "phi3_window": dict(
+        arch="Phi3ForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        sliding_window=48,
+        pad_token_id=0,
+        old_rope=dict(
+            rope_theta=10000.0,
+            rope_scaling={"type": "longrope", "short_factor": PHI_SHORT[:8], "long_factor": PHI_LONG[:8]},
+        ),
+    ),
+    # Phi-4-mini: partial rotary (0.75: RoPE on 12 of each head's 16 dims), GQA, tied embeddings, LongRoPE
+    # in the new config layout, long factors (a context past the original length).
+    "phi4_mini": dict(
+        arch="Phi3ForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=4,
+        partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": PHI_SHORT[:6], "long_factor": PHI_LONG[:6]},
+        pad_token_id=0,
         tie_word_embeddings=True,
     ),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from hydragen.engine.loop import StepLoop
 from hydragen.engine.outputs import RequestOutput
 from hydragen.engine.sampling_params import SamplingParams
 from hydragen.errors import EngineBroken
+from hydragen.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from hydragen.model.linear import keeps_quantized_weights
 from hydragen.model.loader import DTYPES, load_model, resolve_device, resolve_dtype, resolve_kv_dtype
 
@@ -75,6 +77,9 @@ class LLM:
     properties it names, the default); a request's ``StructuredOutputsParams`` can say otherwise.
     ``tool_format`` (tool calling): "hermes", "llama3_json" or "generic"; None detects it from the chat
     template (hydragen.tools.formats).
+    ``generation_config``: "auto" takes the model's own sampling defaults (its generation_config.json or
+    GGUF metadata: temperature, top_p, top_k, min_p) for calls that pass no SamplingParams, as vLLM does
+    (``get_default_sampling_params``); "hydragen" keeps SamplingParams' defaults.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class LLM:
         literal_json_schema: bool = False,
         tool_format: str | None = None,
         kv_cache_dtype: str = "auto",
+        generation_config: str = "auto",
         **engine_options,
     ):
         """The keyword arguments, and ``engine_options`` (``prefill_chunk``, ``prefill_budget``,
@@ -107,7 +113,7 @@ class LLM:
             random_weights=random_weights, min_shared_reads=min_shared_reads, page_size=page_size,
             tensor_parallel_size=tensor_parallel_size, jump_forward=jump_forward, dequantize=dequantize,
             threads=threads, literal_json_schema=literal_json_schema, tool_format=tool_format,
-            kv_cache_dtype=kv_cache_dtype, **engine_options,
+            kv_cache_dtype=kv_cache_dtype, generation_config=generation_config, **engine_options,
         )  # fmt: skip
         self.engine_config = config = EngineConfig.from_options(**options)
         dev, dt = resolve_device(config.device), resolve_dtype(config.dtype)
@@ -135,6 +141,16 @@ class LLM:
         if governor is not None:
             governor.check(force=True)  # the other load seen while loading decides the first count
         self.engine.threads = governor
+        self.generation_defaults = GenerationDefaults({})
+        if config.generation_config == "auto":
+            self.generation_defaults = read_generation_defaults(self.model_path)
+            if self.generation_defaults:
+                print(self.generation_defaults.describe(), file=sys.stderr)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults (``generation_config="auto"``), what ``generate``
+        and ``chat`` use when given none (vLLM's method of the same name)."""
+        return SamplingParams(**self.generation_defaults.values)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -269,7 +285,7 @@ class LLM:
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")

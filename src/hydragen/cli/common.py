@@ -31,18 +31,18 @@ def flag_named(message: str) -> str:
     return message
 
 
-def sampling_params(args: argparse.Namespace, **fields):
+CLI_SAMPLING_DEFAULTS = {"top_p": 0.95, "top_k": 0, "min_p": 0.0}  # temperature: per subcommand
+
+
+def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None, **fields):
+    """SamplingParams from the flags: a flag left unset takes the model's default (``model_defaults``: its
+    generation_config.json or GGUF metadata, as ``LLM.generation_defaults`` read them), else the CLI's."""
     from hydragen import SamplingParams
 
+    defaults = {**CLI_SAMPLING_DEFAULTS, "temperature": args.default_temperature, **(model_defaults or {})}
+    chosen = {f: getattr(args, f) if getattr(args, f) is not None else d for f, d in defaults.items()}
     try:
-        return SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            **fields,
-        )
+        return SamplingParams(seed=args.seed, **chosen, **fields)
     except ValueError as e:
         raise UsageError(flag_named(str(e))) from None
 

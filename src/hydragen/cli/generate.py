@@ -143,18 +143,19 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.n < 1:  # before SamplingParams, so the summary's arithmetic never sees n < 1
         raise UsageError(f"-n must be at least 1, got {args.n}")
-    params = sampling_params(
-        args,
+    fields = dict(
         n=args.n,
         max_tokens=args.max_tokens,
         stop=args.stop or None,
         ignore_eos=args.ignore_eos,
         structured_outputs=constraint(args),
     )
+    sampling_params(args, **fields)  # bad flags are reported before the model loads
     apply_machine_flags(args)
     config = engine_config_of(args, **_kv_budget(args, args.n))
     text = _read_prompt(args.prompt)
     llm, load_s, context = load_llm(args, config)
+    params = sampling_params(args, llm.generation_defaults.values, **fields)
     ids = _prompt_ids(llm, args, text)
     if len(ids) >= context:
         flag = "--max-model-len" if args.max_model_len is not None else "the model's context"
@@ -224,9 +225,10 @@ def run_chat(args: argparse.Namespace) -> int:
         tool_list = load_tools(args.tools) if args.tools is not None else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    params = sampling_params(args, max_tokens=args.max_tokens or 1)
+    sampling_params(args, max_tokens=args.max_tokens or 1)  # bad flags are reported before the model loads
     apply_machine_flags(args)
     llm, load_s, context = load_llm(args, engine_config_of(args, **_kv_budget(args, 1)))
+    params = sampling_params(args, llm.generation_defaults.values, max_tokens=args.max_tokens or 1)
     if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         raise UsageError(f"{llm.model_path} has no chat template; use `hydragen generate --raw` instead")
     tools = None

@@ -64,15 +64,23 @@ def _add_random_weights_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    """The sampling flags. Each defaults to None: unset, it takes the model's own default (its
+    generation_config.json or GGUF metadata, unless --generation-config hydragen), else the one shown."""
+    p.set_defaults(default_temperature=temperature)
+    model = "the model's own, else "
     p.add_argument(
         "--temperature",
         type=float,
-        default=temperature,
-        help=f"sampling temperature, 0 = greedy (default {temperature})",
+        default=None,
+        help=f"sampling temperature, 0 = greedy (default: {model}{temperature})",
     )
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default 0)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop p < min_p x the top p, 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {model}0.95)")
+    p.add_argument(
+        "--top-k", type=int, default=None, help=f"keep the k most likely tokens (default: {model}off)"
+    )
+    p.add_argument(
+        "--min-p", type=float, default=None, help=f"drop p < min_p x the top p (default: {model}off)"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
 
 

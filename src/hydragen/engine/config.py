@@ -23,6 +23,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_PAGE_SIZE = 16
 ATTENTION = ("auto", "fused", "torch", "triton", "none")
 TOOL_FORMATS = ("hermes", "llama3_json", "generic")
+GENERATION_CONFIGS = ("auto", "hydragen")
 
 
 def setting(
@@ -122,6 +123,12 @@ class EngineConfig:
         "without tools)",
         choices=TOOL_FORMATS,
     )
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults for fields a request leaves unset: auto (the model's own, from its "
+        "generation_config.json or GGUF metadata, as vLLM) or hydragen (temperature 1, no top-p/top-k)",
+        choices=GENERATION_CONFIGS,
+    )
 
     def __post_init__(self) -> None:
         _check_positive(self, "tensor_parallel_size", "page_size", "max_num_seqs", "prefill_chunk")
@@ -149,6 +156,7 @@ class EngineConfig:
             raise ConfigError("attention", "attention='triton' needs the triton package (pip install triton)")
         if self.tool_format is not None:
             _check_choice(self, "tool_format", TOOL_FORMATS)
+        _check_choice(self, "generation_config", GENERATION_CONFIGS)
         t = self.threads
         if t is not None and t != "auto" and not (_is_int(t) and t >= 1):
             raise ConfigError("threads", f"threads must be a positive integer or 'auto', got {t!r}")

@@ -35,6 +35,12 @@ The engine also reads ``usage()``, resets with ``evict_idle()`` and drains KV ev
 once per sequence as its context grows), which key the prefix tree; matching costs a dict lookup and a
 token comparison per page. Only a table's context is ever hashed or published: tokens a forward computes
 past it (drafts being verified) are never cached, and ``truncate`` drops their KV.
+
+**Sliding windows** (``kv/window_pages.py``). A model with sliding-window KV groups holds, in each table,
+those groups' pages only from ``window_from[g]`` on: the rest went back to the pool, or stay as idle
+parts for prefix hits. Counts of what an allocation can get are then in pages of any group
+(``available``), a match is cut back to where every window's keys exist, and eviction weighs idle leaves
+and idle parts by one LRU clock.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 from hydragen.kv.page_hash import page_hashes
 from hydragen.kv.pool import OutOfPages, PagePool
 from hydragen.kv.radix import Location, PageEvent, PageNode, PrefixTree
+from hydragen.kv.window_pages import WindowPages
 
 
 @dataclass(eq=False)
@@ -57,6 +64,7 @@ class PageTable:
     own_from: int = 0  # pages before it came from the tree (others write them); from it on, this table writes
     salt: str | None = None  # the request's cache salt: seeds the hash chain (tenants never share pages)
     hashes: list[int] = field(default_factory=list)  # chained hashes of the context's first full pages
+    window_from: dict[int, int] = field(default_factory=dict)  # per window group: its first page held
 
 
 class KVManager:
@@ -66,12 +74,28 @@ class KVManager:
         self.tree = PrefixTree(pool.page_size)
         self.idle = 0  # cached pages nobody holds
         self._event_sink: Callable[[list[PageEvent]], None] | None = None
+        self.windows = WindowPages(pool, self.tree)
+        # Pages of any group an idle table page frees with it (itself and the groups that never slide)
+        self._fixed = pool.groups - len(self.windows.windows)
 
     # ---- accounting ---------------------------------------------------------------------------
     @property
     def available(self) -> int:
-        """Pages an allocation can get: free ones plus idle cached ones (all evictable)."""
-        return self.pool.free_pages + self.idle
+        """Pages an allocation can get: free ones plus idle cached ones (all evictable). With window groups,
+        table pages out of the pages of any group free or evictable (each table page takes one of each)."""
+        if not self.windows:
+            return self.pool.free_pages + self.idle
+        return self._physical_left() // self.pool.groups
+
+    def _physical_left(self, revived_pages: int = 0, revived_parts: int = 0) -> int:
+        """Pages of any group free or evictable, after reviving some idle table pages and idle parts."""
+        idle = (self.idle - revived_pages) * self._fixed + self.windows.idle - revived_parts
+        return self.pool.free_physical + idle
+
+    def unreachable_pages(self) -> int:
+        """Cached pages no prefix hit can use (their sliding windows' pages are gone): a metric, 0 for a
+        model without window groups (it walks the tree: not for every step)."""
+        return self.windows.unreachable() if self.windows else 0
 
     def usage(self) -> dict:
         """Pages in use (held or cached), cached, total: after every request ends, used == cached."""
@@ -100,7 +124,17 @@ class KVManager:
         nothing changed): the pages it takes plus the idle cached ones it revives must be available."""
         nodes = self._match(table, tokens, limit)
         revived = sum(1 for n in nodes if not self.pool.refs[n.page])
-        if self.pages_for(len(tokens)) - len(nodes) + revived > self.available:
+        new = self.pages_for(len(tokens)) - len(nodes)
+        if self.windows:
+            pages = [n.page for n in nodes]
+            starts = {
+                g: self.windows.first_page(len(pages) * self.page_size, w)
+                for g, w in self.windows.windows.items()
+            }
+            parts = self.windows.idle_in(starts, pages)
+            if new * self.pool.groups > self._physical_left(revived, parts):
+                return None
+        elif new + revived > self.available:
             return None
         self._hold(table, nodes)
         self._grow(table, len(tokens))
@@ -135,7 +169,10 @@ class KVManager:
         if self.tree.outside_pool:  # usable: the prefix whose KV is in the pool
             for i, node in enumerate(nodes):
                 if node.location is not Location.POOL:
-                    return nodes[:i]
+                    nodes = nodes[:i]
+                    break
+        if self.windows:  # usable: up to where every window's keys exist
+            nodes = nodes[: self.windows.valid_prefix(nodes)]
         return nodes
 
     def _hashes(self, table: PageTable, tokens: list[int], pages: int) -> list[int]:
@@ -151,6 +188,8 @@ class KVManager:
     # ---- taking pages -------------------------------------------------------------------------------
     def _make_room(self, pages: int) -> None:
         """Evict idle pages until ``pages`` are free; raises OutOfPages (nothing evicted) if it cannot."""
+        if self.windows:
+            return self._make_room_windowed(pages * self.pool.groups)
         short = pages - self.pool.free_pages
         if short <= 0:
             return
@@ -161,6 +200,44 @@ class KVManager:
         self.pool.free(gone)
         if self.pool.free_pages < pages:  # the idle count and the tree disagree: a bug, never a silent hang
             raise RuntimeError(f"evicted {len(gone)} of {short} idle KV pages: prefix tree inconsistent")
+
+    def _make_room_windowed(self, physical: int) -> None:
+        """Evict idle leaves and idle window parts, least recently used first, until ``physical`` pages of
+        any group are free; raises OutOfPages (nothing evicted) if it cannot."""
+        pool, tree, windows = self.pool, self.tree, self.windows
+        if physical - pool.free_physical > self._physical_left() - pool.free_physical:
+            raise OutOfPages(
+                f"need {physical} KV pages of any group: {pool.free_physical} free, "
+                f"{self.idle} idle table pages and {windows.idle} idle window pages"
+            )
+        while pool.free_physical < physical:
+            leaf, part = tree.oldest_idle_leaf(pool.refs), windows.oldest_idle()
+            if leaf is None and part is None:
+                raise RuntimeError("window pages' idle counts and the prefix tree disagree: a bug")
+            if part is None or (leaf is not None and leaf.last_used < part[0]):
+                self._evict_leaf(leaf)
+            else:
+                for dead in windows.evict(part[1], part[2]):
+                    if dead.page in tree.nodes and not dead.children and not pool.refs[dead.page]:
+                        self._evict_leaf(dead)
+
+    def _evict_leaf(self, node: PageNode) -> None:
+        """Evict an idle leaf with its window parts; its parent, left a leaf with no valid end (its window
+        pages are gone), goes too."""
+        while True:
+            parent = node.parent
+            self.windows.left_tree(node.page)
+            self.tree.evict_leaf(node, self.pool.refs)
+            self.idle -= 1
+            self.pool.free([node.page])
+            node = parent
+            if (
+                node.parent is None
+                or node.children
+                or self.pool.refs[node.page]
+                or self.windows.valid_end(node)
+            ):
+                return
 
     def _grow(self, table: PageTable, tokens: int) -> None:
         """Pages for positions [0, tokens) of ``table``; raises OutOfPages (table unchanged)."""
@@ -179,6 +256,8 @@ class KVManager:
         table.pages = pages
         table.published = table.own_from = len(pages)
         table.computed = 0
+        if self.windows:
+            self.windows.start(table.window_from, pages, len(pages) * self.page_size)
         self.ready(table)
 
     def reserve(self, pages: int) -> tuple[int, ...] | None:
@@ -217,19 +296,39 @@ class KVManager:
             if node.page != mine:
                 if node.tokens != key or not (computed and node.computed):
                     return
+                if self.windows and not self._swap_parts(table, i, mine, node.page):
+                    return
                 self._retain([node.page])
                 self._drop([mine])
                 table.pages[i] = node.page
             table.published = i + 1
             parent = node
 
-    def computed_to(self, table: PageTable, end: int) -> None:
+    def _swap_parts(self, table: PageTable, i: int, mine: int, cached: int) -> bool:
+        """The table's window holds move from its page ``mine`` (index i) to the cached page of the same
+        tokens; False (nothing changes) when a window still reads a part the cached page has lost."""
+        windows = self.windows
+        groups = [g for g in windows.windows if i >= table.window_from.get(g, 0)]
+        if not windows.present(cached, groups):
+            return False
+        for g in groups:
+            windows.retain(g, cached)
+            windows.release(g, mine)
+        return True
+
+    def computed_to(self, table: PageTable, end: int, verified: int | None = None) -> None:
         """A forward wrote the table's KV up to position ``end``: its own published pages below it are now
-        full of KV (whoever waits on them can go on)."""
+        full of KV (whoever waits on them can go on), and its windows moved past their first pages: up to
+        ``verified`` when positions past it are drafts that ``truncate`` may take back (a window moved on
+        cannot move back: its pages are gone)."""
         before, table.computed = table.computed, end
         nodes = self.tree.nodes
         for i in range(before // self.page_size, min(table.published, end // self.page_size)):
             nodes[table.pages[i]].computed = True
+        if self.windows:
+            self.windows.slide(
+                table.window_from, table.pages, end if verified is None else min(end, verified)
+            )
 
     def in_flight(self, table: PageTable) -> list[int]:
         """Pages ``table`` published to the tree before computing them: it is their only writer, and whoever
@@ -258,6 +357,13 @@ class KVManager:
                 f"{table.published * self.page_size}"
             )
         keep = self.pages_for(length)
+        if self.windows:
+            for g, w in self.windows.windows.items():
+                if self.windows.first_page(length, w) < table.window_from.get(g, 0):
+                    raise ValueError(
+                        f"cannot truncate to {length}: the window's pages before it were released"
+                    )
+            self.windows.drop(table.window_from, table.pages, keep)
         self._drop(table.pages[keep:])
         del table.pages[keep:]
         del table.hashes[length // self.page_size :]
@@ -271,6 +377,9 @@ class KVManager:
             self.publish(table, tokens, table.computed)
         self._unpublish_uncomputed(table)
         self.tree.touch(table.pages[: table.published])
+        if self.windows:
+            self.windows.drop(table.window_from, table.pages)
+            table.window_from = {}
         self._drop(table.pages)
         table.pages, table.computed, table.published, table.own_from = [], 0, 0, 0  # hashes stay: same tokens
 
@@ -281,6 +390,7 @@ class KVManager:
             if node.children or refs[node.page] > 1:
                 raise RuntimeError("a page in flight is released while another table waits on it")
             parent = node.parent
+            self.windows.left_tree(node.page)
             self.tree.remove(node)
             table.published -= 1
             if parent.parent is not None and not parent.children and not refs[parent.page]:
@@ -301,7 +411,20 @@ class KVManager:
             self._event_sink(events)
 
     def evict_idle(self) -> int:
-        """Evict every idle cached page (``reset_prefix_cache``); returns how many."""
+        """Evict every idle cached page (``reset_prefix_cache``), and every idle window page; returns how
+        many table pages."""
+        if self.windows:
+            while (part := self.windows.oldest_idle()) is not None:
+                for dead in self.windows.evict(part[1], part[2]):
+                    if dead.page in self.tree.nodes and not dead.children and not self.pool.refs[dead.page]:
+                        self._evict_leaf(dead)
+            before = self.idle
+            for page, node in list(self.tree.nodes.items()):
+                if not self.pool.refs[page] and not node.children:
+                    self.tree.went_idle(page)
+            while (leaf := self.tree.oldest_idle_leaf(self.pool.refs)) is not None:
+                self._evict_leaf(leaf)
+            return before - self.idle
         gone = self.tree.clear_idle(self.pool.refs)
         self.idle -= len(gone)
         self.pool.free(gone)
@@ -309,6 +432,8 @@ class KVManager:
 
     def give_back(self, pages: list[int]) -> None:
         """Release pages taken outside any table (a fork's ``reserve`` that was not used)."""
+        if self.windows:
+            self.windows.drop_all(pages)
         self._drop(pages)
 
     def _drop(self, pages: list[int]) -> None:
@@ -344,11 +469,21 @@ class KVManager:
                 torch.tensor(src_slots, device=dev, dtype=torch.long),
             )
         self._retain(shared)
-        old = dst.pages
+        old, old_from = dst.pages, dst.window_from
         dst.pages = shared + list(reserved)
         dst.computed = upto
         dst.published = min(shared_pages, src.published)
         dst.own_from = shared_pages
+        if self.windows:
+            dst.window_from = {}
+            for g, w in self.windows.windows.items():
+                lo = dst.window_from[g] = min(self.windows.first_page(upto, w), len(dst.pages))
+                for i, p in enumerate(dst.pages):
+                    if i < shared_pages and i >= lo:
+                        self.windows.retain(g, p)  # a shared page its window reads
+                    elif i >= shared_pages and i < lo:
+                        self.windows.release(g, p)  # a fresh page wholly before its window
+            self.windows.drop(old_from, old)
         self._drop(old)
 
     # ---- checks -----------------------------------------------------------------------------------------
@@ -387,6 +522,33 @@ class KVManager:
         for node in tree.nodes.values():
             assert node.parent.children.get(node.hash) is node
         self._check_writers(tables)
+        if self.windows:
+            self._check_windows(tables, holders)
+
+    def _check_windows(self, tables: list[PageTable], holders: list[int]) -> None:
+        """Every window group's page is held exactly by the tables whose window reads it, present while
+        held, idle only beside a cached page, counted; no idle leaf of the tree is a dead end."""
+        pool, tree, windows = self.pool, self.tree, self.windows
+        idle = 0
+        for g, w in windows.windows.items():
+            held = [0] * len(pool.refs)
+            for t in tables:
+                lo = t.window_from.get(g, 0)
+                assert lo <= windows.first_page(t.computed, w) or lo <= len(t.pages), "window ahead"
+                for p in t.pages[lo:]:
+                    held[p] += 1
+            assert held == pool.part_refs[g], f"group {g}'s page holds differ from the tables' windows"
+            for p in range(len(pool.refs)):
+                present = pool.group_pages[g][p] >= 0
+                if held[p]:
+                    assert present, f"group {g}'s page beside {p} is held but gone"
+                elif present and (holders[p] or p in tree):
+                    assert p in tree, f"group {g}'s page beside {p} is kept for nothing"
+                    idle += 1
+        assert idle == windows.idle, f"idle window pages: counted {windows.idle}, found {idle}"
+        for page, node in tree.nodes.items():
+            if not node.children and not holders[page]:
+                assert windows.valid_end(node), f"idle leaf {page} can never be hit: its windows are gone"
 
     def _check_writers(self, tables: list[PageTable]) -> None:
         """Every page in flight (in the tree, not computed) has exactly one live writer: the table that

@@ -15,6 +15,10 @@ for each page of a table: the page ids tables, the tree and the scheduler see ar
 any group can use a page another gave back). The tensors are ``[rows, slots, Hkv, D]``, layer i in row
 ``layout.row_of_layer[i]`` of its group's pages. ``num_pages`` and the free/used counts are in table
 pages (a page of every group each). With one group, group_pages is the identity and rows are layers.
+
+A sliding-window group's page (``layout.released``) can go before its table page: ``part_refs[g][p]``
+counts the holds on group g's page beside p (a table holds it while its window can still read it), and
+``free_part`` gives it back alone (``group_pages[g][p] = -1``); the KV manager decides when.
 """
 
 from __future__ import annotations
@@ -138,6 +142,8 @@ class PagePool:
         self.refs = [0] * physical
         # group_pages[g][p]: group g's page beside table page p (-1: none); group 0's is p itself.
         self.group_pages = [list(range(physical))] + [[-1] * physical for _ in range(self.groups - 1)]
+        # part_refs[g][p]: holds on window group g's page beside table page p (kv/manager.py)
+        self.part_refs = {g: [0] * physical for g in layout.released}
         self.bytes_per_token = 2 * layout.rows * self.groups * num_kv_heads * head_dim * self.k.element_size()
         self.peak_used = 0
 
@@ -148,6 +154,11 @@ class PagePool:
     @property
     def free_pages(self) -> int:
         return self.allocator.free // self.groups
+
+    @property
+    def free_physical(self) -> int:
+        """Free pages of any group (a table page takes one of every group)."""
+        return self.allocator.free
 
     @property
     def used_pages(self) -> int:
@@ -177,6 +188,8 @@ class PagePool:
                     self.group_pages[g][p] = q
         for p in pages:
             self.refs[p] = 1
+            for held in self.part_refs.values():
+                held[p] = 1
         self.peak_used = max(self.peak_used, self.used_pages)
         return pages
 
@@ -197,14 +210,22 @@ class PagePool:
         return dropped
 
     def free(self, pages: Iterable[int]) -> None:
-        """Give unheld pages back to the allocator (with their other groups' pages)."""
+        """Give unheld pages back to the allocator (with their other groups' pages still there)."""
         for p in pages:
             if self.refs[p]:
                 raise RuntimeError(f"KV page {p} freed while held {self.refs[p]} time(s)")
             self.allocator.release(p)
             for g in range(1, self.groups):
-                self.allocator.release(self.group_pages[g][p])
-                self.group_pages[g][p] = -1
+                if self.group_pages[g][p] >= 0:
+                    self.free_part(g, p)
+
+    def free_part(self, group: int, page: int) -> None:
+        """Give back group ``group``'s page beside table page ``page`` alone (a window moved past it)."""
+        held = self.part_refs.get(group)
+        if held is not None and held[page]:
+            raise RuntimeError(f"group {group}'s page beside {page} freed while held {held[page]} time(s)")
+        self.allocator.release(self.group_pages[group][page])
+        self.group_pages[group][page] = -1
 
     def in_group(self, pages, group: int) -> tuple[int, ...]:
         """Group ``group``'s pages beside table pages ``pages``."""
@@ -221,19 +242,25 @@ class PagePool:
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy K/V of table slots ``src`` into ``dst`` in every layer, each group's in its own pages (a
-        page's computed part handed to another holder; the no-sharing baseline's private copies)."""
+        page's computed part handed to another holder; the no-sharing baseline's private copies). A window
+        group's page gone on either side (outside the window) is not copied."""
         if self.groups > 1:
-            dst, src = self._every_group(dst), self._every_group(src)
+            dst, src = self._every_group(dst, src)
         self.copy_physical(dst, src)
 
-    def _every_group(self, slots: torch.Tensor) -> torch.Tensor:
+    def _every_group(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ps = self.page_size
-        table = slots.tolist()
-        out = list(table)
+        to, of = dst.tolist(), src.tolist()
+        out_to, out_of = list(to), list(of)
         for g in range(1, self.groups):
             mine = self.group_pages[g]
-            out += [mine[s // ps] * ps + s % ps for s in table]
-        return torch.tensor(out, dtype=slots.dtype, device=slots.device)
+            for d, s in zip(to, of, strict=True):
+                a, b = mine[d // ps], mine[s // ps]
+                if a >= 0 and b >= 0:
+                    out_to.append(a * ps + d % ps)
+                    out_of.append(b * ps + s % ps)
+        as_tensor = lambda x: torch.tensor(x, dtype=src.dtype, device=src.device)  # noqa: E731
+        return as_tensor(out_to), as_tensor(out_of)
 
     def copy_physical(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy the K/V of slots ``src`` into ``dst`` in every row (slots of any group, as stored)."""

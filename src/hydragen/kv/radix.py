@@ -38,6 +38,11 @@ from enum import Enum
 _clock = itertools.count(1)
 
 
+def tick() -> int:
+    """The next time on the tree's LRU clock (window pages' idle parts share it: kv/window_pages.py)."""
+    return next(_clock)
+
+
 class Location(Enum):
     """Where a cached page's KV is."""
 
@@ -162,23 +167,34 @@ class PrefixTree:
         node = self.nodes[page]
         heapq.heappush(self._idle, (node.last_used, -node.depth, next(_clock), node))
 
-    def evict(self, wanted: int, refs: list[int]) -> list[int]:
-        """Remove up to ``wanted`` idle pages, least recently used leaves first; returns their pages."""
-        out: list[int] = []
-        while self._idle and len(out) < wanted:
-            last_used, _, _, node = heapq.heappop(self._idle)
+    def oldest_idle_leaf(self, refs: list[int]) -> PageNode | None:
+        """The least recently used idle leaf (left in the tree), or None when there is none."""
+        while self._idle:
+            last_used, _, _, node = self._idle[0]
             if (
                 self.nodes.get(node.page) is not node
                 or refs[node.page]
                 or node.children
                 or last_used != node.last_used
             ):
-                continue  # held again, already gone, not a leaf yet, or a stale entry
-            parent = node.parent
-            self.remove(node)
+                heapq.heappop(self._idle)  # held again, already gone, not a leaf yet, or a stale entry
+                continue
+            return node
+        return None
+
+    def evict_leaf(self, node: PageNode, refs: list[int]) -> None:
+        """Remove an idle leaf; its parent, now an idle leaf, becomes a candidate."""
+        parent = node.parent
+        self.remove(node)
+        if parent.parent is not None and not parent.children and not refs[parent.page]:
+            self.went_idle(parent.page)
+
+    def evict(self, wanted: int, refs: list[int]) -> list[int]:
+        """Remove up to ``wanted`` idle pages, least recently used leaves first; returns their pages."""
+        out: list[int] = []
+        while len(out) < wanted and (node := self.oldest_idle_leaf(refs)) is not None:
+            self.evict_leaf(node, refs)
             out.append(node.page)
-            if parent.parent is not None and not parent.children and not refs[parent.page]:
-                self.went_idle(parent.page)
         return out
 
     def clear_idle(self, refs: list[int]) -> list[int]:

@@ -7,7 +7,8 @@ from typing import Any
 
 from hydragen.attention.layer_spec import AttentionSpec
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs name LongRoPE "su"
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,20 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(
                     f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
                 )
             scaling["rope_type"] = rope_type
+            if rope_type == "yarn":
+                key = "original_max_position_embeddings"
+                orig = scaling.get(key) or cfg.get(key)
+                if not orig:
+                    raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+                scaling["original_max_position_embeddings"] = int(orig)
+                if scaling.get("factor") is None:  # DeepSeek's configs give the two lengths instead
+                    scaling["factor"] = int(cfg.get("max_position_embeddings", orig)) / int(orig)
             if rope_type == "default":
                 scaling = None
         eos = cfg.get("eos_token_id")
@@ -92,7 +102,14 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             family=family.name,
         )
-        return cls(**{**common, **family.config(cfg)})
+        fields = {**common, **family.config(cfg)}
+        if fields["rope_scaling"] is not None and fields["rope_scaling"]["rope_type"] == "longrope":
+            from hydragen.model.rope import longrope_scaling
+
+            rotary = fields.get("rotary_dim") or fields["head_dim"]
+            context = fields["max_position_embeddings"]  # the family's (a window may cap it)
+            fields["rope_scaling"] = longrope_scaling(fields["rope_scaling"], cfg, context, rotary)
+        return cls(**fields)
 
     @property
     def rotary_dims(self) -> int:

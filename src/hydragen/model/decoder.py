@@ -78,7 +78,7 @@ class DecoderModel(nn.Module):
 
     def setup_rotary(self, device) -> None:
         c = self.cfg
-        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device)
+        self.rotary = Rotary(c.rotary_dims, c.rope_theta, c.rope_scaling, c.max_position_embeddings, device)
 
     @torch.inference_mode()
     def forward(
@@ -102,13 +102,17 @@ class DecoderModel(nn.Module):
         if layers is not None:
             h = layers(h.contiguous(), rope)
             return rms_norm(h, self.norm, eps) if final_norm else h
+        # QK-norm goes between the projection and the rotary, and the projection's fused rotary rotates whole
+        # heads: with either, q and k are rotated after the projection.
+        apart = c.qk_norm or c.rotary_dims != c.head_dim
         for i, layer in enumerate(self.layers):
-            if c.qk_norm:  # norm each head of q and k, then rotate: the rotary cannot be fused
+            if apart:
                 q, k, v = layer.qkv(h, norm=layer.attn_norm, eps=eps).split(layer.split, dim=-1)
-                q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, eps).view(t, -1)
-                k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, eps).view(t, -1)
-                q = rotate_leading(q, _rope_for(rope, q))
-                k = rotate_leading(k, _rope_for(rope, k))
+                if c.qk_norm:  # norm each head of q and k, then rotate
+                    q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, eps).view(t, -1)
+                    k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, eps).view(t, -1)
+                q = rotate_leading(q, _rope_for(rope, q), c.head_dim)
+                k = rotate_leading(k, _rope_for(rope, k), c.head_dim)
             else:
                 qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=rope)
                 q, k, v = qkv.split(layer.split, dim=-1)

@@ -115,6 +115,11 @@ class Family:
     layer_tensors: dict[str, str] = field(default_factory=lambda: dict(LLAMA_LAYER_TENSORS))
     # llama.cpp block names -> roles, beyond GGUF_LAYER_ROLES (e.g. "attn_q_norm": "q_norm").
     gguf_layer_tensors: dict[str, str] = field(default_factory=dict)
+    # Tensors a checkpoint stores fused: a role whose tensor holds other roles' rows stacked, in this order
+    # (Phi-3's "qkv": ("q", "k", "v")). The loader reads each part as a row range of it under the part's own
+    # name (model/fused.py), so packing and tensor parallelism see separate tensors. The fused role needs a
+    # name in ``layer_tensors`` (and ``gguf_layer_tensors``), the parts keep theirs.
+    fused_tensors: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether llama.cpp's converter permuted attn_q/attn_k rows for its GPT-J-style RoPE (Llama, Mistral).
     gguf_permuted_qk: bool = False
     # Whether the fused C++ layer stack (model/layer_stack.py) computes this family exactly. Only a family

@@ -30,7 +30,8 @@ from hydragen.model.file_pages import FileMap
 from hydragen.model.qtensor import KEPT_TYPES, PACKED_TYPES, QuantTensor, block_size, row_bytes
 from hydragen.model.registry import family_for_gguf, supported_gguf
 
-_SKIP = {"rope_freqs.weight"}  # folded into config["rope_scaling"] instead
+# folded into config["rope_scaling"] instead: llama3's rope_freqs, LongRoPE's two factor sets (phi3)
+_SKIP = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _DEFAULT_ORIG_CTX = 8192  # llama3 rope: any value works, only L/(hi-lo) and lo/(hi-lo) matter (see below)
 
 
@@ -290,10 +291,22 @@ def open_gguf_tensors(path: str | Path, keep: bool = False) -> tuple[dict, GGUFT
     if "rope_freqs.weight" in tensors:
         factors = _dequantize(tensors["rope_freqs.weight"])
         rope_scaling = llama3_rope_scaling(factors, head_dim, theta, orig_ctx)
+    elif "rope_factors_long.weight" in tensors and "rope_factors_short.weight" in tensors:
+        rope_scaling = {  # model/rope.py, longrope_scaling, picks the set and the attention factor
+            "rope_type": "longrope",
+            "long_factor": _dequantize(tensors["rope_factors_long.weight"]).reshape(-1).tolist(),
+            "short_factor": _dequantize(tensors["rope_factors_short.weight"]).reshape(-1).tolist(),
+            "original_max_position_embeddings": int(orig_ctx or ctx),
+        }
     elif scaling_type in ("linear", "yarn"):
         rope_scaling = {"rope_type": scaling_type, "factor": _sig(meta(f"{arch}.rope.scaling.factor", 1.0))}
         if scaling_type == "yarn":
             rope_scaling["original_max_position_embeddings"] = int(orig_ctx or ctx)
+            for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+                if (value := meta(f"{arch}.rope.scaling.{key}")) is not None:
+                    rope_scaling[name] = _sig(value)
+            if (value := meta(f"{arch}.rope.scaling.yarn_attn_factor")) is not None:  # HF attention_factor
+                rope_scaling["attention_factor"] = _sig(value)
 
     config = {
         "architectures": [family.hf_architectures[0]],

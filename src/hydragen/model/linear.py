@@ -30,14 +30,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rotate_leading(y: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """The first ``cols`` columns of y [T, N] rotated per head (rotate-half), the rest unchanged."""
+def rotate_leading(y: torch.Tensor, rope: Rope, head_dim: int | None = None) -> torch.Tensor:
+    """The first ``cols`` columns of y [T, N] rotated per head (rotate-half), the rest unchanged.
+
+    Heads are ``head_dim`` columns (default: the tables' width). With wider heads than the tables (partial
+    rotary: Phi-4-mini rotates 96 of 128) only each head's leading table-width columns rotate, rotate-half
+    within them, and the rest of the head passes through."""
     cos, sin, cols = rope
     d = cos.shape[-1]
+    head = head_dim or d
     t = y.shape[0]
-    x = y[:, :cols].view(t, cols // d, d)
-    swapped = torch.cat([x[..., d // 2 :], x[..., : d // 2]], dim=-1)
-    rotated = x * cos.unsqueeze(1) + swapped * sin.unsqueeze(1)
+    x = y[:, :cols].view(t, cols // head, head)
+    part = x if head == d else x[..., :d]
+    swapped = torch.cat([part[..., d // 2 :], part[..., : d // 2]], dim=-1)
+    rotated = part * cos.unsqueeze(1) + swapped * sin.unsqueeze(1)
+    if head != d:
+        rotated = torch.cat([rotated, x[..., d:]], dim=-1)
     return torch.cat([rotated.reshape(t, cols), y[:, cols:]], dim=1)
 
 

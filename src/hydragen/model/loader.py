@@ -11,8 +11,10 @@ import torch
 from hydragen.model.config import ModelConfig
 from hydragen.model.decoder import DecoderModel
 from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.fused import read_parts
 from hydragen.model.heap import release_freed_memory
 from hydragen.model.qtensor import TORCH_16BIT, QuantTensor
+from hydragen.model.registry import family_named
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -242,12 +244,14 @@ def load_model(
     path = resolve_model_path(model)
     keep = keeps_compact(device, dtype, dequantize)
     if path.suffix == ".gguf":
-        hf_cfg, sd = _gguf_state(path, keep)
+        hf_cfg, source = _gguf_state(path, keep)
         cfg_file = path
     else:
-        hf_cfg, sd = _read_hf_dir(path, keep and dtype == torch.float32)
+        hf_cfg, source = _read_hf_dir(path, keep and dtype == torch.float32)
         cfg_file = path / "config.json"
     cfg = parse_config(hf_cfg, cfg_file)
+    sd = read_parts(source, family_named(cfg.family), cfg, path)  # fused tensors (Phi-3's qkv) as parts
+    del source
     net = build_model(cfg, sd, device, dtype, path)
     del sd
     release_freed_memory()
@@ -257,16 +261,17 @@ def load_model(
 
 
 def _gguf_state(path: Path, keep: bool):
-    """(config, state dict) of a GGUF. Kept in its format, each tensor is read as the model takes it and
-    packed before the next: the load's peak is what it packed plus one projection's bytes. Dequantized, the
-    tensors are read up front by a few threads (the float32 copies dwarf the file anyway)."""
+    """(config, tensors) of a GGUF. Kept in its format, the tensors are the file's, read on demand
+    (``read_parts``): each is read as the model takes it and packed before the next, so the load's peak is
+    what it packed plus one projection's bytes. Dequantized, they are read up front into a state dict by a
+    few threads (the float32 copies dwarf the file anyway)."""
     from hydragen.model.gguf import open_gguf_tensors, read_gguf
 
     if not keep:
         return read_gguf(path, keep)
     hf_cfg, files = open_gguf_tensors(path, keep)
     release_freed_memory()  # the header's parse (a vocabulary of Python objects) before the weights
-    return hf_cfg, files.on_demand()
+    return hf_cfg, files
 
 
 def random_gguf_or(model, random_weights: bool):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hydragen.model.families import llama, mistral, qwen2, qwen3
+from hydragen.model.families import llama, mistral, phi3, qwen2, qwen3
 from hydragen.model.family import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -10,6 +10,7 @@ FAMILIES: tuple[Family, ...] = (
     mistral.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    phi3.FAMILY,
 )
 
 

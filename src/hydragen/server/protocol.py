@@ -104,16 +104,24 @@ class _Common(_Strict):
         """The request field that carries the output constraint (for naming it in errors)."""
         return structured_outputs_from(self)[1]
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams, or a 400 naming the parameter the engine could not represent."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """SamplingParams, or a 400 naming the parameter the engine could not represent. A sampling field
+        the request leaves unset takes ``defaults`` (the model's own, as vLLM), else OpenAI's default."""
         structured, _ = structured_outputs_from(self)
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+        }
+        unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, **(defaults or {})}
+        chosen = {k: v if v is not None else unset[k] for k, v in given.items()}
         fields = dict(
             structured_outputs=structured,
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            **chosen,
             max_tokens=max_tokens,
             stop=self.stop or None,
             stop_token_ids=self.stop_token_ids,

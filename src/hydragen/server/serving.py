@@ -48,8 +48,11 @@ class GenerationBody(Protocol):
     @property
     def max_tokens_param(self) -> str: ...
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The body's sampling fields as SamplingParams, or a 400 naming the field at fault."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """The body's sampling fields as SamplingParams (``defaults`` for the ones it leaves unset: the
+        model's own), or a 400 naming the field at fault."""
         ...
 
 
@@ -113,13 +116,12 @@ class Serving:
         self.model.check(body.model)
         return body, log
 
-    @staticmethod
-    def sampling(body: GenerationBody) -> int | None:
+    def sampling(self, body: GenerationBody) -> int | None:
         """The body's logprobs count, once every sampling value in it is checked (a 400 before any
         tokenizing)."""
         logprobs = body.logprobs_count()
         requested = body.requested_max_tokens()
-        body.sampling_params(1 if requested is None else requested, logprobs)
+        body.sampling_params(1 if requested is None else requested, logprobs, self.model.sampling_defaults)
         return logprobs
 
     def params(
@@ -145,7 +147,7 @@ class Serving:
             max_tokens = self.encoder.max_tokens(
                 len(ids), body.requested_max_tokens(), default_max, body.max_tokens_param
             )
-            params.append(body.sampling_params(max_tokens, logprobs))
+            params.append(body.sampling_params(max_tokens, logprobs, self.model.sampling_defaults))
         return params
 
     async def precompile(self, constraint, field: str) -> None:

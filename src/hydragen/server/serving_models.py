@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,12 +21,14 @@ class ServedModel:
     tool_format: Any  # hydragen.tools.formats.CallFormat, resolved from the chat template
     context: int  # max_position_embeddings
     vocab_size: int
+    # The model's sampling defaults for fields a request leaves unset (LLM.generation_defaults).
+    sampling_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, llm, name: str) -> ServedModel:
-        return cls(
-            name, llm.tokenizer, llm.tool_format, llm.config.max_position_embeddings, llm.config.vocab_size
-        )
+        c = llm.config
+        defaults = dict(llm.generation_defaults.values) if hasattr(llm, "generation_defaults") else {}
+        return cls(name, llm.tokenizer, llm.tool_format, c.max_position_embeddings, c.vocab_size, defaults)
 
     def check(self, requested: str) -> None:
         """404 ``model_not_found`` for a request naming another model."""

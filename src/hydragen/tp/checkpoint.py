@@ -16,6 +16,7 @@ import torch
 
 from hydragen.model.config import ModelConfig
 from hydragen.model.errors import ModelFileError, first_line
+from hydragen.model.fused import FusedFiles
 from hydragen.model.heap import release_freed_memory
 from hydragen.model.loader import (
     build_model,
@@ -30,6 +31,7 @@ from hydragen.model.loader import (
     weight_files,
 )
 from hydragen.model.qtensor import QuantTensor
+from hydragen.model.registry import family_named
 from hydragen.tp.sharded_model import ShardedDecoderModel
 from hydragen.tp.sharding import Shard, SplitBlocks
 
@@ -52,6 +54,9 @@ class SafetensorsFiles:
                 self._where[name] = handle
         self.names = list(self._where)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
     def read(self, name: str, dim: int | None, lo: int, hi: int) -> torch.Tensor:
         handle = self._where[name]
         if dim is None:
@@ -73,6 +78,9 @@ class TorchBinFiles:
                     f, f"unreadable weights file, truncated or corrupt ({first_line(e)})"
                 ) from None
         self.names = list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
 
     def read(self, name: str, dim: int | None, lo: int, hi: int) -> torch.Tensor:
         t = self._tensors[name]
@@ -170,6 +178,7 @@ def load_shard(
         found = weight_files(path)
         files = SafetensorsFiles(found) if found[0].suffix == ".safetensors" else TorchBinFiles(found)
     shard = Shard(cfg, rank, world, blocks)
+    files = FusedFiles(files, family_named(cfg.family), cfg, path)  # fused tensors (Phi-3's qkv) as parts
     state = ShardState(files, shard, dtype, keep and dtype == torch.float32)
     net = build_model(shard.local_config(), state, device, dtype, path, model_class=ShardedDecoderModel)
     release_freed_memory()

@@ -408,3 +408,25 @@ def test_metrics_read_the_engine_snapshot(server, monkeypatch):
                 assert metric(url, "hydragen_kv_pages_used") >= 0
     assert metric(url, "hydragen_kv_pages_used") > 0
     assert callers and set(callers) == {"hydragen-engine"}
+
+
+def test_model_sampling_defaults_fill_what_a_request_leaves_unset(tiny_models, tmp_path):
+    """generation_config.json says temperature 0: a request naming no temperature decodes greedily (the
+    same text as an explicit temperature 0, whatever its seed), one naming a temperature keeps it."""
+    model = tiny_chat_model(tiny_models["llama"], tmp_path / "model")
+    gen = tmp_path / "model" / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "temperature": 0.0}))
+    llm = LLM(model, kv_cache_tokens=2048)
+    srv = LiveServer(llm, "tiny")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        ask = dict(model="tiny", prompt="abc", max_tokens=12)
+        greedy = client.completions.create(**ask, temperature=0).choices[0].text
+        assert all(client.completions.create(**ask, seed=s).choices[0].text == greedy for s in (1, 2, 3))
+        sampled = {
+            client.completions.create(**ask, temperature=1.0, seed=s).choices[0].text for s in range(4)
+        }
+        assert sampled != {greedy}
+    finally:
+        srv.stop()
+        srv.app.state.engine_client.shutdown()

@@ -242,9 +242,15 @@ def test_a_layout_numbers_its_groups_and_rows():
     layout = KVLayout((0, 1, 1, 0, 1))
     assert layout.groups == 2 and layout.rows == 3 and layout.row_of_layer == (0, 0, 1, 1, 2)
     assert KVLayout.single(4).row_of_layer == (0, 1, 2, 3) and KVLayout.single(4).rows == 4
-    for bad in [(), (1, 0), (0, 2)]:
+    assert KVLayout((1, 0)).groups == 2  # any numbering with a layer in each group
+    for bad in [(), (0, 2), (-1, 0)]:
         with pytest.raises(ValueError):
             KVLayout(bad)
+    windowed = KVLayout((1, 0, 1), (None, 8))
+    assert windowed.released == {1: 8}
+    assert KVLayout((0, 1), (8, None)).released == {}  # group 0 slides: its pages are the tables'
+    with pytest.raises(ValueError, match="2 group windows for 3"):
+        KVLayout((0, 1, 2), (None, 4))
     with pytest.raises(ValueError, match="KV groups for 2 of 3 layers"):
         model_kv_layout(SimpleNamespace(num_layers=3, kv_groups=(0, 1)))
     specs = model_layer_specs(SimpleNamespace(num_layers=3, head_dim=16, kv_groups=(0, 1, 0)))

@@ -39,7 +39,9 @@ def references(tiny_models):
     return {name: hf_greedy(path, PROMPTS, T) for name, path in tiny_models.items()}
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3_mqa", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama3_mqa", "mistral", "qwen2", "qwen3", "phi3", "phi3_window", "phi4_mini"]
+)
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_transformers(tiny_models, references, name, sharing):
     llm = LLM(tiny_models[name], prefix_sharing=sharing, kv_cache_tokens=4096)

@@ -80,7 +80,7 @@ def _dequantized(net) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3_mqa", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "llama3_mqa", "qwen2", "mistral", "phi3", "phi4_mini"])
 def test_each_rank_loads_exactly_its_slices_from_safetensors(tiny_models, name) -> None:
     full, cfg, _ = load_model(tiny_models[name], CPU, torch.float32)
     whole = sum(p.numel() * p.element_size() for p in full.parameters())

@@ -1,0 +1,176 @@
+"""Sliding-window groups' pages: held while a window can read them, then released, and kept for prefix hits.
+
+A sliding layer of window W lets the token at position p see keys at positions (p - W, p]. Once a page
+table has computed up to position c, its next token is at c or later, so its window groups never read
+a page that ends at or before c - W again: the table drops its hold on those groups' pages (``slide``),
+while its full-attention group 0 keeps them. A long context then costs the KV of its full layers plus one
+window per sliding group, not every layer in full.
+
+A dropped page nobody else holds goes straight back to the pool, unless its table page is in the prefix
+tree: then it is an **idle part**, kept for a later hit and evicted, least recently used, beside the tree's
+idle leaves (``KVManager._make_room``). A hit is valid only where the window's keys exist: a request whose
+first uncached position is ``n * P`` needs, in every window group, the pages holding positions
+``[n * P - W + 1, n * P)`` (``valid_prefix``), so a match is cut back to its last valid end, never used
+with a hole in the window. An evicted part can leave idle leaves that are no longer a valid end for any
+hit: they are evicted with it (``prune``), so the tree never keeps full-attention pages that cannot hit
+(``unreachable`` counts any that remain, held ones, as a metric).
+
+The KV manager owns the tables and the tree; this class owns the window parts' holds (``pool.part_refs``)
+and the idle parts, and is called at each point where a table gains, moves past or drops pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from hydragen.kv.pool import PagePool
+from hydragen.kv.radix import PageNode, PrefixTree, tick
+
+
+class WindowPages:
+    def __init__(self, pool: PagePool, tree: PrefixTree):
+        self.pool, self.tree, self.page_size = pool, tree, pool.page_size
+        self.windows: dict[int, int] = pool.layout.released  # {group: window}
+        self.idle = 0  # idle parts: present, unheld, beside a page in the tree
+        self._since = {g: [0] * len(pool.refs) for g in self.windows}  # when a part went idle (0: not idle)
+        self._heap: list[tuple[int, int, int]] = []  # (since, group, page)
+
+    def __bool__(self) -> bool:
+        return bool(self.windows)
+
+    def first_page(self, position: int, window: int) -> int:
+        """The first page a token at ``position`` or later can still read through a window of ``window``."""
+        return max(0, (position - window + 1) // self.page_size)
+
+    # ---- holds ---------------------------------------------------------------------------------------
+    def retain(self, group: int, page: int) -> None:
+        held = self.pool.part_refs[group]
+        if not held[page] and self._since[group][page]:
+            self._since[group][page] = 0
+            self.idle -= 1
+        if self.pool.group_pages[group][page] < 0:
+            raise RuntimeError(f"group {group}'s page beside {page} is gone but a window needs it")
+        held[page] += 1
+
+    def release(self, group: int, page: int) -> None:
+        """Drop one hold; an unheld part stays idle beside a cached page, else goes back to the pool."""
+        held = self.pool.part_refs[group]
+        held[page] -= 1
+        if held[page] < 0:
+            raise RuntimeError(f"group {group}'s page beside {page} released more often than held")
+        if held[page]:
+            return
+        if page in self.tree:
+            now = tick()
+            self._since[group][page] = now
+            self.idle += 1
+            heapq.heappush(self._heap, (now, group, page))
+        else:
+            self.pool.free_part(group, page)
+
+    def start(self, window_from: dict[int, int], pages: list[int], position: int) -> None:
+        """A table starts on ``pages`` (a prefix hit) and computes from ``position``: it holds each window
+        group's pages from the first its window reads."""
+        for g, w in self.windows.items():
+            lo = min(self.first_page(position, w), len(pages))
+            window_from[g] = lo
+            for p in pages[lo:]:
+                self.retain(g, p)
+
+    def slide(self, window_from: dict[int, int], pages: list[int], position: int) -> None:
+        """The table's next token is at ``position`` or later: its holds before its windows are dropped."""
+        for g, w in self.windows.items():
+            lo, new = window_from.get(g, 0), min(self.first_page(position, w), len(pages))
+            for p in pages[lo:new]:
+                self.release(g, p)
+            window_from[g] = max(lo, new)
+
+    def drop(self, window_from: dict[int, int], pages: list[int], first: int = 0) -> None:
+        """Drop the holds on ``pages[first:]`` (a table released, truncated or replaced)."""
+        for g in self.windows:
+            for p in pages[max(first, window_from.get(g, 0)) :]:
+                self.release(g, p)
+
+    def drop_all(self, pages: Iterable[int]) -> None:
+        """Drop the holds of pages taken outside any table (a fork's unused reservation)."""
+        for g in self.windows:
+            for p in pages:
+                self.release(g, p)
+
+    def present(self, page: int, groups: Iterable[int] | None = None) -> bool:
+        gp = self.pool.group_pages
+        return all(gp[g][page] >= 0 for g in (self.windows if groups is None else groups))
+
+    # ---- the tree's side ------------------------------------------------------------------------------
+    def left_tree(self, page: int) -> None:
+        """A node left the tree (evicted or unpublished): its idle parts go back to the pool."""
+        for g in self.windows:
+            if self._since[g][page]:
+                self._since[g][page] = 0
+                self.idle -= 1
+                self.pool.free_part(g, page)
+
+    def valid_end(self, node: PageNode) -> bool:
+        """Whether a hit may end after ``node``: every window group's pages its next token reads exist."""
+        end = (node.depth + 1) * self.page_size
+        gp = self.pool.group_pages
+        for g, w in self.windows.items():
+            lo, anc = self.first_page(end, w), node
+            while anc.parent is not None and anc.depth >= lo:
+                if gp[g][anc.page] < 0:
+                    return False
+                anc = anc.parent
+        return True
+
+    def valid_prefix(self, nodes: list[PageNode]) -> int:
+        """The longest prefix of a match (nodes along one path) a hit may use: its last valid end (0: none).
+        The first end tried is nearly always valid; a cut-back tries each shorter one."""
+        n = len(nodes)
+        while n > 0 and not self.valid_end(nodes[n - 1]):
+            n -= 1
+        return n
+
+    def idle_in(self, window_from: dict[int, int], pages: list[int]) -> int:
+        """Idle parts a table starting on ``pages`` would hold again (no longer evictable)."""
+        return sum(1 for g in self.windows for p in pages[window_from.get(g, 0) :] if self._since[g][p])
+
+    # ---- eviction ---------------------------------------------------------------------------------------
+    def oldest_idle(self) -> tuple[int, int, int] | None:
+        """(since, group, page) of the least recently released idle part, or None."""
+        while self._heap:
+            since, g, p = self._heap[0]
+            if self._since[g][p] != since:
+                heapq.heappop(self._heap)  # held again, or gone with its node
+                continue
+            return since, g, p
+        return None
+
+    def evict(self, group: int, page: int) -> list[PageNode]:
+        """Free one idle part; returns the idle leaves that it leaves with no valid end (to be evicted)."""
+        self._since[group][page] = 0
+        self.idle -= 1
+        self.pool.free_part(group, page)
+        node = self.tree.nodes[page]
+        reach = node.depth + -(-self.windows[group] // self.page_size) + 1
+        out, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            if n.depth > reach:
+                continue
+            if not n.children and not self.pool.refs[n.page] and not self.valid_end(n):
+                out.append(n)
+            stack += n.children.values()
+        return out
+
+    def unreachable(self) -> int:
+        """Tree pages no hit can ever use: no valid end at or below them (a metric; walks the tree)."""
+        order, stack = [], list(self.tree.root.children.values())
+        while stack:  # parents before children; read back to front: children before parents
+            node = stack.pop()
+            order.append(node)
+            stack += node.children.values()
+        useful: dict[int, bool] = {}
+        for node in reversed(order):
+            useful[node.page] = self.valid_end(node) or any(useful[c.page] for c in node.children.values())
+        return sum(1 for ok in useful.values() if not ok)

@@ -1,0 +1,144 @@
+"""Sliding-window groups' pages (kv/window_pages.py): a table holds only what its windows read, released
+pages stay for prefix hits as idle parts, a hit never ends where a window's keys are gone, and eviction
+never leaves the tree pages that cannot hit. Pages of 4 tokens, a window of 8 (two pages), straight on the
+KV manager: every step is followed by the manager's own invariant check."""
+
+from __future__ import annotations
+
+import torch
+
+from hydragen.kv.layout import KVLayout
+from hydragen.kv.manager import KVManager, PageTable
+from hydragen.kv.pool import PagePool
+
+PS, W = 4, 8
+
+
+def manager(pages: int = 64, window: int = W) -> KVManager:
+    layout = KVLayout((0, 1, 1, 0), (None, window))  # full layers 0 and 3, sliding layers 1 and 2
+    return KVManager(PagePool(4, pages, PS, 1, 2, torch.float32, "cpu", layout))
+
+
+def run(kv: KVManager, table: PageTable, tokens: list[int], publish: bool = True) -> None:
+    """Admit ``table`` for ``tokens`` and compute it one page at a time (a long prefill in chunks)."""
+    assert kv.admit(table, tokens, None, None) is not None
+    for end in range(table.computed + PS, len(tokens) + PS, PS):
+        end = min(end, len(tokens))
+        assert kv.allocate(table, end)
+        kv.computed_to(table, end)
+        if publish:
+            kv.publish(table, tokens, end)
+        kv.check([table])
+
+
+def parts_held(kv: KVManager, table: PageTable) -> list[int]:
+    """The table's pages whose sliding group's page is there."""
+    return [i for i, p in enumerate(table.pages) if kv.pool.group_pages[1][p] >= 0]
+
+
+def test_a_long_context_keeps_its_full_layers_and_one_window():
+    kv = manager()
+    t = PageTable()
+    tokens = list(range(100, 180))  # 20 pages
+    run(kv, t, tokens, publish=False)  # sharing off: nothing is cached
+    assert t.window_from == {1: (80 - W + 1) // PS}  # the next token reads positions 73..80
+    assert parts_held(kv, t) == [18, 19]
+    assert kv.pool.free_physical == 2 * 64 - 20 - 2  # 20 full-layer pages, 2 sliding ones: not 40
+    kv.release(t, None)
+    kv.check([])
+    assert kv.pool.free_physical == 2 * 64
+
+
+def test_released_window_pages_stay_for_hits_and_a_hit_ends_where_the_window_exists():
+    kv = manager()
+    a = PageTable()
+    tokens = list(range(100, 140))  # 10 pages
+    run(kv, a, tokens)
+    assert kv.windows.idle == 8  # pages 0-7: released by the window, kept beside their cached pages
+    kv.release(a, tokens)
+    kv.check([])
+    assert kv.windows.idle == 10 and kv.idle == 10
+    b = PageTable()
+    assert kv.cached_pages(b, tokens + [1, 2, 3, 4]) == 10
+
+    # The leaf's own sliding page goes: no hit can end there (its next token reads it), so the leaf goes
+    # with it; the page before is still a valid end.
+    dead = kv.windows.evict(1, a_pages(kv, tokens)[9])
+    assert [n.depth for n in dead] == [9]
+    for node in dead:
+        kv._evict_leaf(node)
+    kv.check([])
+    assert kv.cached_pages(b, tokens + [1, 2, 3, 4]) == 9
+
+    # An inner sliding page goes: the ends whose windows read it are cut back past it.
+    kv.windows.evict(1, a_pages(kv, tokens)[3])
+    kv.check([])
+    c = PageTable()
+    assert kv.cached_pages(c, tokens[:20] + [7] * 9) == 3  # ends after pages 4 and 5 read page 3
+    assert kv.cached_pages(PageTable(), tokens + [1]) == 9  # deeper ends never read it
+    assert kv.unreachable_pages() == 0
+
+    # Starting on a hit holds its window's pages again: they are no longer idle.
+    idle = kv.windows.idle
+    assert kv.admit(b, tokens + [1, 2, 3, 4], None, None) == 9
+    assert b.window_from == {1: 7} and kv.windows.idle == idle - 2
+    kv.check([b])
+
+
+def a_pages(kv: KVManager, tokens: list[int]) -> list[int]:
+    """The cached pages of ``tokens``, in order."""
+    probe = PageTable()
+    n = kv.cached_pages(probe, tokens + [0])
+    return [node.page for node in kv.tree.match(tokens, kv._hashes(probe, tokens, n))]
+
+
+def test_eviction_frees_old_window_pages_first_and_leaves_no_dead_pages():
+    """A small pool: a second long context needs room, taken least recently used first from the idle
+    sliding pages and idle leaves; every idle leaf left is still a valid end."""
+    kv = manager(pages=24)
+    a, b = PageTable(), PageTable()
+    first = list(range(100, 140))
+    run(kv, a, first)
+    kv.release(a, first)
+    run(kv, b, list(range(500, 560)))  # 15 pages and their window: needs what a left behind
+    kv.check([b])
+    assert kv.unreachable_pages() == 0
+    for page, node in kv.tree.nodes.items():
+        if not node.children and not kv.pool.refs[page]:
+            assert kv.windows.valid_end(node)
+    kv.release(b, None)
+    kv.check([])
+
+
+def test_fork_and_truncate_respect_the_window():
+    kv = manager()
+    src = PageTable()
+    tokens = list(range(100, 138))  # 9 full pages and 2 tokens
+    run(kv, src, tokens)
+    reserved = kv.reserve(1)
+    dst = PageTable()
+    kv.fork(dst, src, src.computed, 9, list(reserved))
+    assert dst.window_from == src.window_from
+    kv.check([src, dst])
+    assert kv.allocate(src, 44)
+    kv.computed_to(src, 44, verified=38)  # drafted positions past its context: its window stays
+    kv.check([src, dst])
+    try:
+        kv.truncate(src, 30)  # below published pages
+    except ValueError as e:
+        assert "cannot truncate" in str(e)
+    else:
+        raise AssertionError("a truncation below a released window was accepted")
+    kv.truncate(src, 38)
+    kv.check([src, dst])
+    assert kv.allocate(src, 46)
+    kv.computed_to(src, 46)  # no drafts: the window moves on, and cannot come back
+    try:
+        kv.truncate(src, 38)
+    except ValueError as e:
+        assert "window" in str(e)
+    else:
+        raise AssertionError("a truncation below a released window was accepted")
+    kv.release(src, tokens)
+    kv.release(dst, tokens)
+    kv.check([])
