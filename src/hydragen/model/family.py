@@ -13,13 +13,15 @@ What a family provides, and who reads it:
 * llama.cpp's block names for its roles (``GGUF_LAYER_ROLES`` plus ``gguf_layer_tensors``) and whether q/k
   rows are permuted (``gguf_permuted_qk``): the GGUF reader (``model/gguf.py``) and the GGUF writer
   (``model/gguf_write.py``) both, through ``Family.hf_name`` and ``Family.gguf_tensors``, so a file the
-  writer lays out is the file the reader expects. A fused tensor (Phi-3's ``attn_qkv``) is one role, named
-  for the fused checkpoint tensor; a role whose shape is not in ``ROLE_SHAPES`` (a fused ``qkv``, a norm of
-  its own) gives its shape in ``role_shapes``; norms that llama.cpp stores as ``1 + w``
+  writer lays out is the file the reader expects. A fused tensor (``fused_tensors``: Phi-3's ``attn_qkv``) is
+  written whole, its parts' rows stacked; a role whose shape is not in ``ROLE_SHAPES`` (a norm of the
+  family's own) gives its shape in ``role_shapes``; norms that llama.cpp stores as ``1 + w``
   say so with ``hf_norm_offset`` (the writer adds it to a checkpoint's norms, the loader to those it reads);
 * the GGUF metadata beyond what every architecture has (``gguf_metadata``: ``{arch}.KEY`` values such as
-  Llama's ``vocab_size`` or a sliding window), and which shapes llama-quantize treats as its 70B type
-  (``gguf_quant_70b``, the one shape rule of llama-quantize that differs between these families);
+  Llama's ``vocab_size`` or a sliding window), the tensors llama.cpp's converter generates beside the
+  checkpoint's (``gguf_extra_tensors``: LongRoPE's factor sets), and which shapes llama-quantize treats as
+  its 70B type (``gguf_quant_70b``, the one shape rule of llama-quantize that differs between these
+  families);
 * how to read its config (``config``, ``gguf_config``), and whether the fused C++ stack computes it.
 """
 
@@ -137,6 +139,10 @@ class Family:
     # config -> the GGUF metadata this family's files carry beyond every architecture's: key (without the
     # "{arch}." prefix) -> value; int is written as uint32, float as float32 (llama.cpp checks the types).
     gguf_metadata: Callable[[ModelConfig], dict[str, Any]] = _no_fields
+    # config -> the tensors llama.cpp's converter generates beside the checkpoint's (Phi-3's
+    # rope_factors_long/short): GGUF name -> values, written float32 at the head of the file (the reader
+    # folds them into the config, as it reads them).
+    gguf_extra_tensors: Callable[[ModelConfig], dict[str, Any]] = _no_fields
     # (layers, query heads per KV head) -> whether llama.cpp's loader types this shape LLM_TYPE_70B, the one
     # model type llama-quantize's rules look at (attn_v gets Q5_K where it would get Q3_K or Q4_K).
     gguf_quant_70b: Callable[[int, int], bool] = _never
@@ -161,22 +167,30 @@ class Family:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
 
     def gguf_tensors(self, cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
-        """Every tensor of a GGUF of this family and shape ``cfg``, in file order: (GGUF name, HF name, shape
-        in the HF layout). The block's tensors are the family's roles under llama.cpp's names
-        (``gguf_roles``); the HF names are ``hf_name``'s, the reader's own mapping."""
+        """Every tensor of a GGUF of this family and shape ``cfg`` that a checkpoint holds, in file order:
+        (GGUF name, HF name, shape in the HF layout). The block's tensors are the family's roles under
+        llama.cpp's names (``gguf_roles``), a fused tensor whole (its parts' rows stacked) in place of its
+        parts; the HF names are ``hf_name``'s, the reader's own mapping."""
         shapes = {**ROLE_SHAPES, **self.role_shapes}
-        block = [(g, r) for g, r in self.gguf_roles().items() if r in self.layer_tensors]
-        missing = sorted(set(self.layer_tensors) - {r for _, r in block})
+        parts = {p for fused in self.fused_tensors.values() for p in fused}
+
+        def shape(role: str) -> tuple[int, ...]:
+            if role in self.fused_tensors:
+                stacked = [shapes[p](cfg) for p in self.fused_tensors[role]]
+                return (sum(s[0] for s in stacked), *stacked[0][1:])
+            return shapes[role](cfg)
+
+        block = [(g, r) for g, r in self.gguf_roles().items() if r in self.layer_tensors and r not in parts]
+        missing = sorted(set(self.layer_tensors) - parts - {r for _, r in block})
         if missing:
             raise ValueError(f"family {self.name}: roles {missing} have no GGUF name (gguf_layer_tensors)")
         out = [("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))]
         for i in range(cfg.num_layers):
             for g, role in block:
-                shape = shapes[role](cfg)
-                out.append((f"blk.{i}.{g}.weight", shape))
-                if cfg.attention_bias and role in BIASED_ROLES:
-                    out.append((f"blk.{i}.{g}.bias", shape[:1]))
+                out.append((f"blk.{i}.{g}.weight", shape(role)))
+                if cfg.attention_bias and {role, *self.fused_tensors.get(role, ())} & set(BIASED_ROLES):
+                    out.append((f"blk.{i}.{g}.bias", shape(role)[:1]))
         out.append(("output_norm.weight", (cfg.hidden_size,)))
         if not cfg.tie_word_embeddings:
             out.append(("output.weight", (cfg.vocab_size, cfg.hidden_size)))
-        return [(g, self.hf_name(g), shape) for g, shape in out]
+        return [(g, self.hf_name(g), s) for g, s in out]

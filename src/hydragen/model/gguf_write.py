@@ -194,8 +194,11 @@ def write_gguf(path: str | Path, cfg: ModelConfig, scheme: str, make: TensorMake
     family = writer_family(cfg)
     w = gguf.GGUFWriter(str(path), family.gguf_architecture)
     _add_metadata(w, cfg, family, ftype, name or path.stem)
+    extra = {n: np.asarray(v, np.float32) for n, v in family.gguf_extra_tensors(cfg).items()}
     shapes = list(tensor_shapes(cfg))
     types = model_types(scheme, cfg)
+    for n, values in extra.items():
+        w.add_tensor_info(n, list(values.shape), np.dtype(np.float32), values.nbytes, raw_dtype=Q.F32)
     for n, shape in shapes:
         qtype = types[n]
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -204,6 +207,8 @@ def write_gguf(path: str | Path, cfg: ModelConfig, scheme: str, make: TensorMake
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    for values in extra.values():
+        w.write_tensor_data(np.ascontiguousarray(values))
     for n, shape in shapes:
         w.write_tensor_data(np.ascontiguousarray(make(n, shape, types[n])))
     w.close()

@@ -138,11 +138,36 @@ PRESETS |= {
     ),
 }
 
-# Shapes ready for families on their way (Gemma 3, Phi-3/4): not presets until model/registry.py has their
-# architecture, and until their family module declares its GGUF layout (the writer writes a family's own
-# layout only). Sources: google/gemma-3-1b-it's config.json and gemma-3-4b-it's text_config (as copied in
-# public fine-tunes' configs), microsoft/Phi-4-mini-instruct's config.json. Left out as elsewhere here:
-# RoPE scaling beyond a plain factor (Phi-4-mini's longrope factors), which throughput does not depend on.
+# Phi-4-mini: microsoft/Phi-4-mini-instruct's config.json shape (partial rotary 0.75: RoPE on 96 of each
+# head's 128 dims, tied embeddings); its LongRoPE factor lists are left out, as the Llama 3 presets leave out
+# their RoPE scaling: throughput does not depend on them.
+PRESETS |= {
+    "phi-4-mini": dict(
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        hidden_act="silu",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        partial_rotary_factor=0.75,
+        vocab_size=200064,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=199999,
+        eos_token_id=199999,
+        pad_token_id=199999,
+    ),
+}
+
+# Shapes ready for a family on its way (Gemma 3): not presets until model/registry.py has its architecture
+# and its family module declares its GGUF layout (the writer writes a family's own layout only). Sources:
+# google/gemma-3-1b-it's config.json and gemma-3-4b-it's text_config (as copied in public fine-tunes'
+# configs).
 _GEMMA3 = dict(
     model_type="gemma3_text",
     architectures=["Gemma3ForCausalLM"],
@@ -184,26 +209,6 @@ AWAITING_FAMILY: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072,
         sliding_window=1024,
         rope_scaling={"rope_type": "linear", "factor": 8.0},
-    ),
-    "phi-4-mini": dict(
-        model_type="phi3",
-        architectures=["Phi3ForCausalLM"],
-        hidden_act="silu",
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=32,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        partial_rotary_factor=0.75,
-        vocab_size=200064,
-        max_position_embeddings=131072,
-        original_max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=199999,
-        eos_token_id=199999,
-        pad_token_id=199999,
     ),
 }
 

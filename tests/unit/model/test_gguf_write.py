@@ -5,6 +5,8 @@ llama-quantize type rules as they differ between families."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -24,12 +26,12 @@ from hydragen.model.gguf_write import (
 from hydragen.model.presets import PRESETS
 
 Q = gguf.GGMLQuantizationType
-FAMILIES = [
-    "llama",
-    "qwen2",
-    "qwen3",
-]  # tests/conftest.py's tiny checkpoints of the families with a GGUF form
-PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [11, 12, 13, 40, 41], [7, 8, 9]]
+# tests/conftest.py's tiny checkpoints of the families with a GGUF form -> llama.cpp's architecture
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "phi4_mini": "phi3"}
+FAMILIES = list(ARCH)
+# every prompt longer than the tiny Phi models' LongRoPE original length (4), where transformers' factor set
+# is the one hydragen runs the model with (model/rope.py, longrope_scaling)
+PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [11, 12, 13, 40, 41], [7, 8, 9, 10, 11]]
 
 
 def _checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -59,10 +61,11 @@ def written(tiny_models, tmp_path_factory):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_family_is_laid_out_in_its_llama_cpp_architecture(tiny_models, written, name) -> None:
     """The file's architecture is the family's, and every tensor name is one that llama.cpp's gguf package
-    lists for that architecture (gguf.MODEL_TENSORS): Qwen3's QK-norms, Qwen2's q/k/v biases."""
+    lists for that architecture (gguf.MODEL_TENSORS): Qwen3's QK-norms, Qwen2's q/k/v biases, Phi-3's fused
+    attn_qkv and ffn_up and its LongRoPE factor tensors."""
     reader = gguf.GGUFReader(written[name, "F32"])
     arch = reader.fields["general.architecture"].contents()
-    assert arch == name
+    assert arch == ARCH[name]
     known = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)]
     cfg = ModelConfig.from_hf(_checkpoint(tiny_models[name])[0])
     allowed = {
@@ -75,6 +78,8 @@ def test_each_family_is_laid_out_in_its_llama_cpp_architecture(tiny_models, writ
     assert set(names) <= allowed, set(names) - allowed
     assert ("blk.0.attn_q_norm.weight" in names) == (name == "qwen3")
     assert ("blk.0.attn_q.bias" in names) == (name == "qwen2")
+    assert ("blk.0.attn_qkv.weight" in names) == ("blk.0.attn_q.weight" not in names) == (arch == "phi3")
+    assert ("rope_factors_long.weight" in names) == (arch == "phi3")
     assert reader.fields[f"{arch}.attention.key_length"].contents() == cfg.head_dim
     assert (f"{arch}.vocab_size" in reader.fields) == (name == "llama")  # Llama's converter adds it
 
@@ -87,18 +92,26 @@ def test_the_reader_reads_back_what_was_written(tiny_models, written, name) -> N
     cfg = ModelConfig.from_hf(hf)
     family = writer_family(cfg)
     config, got = read_gguf(written[name, "F32"])
-    assert ModelConfig.from_hf(config) == cfg
+    back = ModelConfig.from_hf(config)
+    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "longrope":  # its factors come back as float32
+        f32 = lambda c: np.float32(c.rope_scaling["ext_factors"])  # noqa: E731
+        assert np.array_equal(f32(back), f32(cfg)) and back.rotary_dims == cfg.rotary_dims
+        assert back.rope_scaling["attention_factor"] == pytest.approx(cfg.rope_scaling["attention_factor"])
+        back, cfg = (dataclasses.replace(c, rope_scaling=None) for c in (back, cfg))
+    assert back == cfg
     assert config["architectures"] == hf["architectures"]
     assert set(got) == {hf_name for _, hf_name, _ in family.gguf_tensors(cfg)}
     for key, t in got.items():
         assert torch.equal(t, sd[key].float()), key
-    # the file itself: Llama's q rows permuted, Qwen's as they are
+    # the file itself: Llama's q rows permuted, Qwen's and Phi's as they are
     raw = {t.name: np.array(t.data) for t in gguf.GGUFReader(written[name, "F32"]).tensors}
-    stored_q, hf_q = raw["blk.0.attn_q.weight"], sd["model.layers.0.self_attn.q_proj.weight"].numpy()
+    q = "attn_qkv" if "blk.0.attn_qkv.weight" in raw else "attn_q"
+    stored_q, hf_q = raw[f"blk.0.{q}.weight"], sd[family.hf_name(f"blk.0.{q}.weight")].numpy()
     assert np.array_equal(stored_q, hf_q) == (not family.gguf_permuted_qk)
 
     _, q8 = read_gguf(written[name, "Q8_0"])
-    types = {family.hf_name(t.name): t.tensor_type for t in gguf.GGUFReader(written[name, "Q8_0"]).tensors}
+    tensors = gguf.GGUFReader(written[name, "Q8_0"]).tensors
+    types = {family.hf_name(t.name): t.tensor_type for t in tensors if not t.name.startswith("rope_")}
     assert Q.Q8_0 in types.values()
     for key, t in q8.items():
         w = sd[key].float().numpy()
@@ -155,8 +168,12 @@ def test_llama_quantize_treats_qwen3_by_category_and_never_as_70b() -> None:
 
     assert v("qwen3", 8) == v("llama", 1) == Q.Q4_K
     assert v("qwen2", 1) == v("qwen2", 8) == v("llama", 8) == Q.Q5_K
-    # a fused attn_qkv (Phi-3's) is quantized as llama-quantize's attn_v category
-    assert scheme_type("Q4_K_M", "blk.0.attn_qkv.weight", 3072, 32, False) == Q.Q6_K
+    # a fused attn_qkv (Phi-3's) is quantized as llama-quantize's attn_v category: Phi-4-mini's Q4_K_M mix
+    phi = model_types("Q4_K_M", ModelConfig.from_hf(PRESETS["phi-4-mini"]))
+    assert "blk.0.attn_q.weight" not in phi and "blk.0.ffn_gate.weight" not in phi
+    assert {phi[f"blk.{i}.{t}.weight"] for i in (3, 6) for t in ("attn_qkv", "ffn_down")} == {Q.Q6_K}
+    assert phi["blk.5.attn_qkv.weight"] == phi["blk.3.ffn_up.weight"] == Q.Q4_K
+    assert phi["token_embd.weight"] == Q.Q6_K and "output.weight" not in phi  # tied
     assert scheme_type("Q8_0", "blk.0.attn_q.bias", 1, 32, False, ndim=1) == Q.F32
     assert scheme_type("F16", "blk.0.attn_q_norm.weight", 128, 32, False, ndim=1) == Q.F32
 
