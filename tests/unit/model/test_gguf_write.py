@@ -195,6 +195,21 @@ def test_a_tiny_qwen3_in_q4_k_m_loads_and_keeps_its_norms_in_f32(tmp_path) -> No
     assert torch.equal(net.layers[1].q_norm, torch.ones(128))
 
 
+def test_a_tiny_phi_4_mini_in_q4_k_m_loads_its_fused_tensors_as_parts(tmp_path) -> None:
+    """A random Phi-4-mini in llama-quantize's mix: the fused attn_qkv one Q6_K run in a more-bits layer, read
+    as q, k and v; partial rotary from rope.dimension_count."""
+    from hydragen.model.gguf_write import random_maker
+    from hydragen.model.linear import PackedProjection
+    from hydragen.model.loader import load_model
+
+    shape = PRESETS["phi-4-mini"] | dict(num_hidden_layers=2, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    cfg = ModelConfig.from_hf(shape)
+    path = write_gguf(tmp_path / "phi.gguf", cfg, "Q4_K_M", random_maker())
+    net, got, _ = load_model(path, torch.device("cpu"), torch.float32)
+    assert got == cfg and got.rotary_dims == 96
+    assert isinstance(net.layers[1].qkv, PackedProjection) and net.layers[1].qkv.qtypes == [int(Q.Q6_K)]
+
+
 def test_every_preset_has_a_gguf_layout_and_the_awaiting_ones_say_what_they_wait_for() -> None:
     from hydragen.model.presets import AWAITING_FAMILY, config_for_random_weights
 
