@@ -253,3 +253,89 @@ def test_llama_cpp_loads_and_runs_the_writers_random_qwen3(tmp_path) -> None:
     path = write_gguf(tmp_path / "random-qwen3.gguf", ModelConfig.from_hf(shape), "Q4_K_M", random_maker())
     got = llama_cpp_greedy(path, [[5, 6, 7]], 2)
     assert len(got[0]) == 2 and all(0 <= t < 4096 for t in got[0])
+
+
+# llama-quantize itself (llama_model_quantize, no importance matrix) on an F32 file, into each scheme.
+_LLAMA_QUANTIZE = """
+import ctypes, json, sys
+import llama_cpp
+source, jobs = sys.argv[1], json.loads(sys.argv[2])
+for out, ftype in jobs:
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, 2
+    if llama_cpp.llama_model_quantize(source.encode(), out.encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {out}")
+"""
+_SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=512)
+_SMALL |= dict(bos_token_id=1, eos_token_id=2)
+# Shapes whose rules differ: tied or not, KV groups of 1, 2 and 4 (Q2_K's attn_v), biases (Qwen2), fused
+# attn_qkv/ffn_up (Phi-3), 256-block rows and rows that fall back, and 80 layers (llama.cpp's 70B type).
+QUANTIZE_SHAPES = {
+    "qwen3": (_SMALL | dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=16, head_dim=64), None),
+    "qwen3-tied-gqa4": (
+        _SMALL
+        | dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=9, num_attention_heads=8)
+        | dict(num_key_value_heads=2, head_dim=32, intermediate_size=768, tie_word_embeddings=True),
+        None,
+    ),
+    "llama-mqa": (
+        _SMALL | dict(architectures=["LlamaForCausalLM"], num_hidden_layers=16, num_key_value_heads=1),
+        None,
+    ),
+    "qwen2": (
+        _SMALL | dict(architectures=["Qwen2ForCausalLM"], num_hidden_layers=12, num_key_value_heads=2),
+        None,
+    ),
+    "phi3": (
+        _SMALL
+        | dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=12, num_key_value_heads=2)
+        | dict(partial_rotary_factor=0.75, tie_word_embeddings=True),
+        None,
+    ),
+    **{
+        f"{family}-80-layers-kv{kv}": (
+            _SMALL
+            | dict(architectures=[arch], num_hidden_layers=80, num_key_value_heads=kv, head_dim=64)
+            | dict(intermediate_size=256, vocab_size=256),
+            ("Q2_K", "Q3_K_S", "Q4_K_S", "Q4_K_M"),
+        )
+        for family, arch, kv in (
+            ("qwen3", "Qwen3ForCausalLM", 2),
+            ("llama", "LlamaForCausalLM", 2),
+            ("llama", "LlamaForCausalLM", 4),
+            ("qwen2", "Qwen2ForCausalLM", 4),
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZE_SHAPES))
+def test_llama_quantize_picks_the_types_the_writer_picks(tmp_path, name) -> None:
+    """Every tensor's type in every scheme (model_types) is the one llama.cpp's own quantizer gives an F32
+    file of the same family and shape: its rules by category, and its 70B type per family (an 80-layer Llama
+    with KV groups or Qwen2 is one, an 80-layer Qwen3 or a Llama without KV groups is not)."""
+    from hydragen.model.gguf_write import SCHEMES, float_maker, model_types, tensor_shapes
+
+    hf, schemes = QUANTIZE_SHAPES[name]
+    schemes = schemes or [s for s in SCHEMES if s != "F32"]
+    cfg = ModelConfig.from_hf(hf)
+    rng = np.random.default_rng(0)
+    weights = {
+        n: np.ones(s, np.float32) if len(s) == 1 else (0.05 * rng.standard_normal(s)).astype(np.float32)
+        for n, s in tensor_shapes(cfg)
+    }
+    source = write_gguf(tmp_path / "f32.gguf", cfg, "F32", float_maker(weights, cfg))
+    jobs = [(str(tmp_path / f"{s}.gguf"), SCHEMES[s][1]) for s in schemes]
+    run = subprocess.run(
+        [_llama_cpp_python(), "-c", _LLAMA_QUANTIZE, str(source), json.dumps(jobs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for scheme in schemes:
+        got = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / f"{scheme}.gguf").tensors}
+        want = model_types(scheme, cfg)
+        assert {
+            n: (want.get(n), got.get(n)) for n in set(want) | set(got) if want.get(n) != got.get(n)
+        } == {}, scheme
