@@ -6,6 +6,23 @@ logit soft-cap, and per-layer attention (sliding windows, soft-caps, scales). A 
 (``model/families/``) declares which switches it sets, the names its tensors have in Hugging Face
 checkpoints and in llama.cpp's GGUF files, how to read its config, and whether the fused C++ layer stack
 computes it exactly. ``model/registry.py`` lists the families: adding one is its module plus one line there.
+
+What a family provides, and who reads it:
+
+* its roles and their Hugging Face names (``layer_tensors``): the safetensors loader and the decoder;
+* llama.cpp's block names for its roles (``GGUF_LAYER_ROLES`` plus ``gguf_layer_tensors``) and whether q/k
+  rows are permuted (``gguf_permuted_qk``): the GGUF reader (``model/gguf.py``) and the GGUF writer
+  (``model/gguf_write.py``) both, through ``Family.hf_name`` and ``Family.gguf_tensors``, so a file the
+  writer lays out is the file the reader expects. A fused tensor (``fused_tensors``: Phi-3's ``attn_qkv``) is
+  written whole, its parts' rows stacked; a role whose shape is not in ``ROLE_SHAPES`` (a norm of the
+  family's own) gives its shape in ``role_shapes``; norms that llama.cpp stores as ``1 + w``
+  say so with ``hf_norm_offset`` (the writer adds it to a checkpoint's norms, the loader to those it reads);
+* the GGUF metadata beyond what every architecture has (``gguf_metadata``: ``{arch}.KEY`` values such as
+  Llama's ``vocab_size`` or a sliding window), the tensors llama.cpp's converter generates beside the
+  checkpoint's (``gguf_extra_tensors``: LongRoPE's factor sets), and which shapes llama-quantize treats as
+  its 70B type (``gguf_quant_70b``, the one shape rule of llama-quantize that differs between these
+  families);
+* how to read its config (``config``, ``gguf_config``), and whether the fused C++ stack computes it.
 """
 
 from __future__ import annotations
@@ -13,6 +30,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# A model's config as the writer hands it over: a ``hydragen.model.config.ModelConfig`` (not imported here:
+# the config reads the registry, which reads this module).
+ModelConfig = Any
 
 # A layer's tensors as the decoder names them (role) -> the suffix after "model.layers.{i}." in a Hugging
 # Face checkpoint. Each family starts from Llama's names and replaces or adds its own.
@@ -29,18 +50,46 @@ LLAMA_LAYER_TENSORS: dict[str, str] = {
 }
 
 # llama.cpp's block tensor names (``blk.{i}.NAME.weight``) -> the decoder's roles, for the tensors every
-# family shares; a family adds its own in ``Family.gguf_layer_tensors``.
+# family shares, in the order the writer lays out a block; a family adds its own in
+# ``Family.gguf_layer_tensors`` (they follow these in the file).
 GGUF_LAYER_ROLES: dict[str, str] = {
+    "attn_norm": "attn_norm",
     "attn_q": "q",
     "attn_k": "k",
     "attn_v": "v",
     "attn_output": "o",
+    "ffn_norm": "mlp_norm",
     "ffn_gate": "gate",
     "ffn_up": "up",
     "ffn_down": "down",
-    "attn_norm": "attn_norm",
-    "ffn_norm": "mlp_norm",
 }
+
+# llama.cpp's names of the tensors outside the blocks (``NAME.weight``) -> the Hugging Face checkpoint's.
+GGUF_TOP_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# ShapeFn(config) -> a role's weight shape in the Hugging Face layout: (rows, cols), or (n,) for a vector.
+ShapeFn = Callable[[ModelConfig], tuple[int, ...]]
+
+# The decoder's roles and their shapes (model/decoder.py builds exactly these).
+ROLE_SHAPES: dict[str, ShapeFn] = {
+    "attn_norm": lambda c: (c.hidden_size,),
+    "q": lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+    "k": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "v": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "o": lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+    "mlp_norm": lambda c: (c.hidden_size,),
+    "gate": lambda c: (c.intermediate_size, c.hidden_size),
+    "up": lambda c: (c.intermediate_size, c.hidden_size),
+    "down": lambda c: (c.hidden_size, c.intermediate_size),
+    "q_norm": lambda c: (c.head_dim,),
+    "k_norm": lambda c: (c.head_dim,),
+}
+# The roles that carry a bias when the config's ``attention_bias`` is set (Qwen2's q, k and v).
+BIASED_ROLES = ("q", "k", "v")
 
 # ConfigFn(hf_config) -> the family's ModelConfig fields beyond the common ones (model/config.py)
 ConfigFn = Callable[[dict[str, Any]], dict[str, Any]]
@@ -50,6 +99,10 @@ GGUFConfigFn = Callable[[Callable[..., Any], str], dict[str, Any]]
 
 def _no_fields(_: Any, *__: Any) -> dict[str, Any]:
     return {}
+
+
+def _never(*_: Any) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -84,9 +137,63 @@ class Family:
     # HF architectures of this family's kin that hydragen refuses -> the one line that says why and what to
     # load instead (Gemma 3's vision-language checkpoint).
     hf_refused: dict[str, str] = field(default_factory=dict)
+    # Shapes of the roles ROLE_SHAPES lacks (a fused qkv, a norm of the family's own), for the writer.
+    role_shapes: dict[str, ShapeFn] = field(default_factory=dict)
+    # config -> the GGUF metadata this family's files carry beyond every architecture's: key (without the
+    # "{arch}." prefix) -> value; int is written as uint32, float as float32 (llama.cpp checks the types).
+    gguf_metadata: Callable[[ModelConfig], dict[str, Any]] = _no_fields
+    # config -> the tensors llama.cpp's converter generates beside the checkpoint's (Phi-3's
+    # rope_factors_long/short): GGUF name -> values, written float32 at the head of the file (the reader
+    # folds them into the config, as it reads them).
+    gguf_extra_tensors: Callable[[ModelConfig], dict[str, Any]] = _no_fields
+    # (layers, query heads per KV head) -> whether llama.cpp's loader types this shape LLM_TYPE_70B, the one
+    # model type llama-quantize's rules look at (attn_v gets Q5_K where it would get Q3_K or Q4_K).
+    gguf_quant_70b: Callable[[int, int], bool] = _never
+    # A family without a GGUF architecture of its own is written as this family's files (Mistral: "llama").
+    gguf_family: str = ""
 
     def hf_tensor(self, role: str) -> str:
         return self.layer_tensors[role]
 
     def gguf_roles(self) -> dict[str, str]:
         return {**GGUF_LAYER_ROLES, **self.gguf_layer_tensors}
+
+    def hf_name(self, name: str) -> str:
+        """A GGUF tensor name (``blk.3.attn_q.weight``) -> this family's HF parameter name; ValueError for a
+        name that is not one of its tensors."""
+        parts = name.split(".")
+        roles = self.gguf_roles()
+        if parts[0] == "blk" and len(parts) == 4 and roles.get(parts[2]) in self.layer_tensors:
+            return f"model.layers.{parts[1]}.{self.hf_tensor(roles[parts[2]])}.{parts[3]}"
+        if len(parts) == 2 and parts[0] in GGUF_TOP_TENSORS:
+            return f"{GGUF_TOP_TENSORS[parts[0]]}.{parts[1]}"
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+    def gguf_tensors(self, cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+        """Every tensor of a GGUF of this family and shape ``cfg`` that a checkpoint holds, in file order:
+        (GGUF name, HF name, shape in the HF layout). The block's tensors are the family's roles under
+        llama.cpp's names (``gguf_roles``), a fused tensor whole (its parts' rows stacked) in place of its
+        parts; the HF names are ``hf_name``'s, the reader's own mapping."""
+        shapes = {**ROLE_SHAPES, **self.role_shapes}
+        parts = {p for fused in self.fused_tensors.values() for p in fused}
+
+        def shape(role: str) -> tuple[int, ...]:
+            if role in self.fused_tensors:
+                stacked = [shapes[p](cfg) for p in self.fused_tensors[role]]
+                return (sum(s[0] for s in stacked), *stacked[0][1:])
+            return shapes[role](cfg)
+
+        block = [(g, r) for g, r in self.gguf_roles().items() if r in self.layer_tensors and r not in parts]
+        missing = sorted(set(self.layer_tensors) - parts - {r for _, r in block})
+        if missing:
+            raise ValueError(f"family {self.name}: roles {missing} have no GGUF name (gguf_layer_tensors)")
+        out = [("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))]
+        for i in range(cfg.num_layers):
+            for g, role in block:
+                out.append((f"blk.{i}.{g}.weight", shape(role)))
+                if cfg.attention_bias and {role, *self.fused_tensors.get(role, ())} & set(BIASED_ROLES):
+                    out.append((f"blk.{i}.{g}.bias", shape(role)[:1]))
+        out.append(("output_norm.weight", (cfg.hidden_size,)))
+        if not cfg.tie_word_embeddings:
+            out.append(("output.weight", (cfg.vocab_size, cfg.hidden_size)))
+        return [(g, self.hf_name(g), s) for g, s in out]

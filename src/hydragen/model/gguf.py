@@ -30,7 +30,6 @@ from hydragen.model.file_pages import FileMap
 from hydragen.model.qtensor import KEPT_TYPES, PACKED_TYPES, QuantTensor, block_size, row_bytes
 from hydragen.model.registry import family_for_gguf, supported_gguf
 
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # folded into config["rope_scaling"] instead: llama3's rope_freqs, LongRoPE's two factor sets (phi3)
 _SKIP = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _DEFAULT_ORIG_CTX = 8192  # llama3 rope: any value works, only L/(hi-lo) and lo/(hi-lo) matter (see below)
@@ -72,14 +71,9 @@ class _Reader(gguf.GGUFReader):
 
 
 def hf_name(name: str, family: Family) -> str:
-    """Map a GGUF tensor name (``blk.3.attn_q.weight``) to the family's HF parameter name."""
-    parts = name.split(".")
-    roles = family.gguf_roles()
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in roles:
-        return f"model.layers.{parts[1]}.{family.hf_tensor(roles[parts[2]])}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _TOP:
-        return f"{_TOP[parts[0]]}.{parts[1]}"
-    raise ValueError(f"unexpected GGUF tensor {name!r}")
+    """Map a GGUF tensor name (``blk.3.attn_q.weight``) to the family's HF parameter name (``Family.hf_name``,
+    the mapping the writer lays files out by)."""
+    return family.hf_name(name)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

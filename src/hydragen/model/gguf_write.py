@@ -1,13 +1,16 @@
-"""Writing Llama GGUF files: a model of any shape in any supported type, with random or given weights.
+"""Writing GGUF files of any registered family: a model of any shape in any supported type, with random or
+given weights.
 
 Two users: the tests (a tiny model in each scheme, checked against the float model) and
-``--random-weights PRESET:SCHEME`` (a model of a real shape, e.g. Llama-3.1-8B as Q4_K_M, written block by
-block without ever holding the model in memory, then loaded like any downloaded file, by hydragen and by
-llama.cpp). Each tensor's type is the one llama-quantize picks for the scheme (``scheme_type``: its
-rules for Llama models and the schemes listed in ``SCHEMES``, without an importance matrix), and q/k rows
-are stored in llama.cpp's permuted order, so the files are laid out as ``convert_hf_to_gguf.py`` +
-``llama-quantize`` lay them out (the quantized values are not llama-quantize's: gguf_quantize.py rounds
-more plainly).
+``--random-weights PRESET:SCHEME`` (a model of a real shape, e.g. Llama-3.1-8B or Qwen3-8B as Q4_K_M,
+written block by block without ever holding the model in memory, then loaded like any downloaded file, by
+hydragen and by llama.cpp). The layout is the family's (``Family.gguf_tensors``: llama.cpp's architecture
+and tensor names, q/k rows permuted only where the family says so, its extra tensors such as Qwen3's
+``attn_q_norm``; ``Family.gguf_metadata``: its extra keys), the same maps the reader reads files by. Each
+tensor's type is the one llama-quantize picks for the scheme (``scheme_type``: its rules, by tensor
+category as llama.cpp's src/llama-quant.cpp assigns them, for the schemes listed in ``SCHEMES``, without an
+importance matrix), so the files are laid out as ``convert_hf_to_gguf.py`` + ``llama-quantize`` lay them
+out (the quantized values are not llama-quantize's: gguf_quantize.py rounds more plainly).
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 
 from hydragen.model.config import ModelConfig
+from hydragen.model.family import Family
 from hydragen.model.gguf_quantize import quantize, random_blocks
+from hydragen.model.registry import family_named
 
 Q = gguf.GGMLQuantizationType
 # name -> (default type, llama.cpp's ftype id for general.file_type)
@@ -53,50 +59,97 @@ def _fits(qtype: Q, cols: int) -> bool:
     return cols % gguf.GGML_QUANT_SIZES[qtype][0] == 0
 
 
-def scheme_type(scheme: str, name: str, cols: int, layers: int, tied: bool, gqa: int = 1) -> Q:
-    """The GGUF type llama-quantize gives tensor ``name`` (a GGUF name, rows of ``cols`` weights) of a Llama
-    model of ``layers`` blocks with ``gqa`` query heads per key/value head, for ``scheme``, without an
-    importance matrix (llama.cpp's src/llama-quant.cpp, llama_tensor_get_type):
+def _category(name: str) -> str:
+    """llama-quantize's category of a tensor, from its name alone (tensor_get_category): a fused
+    ``attn_qkv`` counts as ``attn_v``, whatever the architecture."""
+    if name == "output.weight":
+        return "output"
+    if name == "token_embd.weight":
+        return "token_embd"
+    for key, category in (
+        ("attn_qkv.weight", "attn_v"),
+        ("attn_v.weight", "attn_v"),
+        ("attn_k.weight", "attn_k"),
+        ("attn_q.weight", "attn_q"),
+        ("attn_output.weight", "attn_output"),
+        ("ffn_up", "ffn_up"),
+        ("ffn_gate", "ffn_gate"),
+        ("ffn_down", "ffn_down"),
+    ):
+        if key in name:
+            return category
+    return "other"
 
-    * norms stay F32; F32, F16 and BF16 files hold every matrix in their type;
+
+def writer_family(cfg: ModelConfig) -> Family:
+    """The family whose GGUF layout a model of ``cfg`` is written in (its own, or the one it converts to)."""
+    family = family_named(cfg.family)
+    if family.gguf_architecture is None:
+        if not family.gguf_family:
+            raise ValueError(f"family {family.name} has no GGUF form")
+        family = family_named(family.gguf_family)
+    return family
+
+
+def scheme_type(
+    scheme: str,
+    name: str,
+    cols: int,
+    layers: int,
+    tied: bool,
+    gqa: int = 1,
+    *,
+    family: Family | None = None,
+    ndim: int = 2,
+) -> Q:
+    """The GGUF type llama-quantize gives tensor ``name`` (a GGUF name, ``ndim`` dimensions, rows of ``cols``
+    weights) of a model of ``family`` (default Llama) with ``layers`` blocks and ``gqa`` query heads per
+    key/value head, for ``scheme``, without an importance matrix (llama.cpp's src/llama-quant.cpp,
+    llama_tensor_get_type). The rules go by tensor category, not by architecture, except for the 70B shape:
+
+    * vectors (norms, QK-norms, biases) stay F32, as convert_hf_to_gguf.py writes them and llama-quantize
+      leaves them; F32, F16 and BF16 files hold every matrix in their type;
     * the output matrix (the embedding too when the two are tied) is Q6_K in every quantized scheme but
       Q8_0 (Q8_0 when its rows do not split into the scheme's blocks);
-    * Q4_K_M: Q6_K for attn_v and ffn_down in the first and last eighth of the layers and every third
-      between; Q4_K_S: Q5_K for attn_v in layers 0-3 and ffn_down in the first eighth; Q2_K: Q3_K for
-      ffn_down and attn_output, and attn_v Q3_K (Q4_K with 4 or more query heads per KV head);
-    * a 70B shape (80 layers, grouped KV heads) takes Q5_K for an attn_v that would be Q3_K or Q4_K;
+    * Q4_K_M: Q6_K for attn_v (or a fused attn_qkv) and ffn_down in the first and last eighth of the layers
+      and every third between; Q4_K_S: Q5_K for attn_v in layers 0-3 and ffn_down in the first eighth; Q2_K:
+      Q3_K for ffn_down and attn_output, and attn_v Q3_K (Q4_K with 4 or more query heads per KV head);
+    * a shape llama.cpp types 70B (``Family.gguf_quant_70b``: Llama's 80 layers with grouped KV heads,
+      Qwen2's 80 layers; never Qwen3) takes Q5_K for an attn_v that would be Q3_K or Q4_K;
     * a 256-weight type on rows of another length falls back (Q4_K to Q5_0, ...), and to F16 if that does
       not fit either.
     """
     base, _ = SCHEMES[scheme]
-    if name.endswith("norm.weight"):
+    if ndim < 2 or not name.endswith(".weight") or name.endswith("_norm.weight"):
         return Q.F32
     if base in (Q.F32, Q.F16, Q.BF16):
         return base
+    family = family or family_named("llama")
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    category = _category(name)
     qtype = base
-    if name == "output.weight" or (tied and name == "token_embd.weight"):
+    if category == "output" or (tied and category == "token_embd"):
         if not _fits(base, cols):
             qtype = Q.Q8_0
         elif base != Q.Q8_0:
             qtype = Q.Q6_K
-    elif name.endswith("attn_v.weight"):
+    elif category == "attn_v":
         if scheme == "Q2_K":
             qtype = Q.Q4_K if gqa >= 4 else Q.Q3_K
         elif scheme == "Q4_K_M" and _more_bits(layer, layers):
             qtype = Q.Q6_K
         elif scheme == "Q4_K_S" and layer < 4:
             qtype = Q.Q5_K
-        if layers == 80 and gqa > 1 and qtype in (Q.Q3_K, Q.Q4_K):  # llama.cpp's LLM_TYPE_70B
+        if family.gguf_quant_70b(layers, gqa) and qtype in (Q.Q3_K, Q.Q4_K):
             qtype = Q.Q5_K
-    elif name.endswith("ffn_down.weight"):
+    elif category == "ffn_down":
         if scheme == "Q2_K":
             qtype = Q.Q3_K
         elif scheme == "Q4_K_M" and _more_bits(layer, layers):
             qtype = Q.Q6_K
         elif scheme == "Q4_K_S" and layer < layers // 8:
             qtype = Q.Q5_K
-    elif name.endswith("attn_output.weight") and scheme == "Q2_K":
+    elif category == "attn_output" and scheme == "Q2_K":
         qtype = Q.Q3_K
     if not _fits(qtype, cols):
         qtype = _FALLBACK.get(qtype, qtype)
@@ -108,8 +161,11 @@ def scheme_type(scheme: str, name: str, cols: int, layers: int, tied: bool, gqa:
 def model_types(scheme: str, cfg: ModelConfig) -> dict[str, Q]:
     """Every tensor's type in a ``scheme`` file of shape ``cfg`` (GGUF name -> type), as ``scheme_type``."""
     gqa = cfg.num_heads // cfg.num_kv_heads
+    family = writer_family(cfg)
     return {
-        n: scheme_type(scheme, n, s[-1], cfg.num_layers, cfg.tie_word_embeddings, gqa)
+        n: scheme_type(
+            scheme, n, s[-1], cfg.num_layers, cfg.tie_word_embeddings, gqa, family=family, ndim=len(s)
+        )
         for n, s in tensor_shapes(cfg)
     }
 
@@ -120,47 +176,29 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def tensor_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(GGUF name, HF-layout shape) of every tensor of a Llama model, in file order."""
-    c = cfg
-    q, kv, h, inter = (
-        c.num_heads * c.head_dim,
-        c.num_kv_heads * c.head_dim,
-        c.hidden_size,
-        c.intermediate_size,
-    )
-    yield "token_embd.weight", (c.vocab_size, h)
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-        yield p + "attn_norm.weight", (h,)
-        yield p + "attn_q.weight", (q, h)
-        yield p + "attn_k.weight", (kv, h)
-        yield p + "attn_v.weight", (kv, h)
-        yield p + "attn_output.weight", (h, q)
-        yield p + "ffn_norm.weight", (h,)
-        yield p + "ffn_gate.weight", (inter, h)
-        yield p + "ffn_up.weight", (inter, h)
-        yield p + "ffn_down.weight", (h, inter)
-    yield "output_norm.weight", (h,)
-    if not c.tie_word_embeddings:
-        yield "output.weight", (c.vocab_size, h)
+    """(GGUF name, HF-layout shape) of every tensor of a model of shape ``cfg``, in file order."""
+    for name, _, shape in writer_family(cfg).gguf_tensors(cfg):
+        yield name, shape
 
 
 # make(GGUF name, HF shape, GGUF type) -> the tensor's bytes (uint8 [rows, row_bytes]) or float32 values
 TensorMaker = Callable[[str, tuple[int, ...], Q], np.ndarray]
 
 
-def write_llama_gguf(
-    path: str | Path, cfg: ModelConfig, scheme: str, make: TensorMaker, name: str = ""
-) -> Path:
-    """Write a Llama GGUF of shape ``cfg``: every tensor's type from ``scheme_type``, its data from ``make``,
-    one tensor at a time (a multi-gigabyte file never sits in memory). The tokenizer is the embedded
-    model's, cut or padded to the vocabulary."""
+def write_gguf(path: str | Path, cfg: ModelConfig, scheme: str, make: TensorMaker, name: str = "") -> Path:
+    """Write a GGUF of shape ``cfg`` in its family's layout: every tensor's type from ``scheme_type``, its
+    data from ``make``, one tensor at a time (a multi-gigabyte file never sits in memory). The tokenizer is
+    the embedded model's, cut or padded to the vocabulary."""
     path = Path(path)
-    base, ftype = SCHEMES[scheme]
-    w = gguf.GGUFWriter(str(path), "llama")
-    _add_metadata(w, cfg, ftype, name or path.stem)
+    _, ftype = SCHEMES[scheme]
+    family = writer_family(cfg)
+    w = gguf.GGUFWriter(str(path), family.gguf_architecture)
+    _add_metadata(w, cfg, family, ftype, name or path.stem)
+    extra = {n: np.asarray(v, np.float32) for n, v in family.gguf_extra_tensors(cfg).items()}
     shapes = list(tensor_shapes(cfg))
     types = model_types(scheme, cfg)
+    for n, values in extra.items():
+        w.add_tensor_info(n, list(values.shape), np.dtype(np.float32), values.nbytes, raw_dtype=Q.F32)
     for n, shape in shapes:
         qtype = types[n]
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -169,6 +207,8 @@ def write_llama_gguf(
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    for values in extra.values():
+        w.write_tensor_data(np.ascontiguousarray(values))
     for n, shape in shapes:
         w.write_tensor_data(np.ascontiguousarray(make(n, shape, types[n])))
     w.close()
@@ -176,14 +216,15 @@ def write_llama_gguf(
 
 
 def float_maker(weights: dict[str, np.ndarray], cfg: ModelConfig) -> TensorMaker:
-    """Tensors from HF-layout float arrays keyed by GGUF name: quantized to the scheme's types, q/k rows
-    permuted as llama.cpp stores them."""
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    """Tensors from HF-layout float arrays keyed by GGUF name, holding the values the GGUF holds (a Gemma norm
+    as 1 + w): quantized to the scheme's types, q/k rows permuted where the family's llama.cpp files are."""
+    permuted = writer_family(cfg).gguf_permuted_qk
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if permuted else {}
 
     def make(name: str, shape: tuple[int, ...], qtype: Q) -> np.ndarray:
         w = np.asarray(weights[name], dtype=np.float32).reshape(shape)
         kind = name.split(".")[2] if name.startswith("blk.") else ""
-        if kind in heads:
+        if kind in heads:  # weights and biases alike, as the converter and the reader do
             w = _permute(w, heads[kind])
         if qtype == Q.F32:
             return w
@@ -192,19 +233,35 @@ def float_maker(weights: dict[str, np.ndarray], cfg: ModelConfig) -> TensorMaker
     return make
 
 
+def checkpoint_maker(state_dict: dict[str, Any], cfg: ModelConfig) -> TensorMaker:
+    """Tensors from a Hugging Face checkpoint's state dict (HF names and values, torch or numpy), as
+    convert_hf_to_gguf.py writes them: each GGUF tensor is the HF tensor the reader maps it to
+    (``Family.hf_name``), norms plus the family's ``hf_norm_offset`` (llama.cpp stores Gemma's 1 + w)."""
+    family = writer_family(cfg)
+    offset = family_named(cfg.family).hf_norm_offset
+    weights = {}
+    for g, hf, shape in family.gguf_tensors(cfg):
+        t = state_dict[hf]
+        w = (t.detach().float().numpy() if hasattr(t, "detach") else np.asarray(t, np.float32)).reshape(shape)
+        weights[g] = w + offset if len(shape) == 1 and g.endswith(".weight") else w
+    return float_maker(weights, cfg)
+
+
 def random_maker(seed: int = 0, std: float = 0.02) -> TensorMaker:
-    """Random blocks of every type (norms 1): the right bytes for throughput, random values."""
+    """Random blocks of every type (norms 1, biases 0): the right bytes for throughput, random values."""
     rng = np.random.default_rng(seed)
 
     def make(name: str, shape: tuple[int, ...], qtype: Q) -> np.ndarray:
         if len(shape) == 1:
-            return np.ones(shape, np.float32)
+            return (np.zeros if name.endswith(".bias") else np.ones)(shape, np.float32)
         return random_blocks(qtype, shape[0], shape[1], std, rng)
 
     return make
 
 
-def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, ftype: int, name: str) -> None:
+def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, family: Family, ftype: int, name: str) -> None:
+    """The keys convert_hf_to_gguf.py writes for every architecture (TextModel.set_gguf_parameters, with
+    head_dim given), then the family's own (``Family.gguf_metadata``), then the tokenizer."""
     c = cfg
     w.add_name(name)
     w.add_block_count(c.num_layers)
@@ -213,15 +270,34 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, ftype: int, name: str) -
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_heads)
     w.add_head_count_kv(c.num_kv_heads)
-    w.add_rope_dimension_count(c.head_dim)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
+    if c.rope_scaling and c.rope_scaling.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(c.rope_scaling["factor"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
+    for key, value in family.gguf_metadata(c).items():
+        _add_value(w, f"{family.gguf_architecture}.{key}", value)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(w, c.vocab_size)
+
+
+def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """A metadata value in the type llama.cpp reads it as: int uint32, float float32, lists as arrays."""
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, list | tuple):
+        w.add_array(key, list(value))
+    else:
+        raise TypeError(f"GGUF metadata {key!r}: cannot write a {type(value).__name__}")
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
@@ -292,7 +368,7 @@ def random_gguf_file(spec: str) -> Path:
     start = time.perf_counter()
     partial = path.with_suffix(f".partial{os.getpid()}")
     try:
-        write_llama_gguf(partial, cfg, scheme, random_maker(), f"random {name} {scheme}")
+        write_gguf(partial, cfg, scheme, random_maker(), f"random {name} {scheme}")
         partial.rename(path)
     finally:
         partial.unlink(missing_ok=True)

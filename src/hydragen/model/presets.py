@@ -1,5 +1,9 @@
 """Model shapes by name, for random-weight benchmarks: throughput does not depend on weight values, so a
-CodeLlama-13B-shaped model can be measured without downloading CodeLlama-13B."""
+CodeLlama-13B-shaped model can be measured without downloading CodeLlama-13B.
+
+A preset is a Hugging Face config dict; its ``architectures`` name the family (model/registry.py), whose GGUF
+layout the random-weights writer (model/gguf_write.py) uses. Shapes of families this build does not have yet
+wait in ``AWAITING_FAMILY`` until their family is registered."""
 
 from __future__ import annotations
 
@@ -97,6 +101,118 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Qwen3 (dense): the shapes of Qwen/Qwen3-8B's and Qwen/Qwen3-1.7B's config.json (Qwen3-8B's checked against
+# a verbatim copy of it; Qwen3-1.7B's against its published card: 28 layers, 2048 hidden, 6144 intermediate,
+# 16 query / 8 KV heads of 128, tied embeddings, 151,936 tokens).
+_QWEN3 = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    hidden_act="silu",
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    vocab_size=151936,
+    attention_bias=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+PRESETS |= {
+    "qwen3-8b": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-1.7b": dict(
+        _QWEN3,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+}
+
+# Phi-4-mini: microsoft/Phi-4-mini-instruct's config.json shape (partial rotary 0.75: RoPE on 96 of each
+# head's 128 dims, tied embeddings); its LongRoPE factor lists are left out, as the Llama 3 presets leave out
+# their RoPE scaling: throughput does not depend on them.
+PRESETS |= {
+    "phi-4-mini": dict(
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        hidden_act="silu",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        partial_rotary_factor=0.75,
+        vocab_size=200064,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=199999,
+        eos_token_id=199999,
+        pad_token_id=199999,
+    ),
+}
+
+# Shapes ready for a family on its way (Gemma 3): not presets until model/registry.py has its architecture
+# and its family module declares its GGUF layout (the writer writes a family's own layout only). Sources:
+# google/gemma-3-1b-it's config.json and gemma-3-4b-it's text_config (as copied in public fine-tunes'
+# configs).
+_GEMMA3 = dict(
+    model_type="gemma3_text",
+    architectures=["Gemma3ForCausalLM"],
+    hidden_activation="gelu_pytorch_tanh",
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    sliding_window_pattern=6,
+    attn_logit_softcapping=None,
+    final_logit_softcapping=None,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=[1, 106],
+    pad_token_id=0,
+)
+AWAITING_FAMILY: dict[str, dict[str, Any]] = {
+    "gemma-3-1b": dict(
+        _GEMMA3,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=262144,
+        max_position_embeddings=32768,
+        sliding_window=512,
+        rope_scaling=None,
+    ),
+    "gemma-3-4b": dict(
+        _GEMMA3,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        sliding_window=1024,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+}
+
+
 def config_for_random_weights(spec: str | Path) -> tuple[dict[str, Any], str]:
     """A Hugging Face config dict from a preset name, a config.json file or a model directory.
 
@@ -105,6 +221,9 @@ def config_for_random_weights(spec: str | Path) -> tuple[dict[str, Any], str]:
     name = str(spec)
     if name.lower() in PRESETS:
         return dict(PRESETS[name.lower()]), name.lower()
+    if name.lower() in AWAITING_FAMILY:
+        arch = AWAITING_FAMILY[name.lower()]["architectures"][0]
+        raise ValueError(f"random-weights preset {name!r} needs the {arch} family, which this build lacks")
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"

@@ -18,7 +18,7 @@ from hydragen.bench.quant.accuracy import plain_attention
 from hydragen.model import decoder, layer_stack
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf import read_gguf
-from hydragen.model.gguf_write import float_maker, model_types, scheme_type, tensor_shapes, write_llama_gguf
+from hydragen.model.gguf_write import float_maker, model_types, scheme_type, tensor_shapes, write_gguf
 from hydragen.model.linear import DenseProjection, PackedEmbedding, PackedProjection
 from hydragen.model.loader import load_model
 from hydragen.model.quant_twin import TwinProjection
@@ -78,7 +78,7 @@ def tiny_ggufs(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     cfg = ModelConfig.from_hf(TINY)
     weights = _tiny_weights(cfg)
-    return {s: write_llama_gguf(root / f"tiny-{s}.gguf", cfg, s, float_maker(weights, cfg)) for s in FORMATS}
+    return {s: write_gguf(root / f"tiny-{s}.gguf", cfg, s, float_maker(weights, cfg)) for s in FORMATS}
 
 
 def _logits(net, ids: torch.Tensor) -> torch.Tensor:
@@ -290,9 +290,11 @@ def test_a_type_hydragen_cannot_compute_in_is_one_line_naming_it(tmp_path, qtype
     from hydragen.model import gguf_write
 
     original = gguf_write.scheme_type
-    gguf_write.scheme_type = lambda s, n, *a: qtype if n == "blk.0.ffn_up.weight" else original(s, n, *a)
+    gguf_write.scheme_type = lambda s, n, *a, **kw: (
+        qtype if n == "blk.0.ffn_up.weight" else original(s, n, *a, **kw)
+    )
     try:
-        write_llama_gguf(path, cfg, "Q8_0", odd)
+        write_gguf(path, cfg, "Q8_0", odd)
     finally:
         gguf_write.scheme_type = original
     with pytest.raises(ModelFileError) as e:

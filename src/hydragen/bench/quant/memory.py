@@ -2,7 +2,8 @@
 against the GGUF's size.
 
 Each model loads in a fresh process. First the fixed runtime is measured there (Python, torch, hydragen, the
-C++ ops, a tiny one-layer model loaded and run once); then the model is loaded (weights only, no KV cache)
+C++ ops, a tiny one-layer model of the measured model's family loaded and run once: a Qwen3 runs the per-op
+path, a Llama the fused C++ stack); then the model is loaded (weights only, no KV cache)
 and run once, and its share is the resident memory after minus the runtime before. The target: model share
 <= 1.15 x the file's size. The peak is measured in a second fresh process, loading nothing else: the peak
 RSS of the load (VmHWM, which counts the file's mapped pages too) over the RSS after importing hydragen and
@@ -76,26 +77,31 @@ def in_fresh_process(call: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def runtime_shape(path: Path) -> dict:
+    """A one-layer, 512-token Hugging Face config of the family of the model at ``path`` (a GGUF or a model
+    directory): the tiny model whose run counts as the runtime."""
+    config: dict = {"architectures": ["LlamaForCausalLM"]}
+    if path.suffix == ".gguf":
+        from hydragen.model.gguf import open_gguf_tensors
+
+        config, _ = open_gguf_tensors(path)
+    elif (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, vocab_size=512)
+    context = dict(max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False)
+    return config | heads | sizes | context
+
+
 def memory_row(model, label: str) -> dict:
     from hydragen.model.config import ModelConfig
-    from hydragen.model.gguf_write import random_maker, write_llama_gguf
+    from hydragen.model.gguf_write import random_maker, write_gguf
     from hydragen.model.loader import resolve_model_path
 
     path = resolve_model_path(model)
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = ModelConfig.from_hf(
-            dict(
-                architectures=["LlamaForCausalLM"],
-                hidden_size=256,
-                intermediate_size=512,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=512,
-                max_position_embeddings=256,
-            )
-        )
-        runtime_model = write_llama_gguf(Path(tmp) / "runtime.gguf", tiny, "Q4_K_M", random_maker())
+        tiny = ModelConfig.from_hf(runtime_shape(path))
+        runtime_model = write_gguf(Path(tmp) / "runtime.gguf", tiny, "Q4_K_M", random_maker())
         probe = in_fresh_process(f"q.rss_probe({str(path)!r}, {str(runtime_model)!r})")
     peak = in_fresh_process(f"q.peak_probe({str(path)!r})")
     file_mb = path.stat().st_size / 2**20

@@ -4,7 +4,15 @@ layer. llama.cpp's converter permutes q/k rows for its GPT-J-style RoPE; the rea
 
 from __future__ import annotations
 
-from hydragen.model.family import Family
+from typing import Any
+
+from hydragen.model.family import Family, ModelConfig
+
+
+def _gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    # convert_hf_to_gguf.py's LlamaModel adds these to every architecture's keys
+    return {"vocab_size": cfg.vocab_size, "rope.dimension_count": cfg.rotary_dims}
+
 
 FAMILY = Family(
     name="llama",
@@ -12,4 +20,6 @@ FAMILY = Family(
     gguf_architecture="llama",
     gguf_permuted_qk=True,
     fused_stack=True,  # native/csrc/quant_layers.cpp computes exactly this layer
+    gguf_metadata=_gguf_metadata,
+    gguf_quant_70b=lambda layers, gqa: layers == 80 and gqa > 1,  # src/models/llama.cpp: 80 layers, KV groups
 )

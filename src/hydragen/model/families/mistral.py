@@ -22,6 +22,7 @@ FAMILY = Family(
     name="mistral",
     hf_architectures=("MistralForCausalLM",),
     gguf_architecture=None,  # llama.cpp converts Mistral to its "llama" architecture
+    gguf_family="llama",  # and so does the writer
     fused_stack=True,
     config=_config,
 )

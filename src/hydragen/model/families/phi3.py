@@ -77,6 +77,28 @@ def _gguf_config(meta: Callable[..., Any], arch: str) -> dict[str, Any]:
     return out
 
 
+def _gguf_metadata(cfg: Any) -> dict[str, Any]:
+    """What convert_hf_to_gguf.py's Phi3MiniModel writes beyond every architecture's keys: the rotated dims,
+    and for LongRoPE the original context and the attention factor (the window is left out: llama.cpp runs
+    phi3 without one, and a window shorter than the context is already the context here)."""
+    out: dict[str, Any] = {"rope.dimension_count": cfg.rotary_dims}
+    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "longrope":
+        orig = cfg.rope_scaling["original_max_position_embeddings"]
+        out["rope.scaling.original_context_length"] = int(orig)
+        out["rope.scaling.attn_factor"] = float(cfg.rope_scaling["attention_factor"])
+    return out
+
+
+def _gguf_extra_tensors(cfg: Any) -> dict[str, Any]:
+    """LongRoPE's two factor sets as llama.cpp's tensors (rotary dims / 2 each)."""
+    if not cfg.rope_scaling or cfg.rope_scaling["rope_type"] != "longrope":
+        return {}
+    return {
+        "rope_factors_long.weight": list(cfg.rope_scaling["long_factor"]),
+        "rope_factors_short.weight": list(cfg.rope_scaling["short_factor"]),
+    }
+
+
 FAMILY = Family(
     name="phi3",
     hf_architectures=("Phi3ForCausalLM",),
@@ -89,4 +111,6 @@ FAMILY = Family(
     fused_stack=False,
     config=_config,
     gguf_config=_gguf_config,
+    gguf_metadata=_gguf_metadata,
+    gguf_extra_tensors=_gguf_extra_tensors,
 )

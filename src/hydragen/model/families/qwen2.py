@@ -19,4 +19,5 @@ FAMILY = Family(
     hf_architectures=("Qwen2ForCausalLM",),
     gguf_architecture="qwen2",
     config=_config,
+    gguf_quant_70b=lambda layers, gqa: layers == 80,  # llama.cpp's src/models/qwen2.cpp
 )

@@ -4,7 +4,10 @@ explicit head size (``head_dim`` 128 whatever the hidden size), no biases.
 Its thinking switch is the chat template's (``enable_thinking`` through ``chat_template_kwargs``, and the
 ``/think`` and ``/no_think`` soft switches in a user message, which the model itself obeys); the reply's
 ``<think>`` block is separated into ``reasoning_content``. The fused C++ stack does not compute QK-norm,
-so this family runs the per-op path."""
+so this family runs the per-op path.
+
+In a GGUF (llama.cpp's ``qwen3``) the QK-norms are ``attn_q_norm``/``attn_k_norm``, float32 in every
+quantization; q/k rows are not permuted, and llama-quantize has no Qwen3 shape it treats as 70B."""
 
 from __future__ import annotations
 
