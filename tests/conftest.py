@@ -71,6 +71,18 @@ TINY = {
         max_position_embeddings=512,
         sliding_window=None,
     ),
+    # Mistral 7B v0.1's sliding window, shrunk: prompts and replies run several windows long.
+    "mistral_window": dict(
+        arch="MistralForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=6,
+    ),
     "qwen2": dict(
         arch="Qwen2ForCausalLM",
         vocab_size=256,
@@ -115,9 +127,9 @@ TINY = {
             rope_scaling={"type": "longrope", "short_factor": PHI_SHORT[:8], "long_factor": PHI_LONG[:8]},
         ),
     ),
-    # Phi-3-mini-4k's shape of context: a sliding window (48) shorter than the context (512) caps the context
-    # at the window, which is within LongRoPE's original length (64): the short factors, with the attention
-    # factor of 512 over 64 on cos and sin, as transformers computes every sequence of at most 64 tokens.
+    # Phi-3-mini-4k's shape: a sliding window (8 here, 2,047 there) shorter than a context equal to LongRoPE's
+    # original length (64 here, 4,096 there): the short factors, attention factor 1, every layer attending
+    # through the window over prompts and replies several windows long.
     "phi3_window": dict(
         arch="Phi3ForCausalLM",
         vocab_size=256,
@@ -126,9 +138,9 @@ TINY = {
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=512,
+        max_position_embeddings=64,
         original_max_position_embeddings=64,
-        sliding_window=48,
+        sliding_window=8,
         pad_token_id=0,
         old_rope=dict(
             rope_theta=10000.0,

@@ -197,3 +197,19 @@ class Family:
         if not cfg.tie_word_embeddings:
             out.append(("output.weight", (cfg.vocab_size, cfg.hidden_size)))
         return [(g, self.hf_name(g), s) for g, s in out]
+
+
+def sliding_everywhere(hf: dict[str, Any], window: Any) -> dict[str, Any]:
+    """The ModelConfig fields of a model whose every layer attends through the same sliding ``window``
+    (Mistral 7B v0.1, Phi-3-mini-4k): a spec per layer, one KV group (its pages are the tables' own, so
+    none is released early: exact, with the full context's KV). None or a window covering the whole
+    context: nothing."""
+    context = int(hf.get("max_position_embeddings", 4096))
+    if not window or int(window) >= context:
+        return {}
+    from hydragen.attention.layer_spec import AttentionSpec
+
+    heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    spec = AttentionSpec(scale=head_dim**-0.5, window=int(window))
+    return {"layer_specs": (spec,) * int(hf["num_hidden_layers"])}

@@ -45,6 +45,7 @@ def references(tiny_models):
         "llama",
         "llama3_mqa",
         "mistral",
+        "mistral_window",
         "qwen2",
         "qwen3",
         "phi3",

@@ -74,15 +74,15 @@ def _hf_rotary(hf_cfg: dict, positions: torch.Tensor) -> tuple[torch.Tensor, tor
         # context 512 past the original 64: the long set at every position; transformers uses it when the
         # forward reaches past 64 tokens (a prompt longer than the original length)
         ("long", torch.arange(0, 100)),
-        # context capped at a 48-token window, within the original 64: the short set with the attention
-        # factor of 512 / 64, as transformers computes any forward of at most 64 tokens
+        # a context of the original 64 (Phi-3-mini-4k's shape): the short set, attention factor 1, as
+        # transformers computes any forward of at most 64 tokens
         ("short", torch.arange(0, 48)),
         # partial rotary (12 of 16 dims), long set
         ("partial", torch.arange(0, 100)),
     ],
 )
 def test_tables_are_transformers_bit_for_bit(case, positions) -> None:
-    over = {"sliding_window": 48} if case == "short" else {}
+    over = {"max_position_embeddings": 64, "sliding_window": 48} if case == "short" else {}
     if case == "partial":
         over = {
             "partial_rotary_factor": 0.75,
@@ -91,9 +91,10 @@ def test_tables_are_transformers_bit_for_bit(case, positions) -> None:
     hf_cfg = _hf_config(**over)
     cfg = ModelConfig.from_hf(hf_cfg)
     assert cfg.rope_scaling["long"] is (case != "short")
-    assert cfg.max_position_embeddings == (48 if case == "short" else 512)
+    assert cfg.max_position_embeddings == (64 if case == "short" else 512)
     assert cfg.rotary_dims == (12 if case == "partial" else 16)
-    factor = math.sqrt(1 + math.log(512 / 64) / math.log(64))
+    assert [s.window for s in cfg.layer_specs] == ([48, 48] if case == "short" else [])  # a window, not a cap
+    factor = 1.0 if case == "short" else math.sqrt(1 + math.log(512 / 64) / math.log(64))
     assert cfg.rope_scaling["attention_factor"] == pytest.approx(factor, rel=1e-15)
     want_cos, want_sin = _hf_rotary(hf_cfg, positions)
     rotary = Rotary(cfg.rotary_dims, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, "cpu")

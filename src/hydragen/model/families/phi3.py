@@ -14,10 +14,9 @@ layer (RMSNorm, SwiGLU, no biases) stored differently, with LongRoPE and, on Phi
 * **Partial rotary** (Phi-4-mini: ``partial_rotary_factor`` 0.75, RoPE on 96 of each head's 128 dims): q and
   k are rotated after their projection, on the per-op path; the fused C++ layer stack rotates whole heads,
   so this family does not run it (``fused_stack`` False).
-* **Sliding window** (Phi-3-mini-4k: 2,047 tokens in every layer over a 4,096 context). Until the kernels
-  bound attention by a window, a window shorter than the context caps the context at the window, which keeps
-  it exact (as the Mistral family does). Phi-3.5-mini and Phi-4-mini declare 262,144, beyond their context:
-  nothing changes.
+* **Sliding window** (Phi-3-mini-4k: 2,047 tokens in every layer over a 4,096 context): every layer attends
+  exactly through it, over the whole context (``sliding_everywhere``). Phi-3.5-mini and Phi-4-mini declare
+  262,144, beyond their context: nothing changes.
 * Tied embeddings (Phi-4-mini) as any family; no biases (transformers' Phi-3 has none, whatever the config's
   ``attention_bias`` says).
 
@@ -31,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hydragen.model.family import LLAMA_LAYER_TENSORS, Family
+from hydragen.model.family import LLAMA_LAYER_TENSORS, Family, sliding_everywhere
 
 
 def _partial_rotary_factor(hf: dict[str, Any]) -> float:
@@ -55,9 +54,7 @@ def _config(hf: dict[str, Any]) -> dict[str, Any]:
                 "number between 2 and the head size"
             )
         fields["rotary_dim"] = rotary
-    window, context = hf.get("sliding_window"), int(hf.get("max_position_embeddings", 4096))
-    if window and int(window) < context:
-        fields["max_position_embeddings"] = int(window)
+    fields.update(sliding_everywhere(hf, hf.get("sliding_window")))
     return fields
 
 
@@ -79,9 +76,11 @@ def _gguf_config(meta: Callable[..., Any], arch: str) -> dict[str, Any]:
 
 def _gguf_metadata(cfg: Any) -> dict[str, Any]:
     """What convert_hf_to_gguf.py's Phi3MiniModel writes beyond every architecture's keys: the rotated dims,
-    and for LongRoPE the original context and the attention factor (the window is left out: llama.cpp runs
-    phi3 without one, and a window shorter than the context is already the context here)."""
+    the window when one is shorter than the context, and for LongRoPE the original context and the
+    attention factor."""
     out: dict[str, Any] = {"rope.dimension_count": cfg.rotary_dims}
+    if cfg.layer_specs and cfg.layer_specs[0].window:
+        out["attention.sliding_window"] = int(cfg.layer_specs[0].window)
     if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "longrope":
         orig = cfg.rope_scaling["original_max_position_embeddings"]
         out["rope.scaling.original_context_length"] = int(orig)
