@@ -97,6 +97,7 @@ class EngineSnapshot:
     pages_total: int
     page_size: int
     stats: EngineStats
+    unreachable_pages: int = 0  # cached pages no hit can use (a sliding window's pages gone), <= 2 s old
 
     @classmethod
     def of(cls, engine) -> EngineSnapshot:
@@ -110,4 +111,5 @@ class EngineSnapshot:
             usage["total"],
             engine.pool.page_size,
             engine.stats.copy(),
+            engine.kv.unreachable_pages(max_age=2.0),
         )

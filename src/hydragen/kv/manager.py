@@ -45,6 +45,7 @@ and idle parts by one LRU clock.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,6 +78,7 @@ class KVManager:
         self.windows = WindowPages(pool, self.tree)
         # Pages of any group an idle table page frees with it (itself and the groups that never slide)
         self._fixed = pool.groups - len(self.windows.windows)
+        self._unreachable: tuple[float, int] | None = None  # (when, count) of the last tree walk
 
     # ---- accounting ---------------------------------------------------------------------------
     @property
@@ -92,10 +94,16 @@ class KVManager:
         idle = (self.idle - revived_pages) * self._fixed + self.windows.idle - revived_parts
         return self.pool.free_physical + idle
 
-    def unreachable_pages(self) -> int:
+    def unreachable_pages(self, max_age: float = 0.0) -> int:
         """Cached pages no prefix hit can use (their sliding windows' pages are gone): a metric, 0 for a
-        model without window groups (it walks the tree: not for every step)."""
-        return self.windows.unreachable() if self.windows else 0
+        model without window groups. It walks the tree, so a caller after every step (the server's
+        snapshot) passes ``max_age``: a count at most that many seconds old is reused."""
+        if not self.windows:
+            return 0
+        now = time.monotonic()
+        if self._unreachable is None or now - self._unreachable[0] > max_age:
+            self._unreachable = (now, self.windows.unreachable())
+        return self._unreachable[1]
 
     def usage(self) -> dict:
         """Pages in use (held or cached), cached, total: after every request ends, used == cached."""

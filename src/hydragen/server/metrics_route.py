@@ -44,6 +44,12 @@ def metrics_text(client: EngineClient, metrics: LatencyMetrics) -> str:
         ),
         ("hydragen_prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens", st.hit_rate),
         (
+            "hydragen_prefix_cache_unreachable_pages",
+            "gauge",
+            "cached pages no hit can use: their sliding windows' pages are gone (0 without windows)",
+            snap.unreachable_pages,
+        ),
+        (
             "hydragen_generation_tokens_per_second",
             "gauge",
             "decode rate over the last 5 s",

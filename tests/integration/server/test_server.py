@@ -56,6 +56,7 @@ def test_models_health_metrics(server, client):
         "hydragen_kv_pages_used",
         "hydragen_kv_pages_free",
         "hydragen_prefix_cache_hit_rate",
+        "hydragen_prefix_cache_unreachable_pages",
         "hydragen_generation_tokens_per_second",
     ):
         assert f"# TYPE {name}" in text

@@ -145,3 +145,28 @@ def test_fork_and_truncate_respect_the_window():
     kv.release(src, tokens)
     kv.release(dst, tokens)
     kv.check([])
+
+
+def test_unreachable_pages_counts_cached_pages_no_hit_can_use():
+    """A window of 2 tokens inside 4-token pages: a running table's window sits in its partial last page, so
+    its published pages' window pages are idle; evicted, the path it holds can end no hit until it publishes
+    the next page. The metric counts those pages, and is 0 again after."""
+    kv = manager(window=2)
+    t = PageTable()
+    tokens = list(range(100, 140))
+    assert kv.admit(t, tokens[:38], None, None) is not None
+    for end in (4, 20, 36, 38, 39):  # (a window moves a forward late)
+        assert kv.allocate(t, end)
+        kv.computed_to(t, end)
+        kv.publish(t, tokens, end)
+    assert t.published == 9 and kv.unreachable_pages() == 0
+    while (part := kv.windows.oldest_idle()) is not None:
+        assert kv.windows.evict(part[1], part[2]) == []  # t holds the path: nothing to prune
+    kv.check([t])
+    assert kv.unreachable_pages() == 9  # every end on t's path reads a window page that is gone
+    assert kv.unreachable_pages(max_age=60.0) == 9  # reused within max_age
+    assert kv.allocate(t, 40)
+    kv.computed_to(t, 40)
+    kv.publish(t, tokens, 40)  # page 9: its own window page is there, so it ends a hit
+    assert kv.unreachable_pages() == 0
+    kv.check([t])
