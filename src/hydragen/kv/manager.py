@@ -222,7 +222,7 @@ class KVManager:
             leaf, part = tree.oldest_idle_leaf(pool.refs), windows.oldest_idle()
             if leaf is None and part is None:
                 raise RuntimeError("window pages' idle counts and the prefix tree disagree: a bug")
-            if part is None or (leaf is not None and leaf.last_used < part[0]):
+            if part is None or (leaf is not None and leaf.last_used <= part[0]):
                 self._evict_leaf(leaf)
             else:
                 for dead in windows.evict(part[1], part[2]):

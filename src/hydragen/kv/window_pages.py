@@ -34,7 +34,7 @@ class WindowPages:
         self.windows: dict[int, int] = pool.layout.released  # {group: window}
         self.idle = 0  # idle parts: present, unheld, beside a page in the tree
         self._since = {g: [0] * len(pool.refs) for g in self.windows}  # when a part went idle (0: not idle)
-        self._heap: list[tuple[int, int, int]] = []  # (since, group, page)
+        self._heap: list[tuple[int, int, int, int]] = []  # (LRU time, depth, group, page)
 
     def __bool__(self) -> bool:
         return bool(self.windows)
@@ -65,7 +65,7 @@ class WindowPages:
             now = tick()
             self._since[group][page] = now
             self.idle += 1
-            heapq.heappush(self._heap, (now, group, page))
+            heapq.heappush(self._heap, (now, self.tree.nodes[page].depth, group, page))
         else:
             self.pool.free_part(group, page)
 
@@ -137,13 +137,24 @@ class WindowPages:
 
     # ---- eviction ---------------------------------------------------------------------------------------
     def oldest_idle(self) -> tuple[int, int, int] | None:
-        """(since, group, page) of the least recently released idle part, or None."""
+        """(LRU time, group, page) of the least recently used idle part, or None.
+
+        A part is as recent as its release or its page's last use in the tree, whichever is later: a hit
+        or a table's release touches every page of its path, so the window pages at the end of a hot shared
+        prefix stay, while those of a conversation nobody came back to go first. Of parts used at the same
+        time, the shallower go first: the parts a hit at the end of a prefix needs are its deepest."""
+        nodes = self.tree.nodes
         while self._heap:
-            since, g, p = self._heap[0]
-            if self._since[g][p] != since:
+            key, depth, g, p = self._heap[0]
+            since = self._since[g][p]
+            if not since:
                 heapq.heappop(self._heap)  # held again, or gone with its node
                 continue
-            return since, g, p
+            now = max(since, nodes[p].last_used)
+            if now > key:  # used since it was queued: back in line at its new time
+                heapq.heapreplace(self._heap, (now, depth, g, p))
+                continue
+            return key, g, p
         return None
 
     def evict(self, group: int, page: int) -> list[PageNode]:
