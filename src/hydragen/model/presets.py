@@ -2,8 +2,7 @@
 CodeLlama-13B-shaped model can be measured without downloading CodeLlama-13B.
 
 A preset is a Hugging Face config dict; its ``architectures`` name the family (model/registry.py), whose GGUF
-layout the random-weights writer (model/gguf_write.py) uses. Shapes of families this build does not have yet
-wait in ``AWAITING_FAMILY`` until their family is registered."""
+layout the random-weights writer (model/gguf_write.py) uses."""
 
 from __future__ import annotations
 
@@ -164,10 +163,9 @@ PRESETS |= {
     ),
 }
 
-# Shapes ready for a family on its way (Gemma 3): not presets until model/registry.py has its architecture
-# and its family module declares its GGUF layout (the writer writes a family's own layout only). Sources:
-# google/gemma-3-1b-it's config.json and gemma-3-4b-it's text_config (as copied in public fine-tunes'
-# configs).
+# Gemma 3 (text): google/gemma-3-1b-it's config.json and gemma-3-4b-it's text_config (as copied in public
+# fine-tunes' configs). Tied embeddings; the 1B's 1,152-wide rows do not split into 256-weight blocks, so its
+# Q4_K_M holds Q5_0 (and a Q8_0 embedding) where llama-quantize falls back.
 _GEMMA3 = dict(
     model_type="gemma3_text",
     architectures=["Gemma3ForCausalLM"],
@@ -185,7 +183,7 @@ _GEMMA3 = dict(
     eos_token_id=[1, 106],
     pad_token_id=0,
 )
-AWAITING_FAMILY: dict[str, dict[str, Any]] = {
+PRESETS |= {
     "gemma-3-1b": dict(
         _GEMMA3,
         hidden_size=1152,
@@ -212,6 +210,37 @@ AWAITING_FAMILY: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Gemma 2 2B: google/gemma-2-2b's config.json shape (26 layers, 2304 hidden, 9216 intermediate, 8 query / 4 KV
+# heads of 256, query_pre_attn_scalar 256, a 4,096 window on alternate layers from layer 0, soft-caps 50 and
+# 30, 256,000 tokens, tied), as recalled from the model card's config and matched against AI-Hypercomputer
+# maxtext's hf_model_configs.py (gemma2_2b: layers, heads, hidden and intermediate, the rest transformers'
+# Gemma2Config defaults) and llama.cpp's gemma2 loader (26 layers: its 2B).
+PRESETS |= {
+    "gemma-2-2b": dict(
+        model_type="gemma2",
+        architectures=["Gemma2ForCausalLM"],
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    ),
+}
+
 
 def config_for_random_weights(spec: str | Path) -> tuple[dict[str, Any], str]:
     """A Hugging Face config dict from a preset name, a config.json file or a model directory.
@@ -221,9 +250,6 @@ def config_for_random_weights(spec: str | Path) -> tuple[dict[str, Any], str]:
     name = str(spec)
     if name.lower() in PRESETS:
         return dict(PRESETS[name.lower()]), name.lower()
-    if name.lower() in AWAITING_FAMILY:
-        arch = AWAITING_FAMILY[name.lower()]["architectures"][0]
-        raise ValueError(f"random-weights preset {name!r} needs the {arch} family, which this build lacks")
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"

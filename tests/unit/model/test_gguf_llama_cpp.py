@@ -2,7 +2,8 @@
 llama.cpp's own ``convert_hf_to_gguf.py`` is the file hydragen's writer writes from the same checkpoint,
 tensor for tensor; hydragen runs the converted file to transformers' greedy tokens, and so does llama.cpp
 (and the written one too); llama.cpp loads and runs the writer's random-weights Qwen3 in llama-quantize's
-Q4_K_M mix.
+Q4_K_M mix. A tiny Gemma 3 likewise: the converter's file is the writer's, and llama.cpp runs the writer's to
+hydragen's greedy tokens.
 
 Where the oracle lives is the machine's, told by the environment, with defaults where the project's
 machines keep it (each test skips, saying which is missing):
@@ -111,9 +112,11 @@ def llama_cpp_greedy(path: Path, prompts: list[list[int]], steps: int) -> list[l
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def _save_tiny(path: Path, arch: str, **shape) -> Path:
+def _save_tiny(path: Path, arch: str, config_class: str = "", gemma: bool = False, **shape) -> Path:
     """A tiny random checkpoint saved with save_pretrained, with the embedded model's tokenizer (a GPT-2 BPE
-    the converter recognises) and a vocabulary that holds it."""
+    the converter recognises) and a vocabulary that holds it. ``config_class``: the config when it is not the
+    architecture's; ``gemma``: random norm weights (Gemma's are w of 1 + w: zeros would hide a norm taken for
+    another) and small embeddings (Gemma scales them by sqrt(hidden))."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -121,14 +124,18 @@ def _save_tiny(path: Path, arch: str, **shape) -> Path:
 
     gguf_path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = getattr(transformers, config_class or arch.replace("ForCausalLM", "Config"))
     cfg = config(vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(1234)
     model = getattr(transformers, arch)(cfg)
     with torch.no_grad():  # peaky, well-separated logits, as tests/conftest.py's tiny models
         for p in model.parameters():
-            if p.dim() == 2:
+            if gemma and p is model.get_input_embeddings().weight:
+                p.normal_(0, 0.02)
+            elif p.dim() == 2:
                 p.normal_(0, 0.15)
+            elif gemma:
+                p.normal_(0, 0.3)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
@@ -228,6 +235,54 @@ def test_the_writers_phi_4_mini_is_the_converters(tmp_path) -> None:
     assert set(a) - set(b) == {"phi3.attention.sliding_window"}
     assert set(b) - set(a) == {"phi3.attention.key_length", "phi3.attention.value_length"}
     assert {k: v for k, v in a.items() if k in b and v != b[k]} == {}
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 as llama.cpp can hold it: query_pre_attn_scalar = head_dim, the default five local
+    layers to one global (the converter writes no pattern), a window of 4 (shorter than every sequence here),
+    local RoPE on its own base and global RoPE linearly scaled."""
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=4)
+    shape |= dict(rope_parameters=rope, max_position_embeddings=512, tie_word_embeddings=True)
+    root = tmp_path_factory.mktemp("llama_cpp_gemma3")
+    return _save_tiny(root / "tiny-gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", gemma=True, **shape)
+
+
+@pytest.mark.parametrize("scheme", ["F32", "Q8_0"])
+def test_the_writers_gemma3_is_the_converters(tiny_gemma3, scheme) -> None:
+    """convert_hf_to_gguf.py's Gemma3Model on the tiny Gemma 3 and the writer on the same checkpoint: the same
+    tensors (norms as 1 + w, QK-norms, no output) in name, type, shape and bytes, and the same metadata (the
+    window, rope.freq_base_swa, the linear factor; no pattern), general.* and the tokenizer aside."""
+    theirs = gguf.GGUFReader(convert(tiny_gemma3, scheme.lower()))
+    ours = gguf.GGUFReader(_written(tiny_gemma3, scheme))
+    _same_tensors(theirs, ours)
+    assert _metadata(theirs) == _metadata(ours)
+    assert "gemma3.rope.freq_base_swa" in _metadata(ours)
+
+
+def test_llama_cpp_runs_the_writers_gemma3_to_hydragens_greedy_tokens(tiny_gemma3) -> None:
+    """The writer's F32 tiny Gemma 3 (windows of 4 on five layers of six): llama.cpp's greedy tokens are
+    hydragen's on the same file, and transformers' on the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    path = _written(tiny_gemma3, "F32")
+    llm = LLM(str(path), kv_cache_tokens=1024)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=T, ignore_eos=True), use_tqdm=False)
+    ours = [o.outputs[0].token_ids for o in outs]
+    assert llama_cpp_greedy(path, PROMPTS, T) == ours
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32)
+    want = [
+        hf.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in PROMPTS
+    ]
+    assert ours == want
 
 
 def test_hydragen_runs_the_converted_file_to_transformers_greedy_tokens(converted, transformers_greedy):

@@ -1,5 +1,6 @@
 """The GGUF writer, family by family: each family's file laid out as llama.cpp's converter lays it out (the
-architecture's own tensor names, q/k permuted only for Llama, Qwen3's QK-norms), read back by hydragen's
+architecture's own tensor names, q/k permuted only for Llama, Qwen3's QK-norms, Gemma's four norms stored as
+1 + w and its windows and soft-caps), read back by hydragen's
 reader with every Hugging Face tensor equal to what was written, and run to transformers' greedy tokens; the
 llama-quantize type rules as they differ between families."""
 
@@ -24,11 +25,21 @@ from hydragen.model.gguf_write import (
     writer_family,
 )
 from hydragen.model.presets import PRESETS
+from tests.conftest import TINY, save_tiny
 
 Q = gguf.GGMLQuantizationType
 # tests/conftest.py's tiny checkpoints of the families with a GGUF form -> llama.cpp's architecture
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "phi4_mini": "phi3"}
+ARCH |= {"gemma2": "gemma2", "gemma3": "gemma3"}
 FAMILIES = list(ARCH)
+# The tiny Gemmas as llama.cpp can hold them: query_pre_attn_scalar = head_dim (llama.cpp derives the scale,
+# its files keep none), and windows shorter than the tests' sequences (7 + 8 tokens), so that a window read
+# on the wrong layers changes the tokens. Gemma 3 keeps conftest's two local layers to one global (not
+# llama.cpp's default six: the file carries the pattern).
+GEMMA = {
+    name: TINY[name] | dict(query_pre_attn_scalar=TINY[name]["head_dim"], sliding_window=window)
+    for name, window in (("gemma2", 5), ("gemma3", 4))
+}
 # every prompt longer than the tiny Phi models' LongRoPE original length (4), where transformers' factor set
 # is the one hydragen runs the model with (model/rope.py, longrope_scaling)
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [11, 12, 13, 40, 41], [7, 8, 9, 10, 11]]
@@ -44,12 +55,19 @@ def _checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def written(tiny_models, tmp_path_factory):
+def checkpoints(tiny_models, tmp_path_factory) -> dict[str, str]:
+    """Each family's tiny checkpoint: conftest's, the Gemmas as ``GEMMA`` has them."""
+    root = tmp_path_factory.mktemp("gguf_write_gemma")
+    return {n: save_tiny(GEMMA[n], root / n) if n in GEMMA else tiny_models[n] for n in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def written(checkpoints, tmp_path_factory):
     """Each family's tiny checkpoint written by the writer, as F32 and as Q8_0."""
     root = tmp_path_factory.mktemp("gguf_write")
     out = {}
     for name in FAMILIES:
-        hf, sd = _checkpoint(tiny_models[name])
+        hf, sd = _checkpoint(checkpoints[name])
         cfg = ModelConfig.from_hf(hf)
         for scheme in ("F32", "Q8_0"):
             out[name, scheme] = write_gguf(
@@ -59,7 +77,7 @@ def written(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_each_family_is_laid_out_in_its_llama_cpp_architecture(tiny_models, written, name) -> None:
+def test_each_family_is_laid_out_in_its_llama_cpp_architecture(checkpoints, written, name) -> None:
     """The file's architecture is the family's, and every tensor name is one that llama.cpp's gguf package
     lists for that architecture (gguf.MODEL_TENSORS): Qwen3's QK-norms, Qwen2's q/k/v biases, Phi-3's fused
     attn_qkv and ffn_up and its LongRoPE factor tensors."""
@@ -67,7 +85,7 @@ def test_each_family_is_laid_out_in_its_llama_cpp_architecture(tiny_models, writ
     arch = reader.fields["general.architecture"].contents()
     assert arch == ARCH[name]
     known = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)]
-    cfg = ModelConfig.from_hf(_checkpoint(tiny_models[name])[0])
+    cfg = ModelConfig.from_hf(_checkpoint(checkpoints[name])[0])
     allowed = {
         gguf.TENSOR_NAMES[t].format(bid=i) + suffix
         for t in known
@@ -76,19 +94,34 @@ def test_each_family_is_laid_out_in_its_llama_cpp_architecture(tiny_models, writ
     }
     names = [t.name for t in reader.tensors]
     assert set(names) <= allowed, set(names) - allowed
-    assert ("blk.0.attn_q_norm.weight" in names) == (name == "qwen3")
+    assert ("blk.0.attn_q_norm.weight" in names) == (name in ("qwen3", "gemma3"))
+    gemma = arch.startswith("gemma")
+    assert ("blk.0.post_attention_norm.weight" in names) == ("blk.3.post_ffw_norm.weight" in names) == gemma
     assert ("blk.0.attn_q.bias" in names) == (name == "qwen2")
     assert ("blk.0.attn_qkv.weight" in names) == ("blk.0.attn_q.weight" not in names) == (arch == "phi3")
     assert ("rope_factors_long.weight" in names) == (arch == "phi3")
     assert reader.fields[f"{arch}.attention.key_length"].contents() == cfg.head_dim
     assert (f"{arch}.vocab_size" in reader.fields) == (name == "llama")  # Llama's converter adds it
+    if gemma:  # tied (no output), the window, and the pattern as a flag per layer (not llama.cpp's default)
+        assert "output.weight" not in names
+        meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(f"{arch}.")}
+        assert meta[f"{arch}.attention.sliding_window"] == GEMMA[name]["sliding_window"]
+        every = TINY[name].get("sliding_window_pattern", 2)
+        pattern = [bool((i + 1) % every) for i in range(cfg.num_layers)]
+        assert meta.get(f"{arch}.attention.sliding_window_pattern") == (pattern if every != 2 else None)
+        caps = {"gemma2": (2.0, 3.0), "gemma3": (None, None)}[name]
+        assert (
+            meta.get(f"{arch}.attn_logit_softcapping"),
+            meta.get(f"{arch}.final_logit_softcapping"),
+        ) == caps
+        assert meta.get(f"{arch}.rope.freq_base_swa") == (10_000.0 if name == "gemma3" else None)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_reader_reads_back_what_was_written(tiny_models, written, name) -> None:
+def test_the_reader_reads_back_what_was_written(checkpoints, written, name) -> None:
     """F32: every Hugging Face tensor exactly, q/k put back in HF order where llama.cpp permutes them. Q8_0:
     the matrices are their Q8_0 rounding (the file's bytes), the vectors exact."""
-    hf, sd = _checkpoint(tiny_models[name])
+    hf, sd = _checkpoint(checkpoints[name])
     cfg = ModelConfig.from_hf(hf)
     family = writer_family(cfg)
     config, got = read_gguf(written[name, "F32"])
@@ -101,8 +134,10 @@ def test_the_reader_reads_back_what_was_written(tiny_models, written, name) -> N
     assert back == cfg
     assert config["architectures"] == hf["architectures"]
     assert set(got) == {hf_name for _, hf_name, _ in family.gguf_tensors(cfg)}
+    # the values the file holds: a Gemma norm as 1 + w (the loader adds nothing to a GGUF's)
+    sd = {k: v.float() + family.hf_norm_offset if v.dim() == 1 else v.float() for k, v in sd.items()}
     for key, t in got.items():
-        assert torch.equal(t, sd[key].float()), key
+        assert torch.equal(t, sd[key]), key
     # the file itself: Llama's q rows permuted, Qwen's and Phi's as they are
     raw = {t.name: np.array(t.data) for t in gguf.GGUFReader(written[name, "F32"]).tensors}
     q = "attn_qkv" if "blk.0.attn_qkv.weight" in raw else "attn_q"
@@ -123,10 +158,10 @@ def test_the_reader_reads_back_what_was_written(tiny_models, written, name) -> N
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_written_file_generates_transformers_greedy_tokens(tiny_models, written, name) -> None:
+def test_the_written_file_generates_transformers_greedy_tokens(checkpoints, written, name) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_models[name], dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
     want = [
         hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[
             0, len(p) :
@@ -210,14 +245,13 @@ def test_a_tiny_phi_4_mini_in_q4_k_m_loads_its_fused_tensors_as_parts(tmp_path) 
     assert isinstance(net.layers[1].qkv, PackedProjection) and net.layers[1].qkv.qtypes == [int(Q.Q6_K)]
 
 
-def test_every_preset_has_a_gguf_layout_and_the_awaiting_ones_say_what_they_wait_for() -> None:
-    from hydragen.model.presets import AWAITING_FAMILY, config_for_random_weights
+def test_every_preset_has_a_gguf_layout() -> None:
+    from hydragen.model.presets import config_for_random_weights
 
     for name, hf in PRESETS.items():
-        assert model_types("Q4_K_M", ModelConfig.from_hf(hf)), name
-    for name, hf in AWAITING_FAMILY.items():
-        with pytest.raises(ValueError, match=f"needs the {hf['architectures'][0]} family"):
-            config_for_random_weights(name)
+        cfg = ModelConfig.from_hf(config_for_random_weights(name)[0])
+        assert cfg == ModelConfig.from_hf(hf) and model_types("Q4_K_M", cfg), name
+        assert writer_family(cfg).gguf_metadata(cfg) is not None, name  # the family can write this shape
 
 
 def test_linear_rope_scaling_and_mistral_are_written_as_llama_cpp_writes_them(tiny_models, tmp_path) -> None:
@@ -232,3 +266,29 @@ def test_linear_rope_scaling_and_mistral_are_written_as_llama_cpp_writes_them(ti
     assert ModelConfig.from_hf(config) == cfg and cfg.rope_scaling["factor"] == 4.0
     mistral = ModelConfig.from_hf(_checkpoint(tiny_models["mistral"])[0])
     assert writer_family(mistral).gguf_architecture == "llama"
+
+
+def test_gemma_presets_take_llama_quantizes_types_and_what_llama_cpp_cannot_hold_is_refused() -> None:
+    """Gemma 3 1B's Q4_K_M (tied; 1,152-wide rows are no whole 256-blocks): the embedding Q8_0, 1,152-wide
+    matrices Q5_0, every norm F32; Gemma 2 2B's tied embedding Q6_K. A query_pre_attn_scalar llama.cpp would
+    not derive, or a Gemma 2 without soft-caps, is refused by the writer."""
+    g3 = model_types("Q4_K_M", ModelConfig.from_hf(PRESETS["gemma-3-1b"]))
+    assert "output.weight" not in g3 and g3["token_embd.weight"] == Q.Q8_0
+    assert g3["blk.5.attn_q.weight"] == g3["blk.5.ffn_gate.weight"] == Q.Q5_0  # 1,152 columns
+    assert (
+        g3["blk.5.attn_output.weight"] == Q.Q4_K
+        and g3["blk.5.ffn_down.weight"] == Q.Q6_K != g3["blk.4.ffn_down.weight"]
+    )
+    assert {g3[f"blk.7.{n}.weight"] for n in ("post_attention_norm", "post_ffw_norm", "attn_k_norm")} == {
+        Q.F32
+    }
+    g2 = model_types("Q4_K_M", ModelConfig.from_hf(PRESETS["gemma-2-2b"]))
+    assert "output.weight" not in g2 and g2["token_embd.weight"] == Q.Q6_K
+    for name in ("gemma2", "gemma3"):
+        hf = TINY[name] | {"architectures": [TINY[name]["arch"]], "model_type": name}
+        cfg = ModelConfig.from_hf(hf)  # query_pre_attn_scalar 24, head_dim 16 or 32
+        with pytest.raises(ValueError, match="query_pre_attn_scalar"):
+            writer_family(cfg).gguf_metadata(cfg)
+    capless = ModelConfig.from_hf(PRESETS["gemma-2-2b"] | {"attn_logit_softcapping": None})
+    with pytest.raises(ValueError, match="soft-cap"):
+        writer_family(capless).gguf_metadata(capless)

@@ -9,6 +9,13 @@ holds 1 + w. llama.cpp's files keep no ``query_pre_attn_scalar``: llama.cpp scal
 (hidden / heads) ** -0.5 and every other size's by head_dim ** -0.5, which are the released configs'
 values, and so does the reader. The per-op path runs it (the fused C++ stack knows Llama's layer only).
 
+The writer (``model/gguf_write.py``) lays a Gemma 2 out as convert_hf_to_gguf.py's Gemma2Model does: the
+four norms as ``attn_norm``, ``post_attention_norm``, ``ffn_norm`` and ``post_ffw_norm``, stored as 1 + w;
+no ``output`` (tied); the window and both soft-caps in the metadata, and, where the layers do not alternate
+as llama.cpp assumes (windowed, full, ...), the pattern as a flag per layer. A model llama.cpp cannot hold
+(a score scale it would not derive, no soft-cap) is refused rather than written as another model.
+llama-quantize has no Gemma rule: its types are every family's, by tensor category.
+
 The helpers here are Gemma 3's too (``model/families/gemma3.py``), whose layer is this one with QK-norm.
 """
 
@@ -33,6 +40,12 @@ GEMMA_LAYER_TENSORS: dict[str, str] = {
 GEMMA_GGUF_TENSORS: dict[str, str] = {
     "post_attention_norm": "post_attn_norm",
     "post_ffw_norm": "post_mlp_norm",
+}
+
+# Their shapes, for the writer (every norm of a layer is a hidden-sized vector).
+GEMMA_ROLE_SHAPES = {
+    "post_attn_norm": lambda c: (c.hidden_size,),
+    "post_mlp_norm": lambda c: (c.hidden_size,),
 }
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -115,13 +128,61 @@ def _gguf_config(meta: Callable[..., Any], arch: str) -> dict[str, Any]:
     }
 
 
+def llama_cpp_scale(cfg: Any, big_layers: int) -> float:
+    """The score scale llama.cpp derives for a Gemma of ``cfg``'s shape (its files keep none): the model with
+    ``big_layers`` layers (the 27B) scales by (hidden / heads) ** -0.5, every other by head_dim ** -0.5."""
+    return float(cfg.hidden_size // cfg.num_heads if cfg.num_layers == big_layers else cfg.head_dim) ** -0.5
+
+
+def gemma_gguf_metadata(cfg: Any, big_layers: int, pattern: int) -> dict[str, Any]:
+    """The metadata Gemma 2 and 3 files share: the window (when a layer has one) and, when the windowed layers
+    are not llama.cpp's default for the architecture (every layer but each ``pattern``-th), a flag per layer
+    (``attention.sliding_window_pattern``, which llama.cpp reads as an array as well as a count). ValueError
+    for a score scale llama.cpp would not derive (``query_pre_attn_scalar``, which its files lack)."""
+    scale = llama_cpp_scale(cfg, big_layers)
+    if any(s.scale != scale for s in cfg.layer_specs):
+        raise ValueError(
+            f"llama.cpp scales this shape's scores by {scale:.6g} (query_pre_attn_scalar "
+            f"{round(scale**-2)}), and its GGUF keeps no other: this config's query_pre_attn_scalar "
+            "cannot be written"
+        )
+    sliding = [s.window is not None for s in cfg.layer_specs]
+    out: dict[str, Any] = {}
+    windows = {s.window for s in cfg.layer_specs if s.window is not None}
+    if len(windows) > 1:
+        raise ValueError(f"llama.cpp's GGUF holds one sliding window, not {sorted(windows)}")
+    if windows:
+        out["attention.sliding_window"] = int(windows.pop())
+    if sliding != [i % pattern < pattern - 1 for i in range(cfg.num_layers)]:
+        out["attention.sliding_window_pattern"] = sliding
+    return out
+
+
+def _gguf_metadata(cfg: Any) -> dict[str, Any]:
+    """convert_hf_to_gguf.py's Gemma2Model keys beyond every architecture's: the window and the soft-caps
+    (it writes no pattern: llama.cpp's default, alternate layers from layer 0, is every release's)."""
+    caps = {s.soft_cap for s in cfg.layer_specs}
+    if len(caps) != 1 or None in caps or not cfg.final_logit_softcap:
+        raise ValueError(
+            "llama.cpp's gemma2 soft-caps every layer's scores and the final logits (50 and 30 when its file "
+            "gives none): a Gemma 2 without both soft-caps, or with a cap per layer, cannot be written"
+        )
+    return {
+        **gemma_gguf_metadata(cfg, big_layers=46, pattern=2),
+        "attn_logit_softcapping": float(caps.pop()),
+        "final_logit_softcapping": float(cfg.final_logit_softcap),
+    }
+
+
 FAMILY = Family(
     name="gemma2",
     hf_architectures=("Gemma2ForCausalLM",),
     gguf_architecture="gemma2",
     layer_tensors=dict(GEMMA_LAYER_TENSORS),
     gguf_layer_tensors=dict(GEMMA_GGUF_TENSORS),
+    role_shapes=dict(GEMMA_ROLE_SHAPES),
     hf_norm_offset=1.0,
     config=_config,
     gguf_config=_gguf_config,
+    gguf_metadata=_gguf_metadata,
 )

@@ -6,7 +6,16 @@ global layers by ``rope_theta`` with ``rope_scaling`` (linear, factor 8, on the 
 Runs from a ``Gemma3ForCausalLM`` checkpoint (1B, or a text model saved alone) or llama.cpp's ``gemma3``
 GGUF, which its converter also writes for the text part of ``Gemma3ForConditionalGeneration`` (the vision
 tower goes to a separate mmproj file). The vision-language checkpoint itself, and an mmproj file, are
-refused: hydragen runs text only."""
+refused: hydragen runs text only.
+
+The writer (``model/gguf_write.py``) lays it out as convert_hf_to_gguf.py's Gemma3Model does: Gemma 2's
+tensors plus ``attn_q_norm``/``attn_k_norm`` (every norm stored as 1 + w), no ``output`` (tied); the
+window (only when a layer has one: llama.cpp then runs no window at all), the local layers' RoPE base
+(``rope.freq_base_swa``), the final soft-cap when there is one, the global layers' linear RoPE factor
+(every architecture's ``rope.scaling.*``). The converter writes no pattern, so llama.cpp assumes five local
+layers to one global; a model whose layers differ is written with a flag per layer, which llama.cpp reads.
+What llama.cpp cannot hold is refused: a score scale it would not derive, a scaled local RoPE, a score
+soft-cap (llama.cpp's gemma3 has none)."""
 
 from __future__ import annotations
 
@@ -17,8 +26,10 @@ from hydragen.model.families.gemma2 import (
     FULL,
     GEMMA_GGUF_TENSORS,
     GEMMA_LAYER_TENSORS,
+    GEMMA_ROLE_SHAPES,
     SLIDING,
     gemma_fields,
+    gemma_gguf_metadata,
     gguf_gemma_fields,
 )
 from hydragen.model.family import Family
@@ -62,15 +73,34 @@ def _gguf_config(meta: Callable[..., Any], arch: str) -> dict[str, Any]:
     }
 
 
+def _gguf_metadata(cfg: Any) -> dict[str, Any]:
+    """convert_hf_to_gguf.py's Gemma3Model keys beyond every architecture's (``gemma_gguf_metadata``'s window
+    and pattern, the local RoPE base, the final soft-cap)."""
+    if any(s.soft_cap for s in cfg.layer_specs):
+        raise ValueError("llama.cpp's gemma3 has no attention soft-cap: a Gemma 3 with one cannot be written")
+    if cfg.local_rope_scaling is not None:
+        raise ValueError(
+            "llama.cpp's gemma3 rotates its local layers unscaled: local rope scaling cannot be written"
+        )
+    out = gemma_gguf_metadata(cfg, big_layers=62, pattern=6)
+    if cfg.local_rope_theta is not None:
+        out["rope.freq_base_swa"] = float(cfg.local_rope_theta)
+    if cfg.final_logit_softcap:
+        out["final_logit_softcapping"] = float(cfg.final_logit_softcap)
+    return out
+
+
 FAMILY = Family(
     name="gemma3",
     hf_architectures=("Gemma3ForCausalLM",),
     gguf_architecture="gemma3",
     layer_tensors={**GEMMA_LAYER_TENSORS, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
     gguf_layer_tensors={**GEMMA_GGUF_TENSORS, "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"},
+    role_shapes=dict(GEMMA_ROLE_SHAPES),
     hf_norm_offset=1.0,
     config=_config,
     gguf_config=_gguf_config,
+    gguf_metadata=_gguf_metadata,
     model_type="gemma3_text",
     hf_refused={"Gemma3ForConditionalGeneration": VISION},
 )
