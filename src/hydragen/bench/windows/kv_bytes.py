@@ -33,14 +33,14 @@ from hydragen.kv.layout import model_kv_layout
 from hydragen.kv.manager import KVManager, PageTable
 from hydragen.kv.pool import PagePool
 from hydragen.model.config import ModelConfig
-from hydragen.model.presets import AWAITING_FAMILY
+from hydragen.model.presets import PRESETS
 
 PAGE, CHUNK, PROMPT_DECODE = 16, 512, 512
 MODELS = ("gemma-3-4b", "gemma-3-1b")
 
 
 def model_config(name: str) -> ModelConfig:
-    return ModelConfig.from_hf(AWAITING_FAMILY[name])
+    return ModelConfig.from_hf(PRESETS[name])
 
 
 def make_manager(cfg, context: int, page: int = PAGE, windowed: bool = True, chunk: int = CHUNK) -> KVManager:
