@@ -402,6 +402,11 @@ METRIC_FAMILIES = [
     ("hydragen_kv_page_size", "gauge", "tokens a KV page holds"),
     ("hydragen_prefix_cache_tokens", "gauge", "tokens held by the prefix tree (whole pages)"),
     ("hydragen_prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens"),
+    (
+        "hydragen_prefix_cache_unreachable_pages",
+        "gauge",
+        "cached pages no hit can use: their sliding windows' pages are gone (0 without windows)",
+    ),
     ("hydragen_generation_tokens_per_second", "gauge", "decode rate over the last 5 s"),
     ("hydragen_engine_healthy", "gauge", "1 while the engine takes requests"),
     (
