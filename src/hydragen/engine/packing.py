@@ -32,6 +32,7 @@ from hydragen.attention.layer_spec import LayerSpecs
 from hydragen.attention.step_attention import StepAttentionMeta, tree_segments
 from hydragen.engine.step_plan import StepPlan, tree_depths
 from hydragen.kv.layout import released_groups
+from hydragen.kv.window_pages import first_window_page
 
 UNIT_TOKENS = 16  # items with at least this many tokens read their context by matrix products (units)
 
@@ -106,7 +107,7 @@ class _Reads:
         own = slot_runs(pages, page_size, w.start, w.end)
         for lo, hi in own:
             self.slots += range(lo, hi)
-        first = max(cut, _first_page(w.start, window, page_size)) * page_size
+        first = max(cut, first_window_page(w.start, window, page_size)) * page_size
         context = slot_runs(pages, page_size, first, w.start) if first < w.start else []
         if w.parents is not None:  # a draft tree: context by units, ancestors per token (root at start)
             self.units += [(lo, hi, t0, t0 + k, 0, p) for lo, hi, p in positioned(context, first)]
@@ -129,7 +130,7 @@ class _Reads:
         for run in plan.shared:
             lo_page = run.page_lo
             if window is not None:
-                reach = min(_first_page(w.start, window, page_size) for w in plan.work[run.lo : run.hi])
+                reach = min(first_window_page(w.start, window, page_size) for w in plan.work[run.lo : run.hi])
                 lo_page = max(lo_page, reach)
             if lo_page >= run.page_hi:
                 continue
@@ -137,11 +138,6 @@ class _Reads:
             first = lo_page * page_size
             for lo, hi, p in positioned(slot_runs(pages, page_size, first, run.page_hi * page_size), first):
                 self.units.append((lo, hi, starts[run.lo], starts[run.hi], 0, p))
-
-
-def _first_page(position: int, window: int | None, page_size: int) -> int:
-    """The first page a token at ``position`` reads through ``window`` (kv/window_pages.py's rule)."""
-    return 0 if window is None else max(0, (position - window + 1) // page_size)
 
 
 def pack(

@@ -134,12 +134,7 @@ class KVManager:
         revived = sum(1 for n in nodes if not self.pool.refs[n.page])
         new = self.pages_for(len(tokens)) - len(nodes)
         if self.windows:
-            pages = [n.page for n in nodes]
-            starts = {
-                g: self.windows.first_page(len(pages) * self.page_size, w)
-                for g, w in self.windows.windows.items()
-            }
-            parts = self.windows.idle_in(starts, pages)
+            parts = self.windows.idle_in([n.page for n in nodes], len(nodes) * self.page_size)
             if new * self.pool.groups > self._physical_left(revived, parts):
                 return None
         elif new + revived > self.available:
@@ -226,26 +221,34 @@ class KVManager:
                 self._evict_leaf(leaf)
             else:
                 for dead in windows.evict(part[1], part[2]):
-                    if dead.page in tree.nodes and not dead.children and not pool.refs[dead.page]:
-                        self._evict_leaf(dead)
+                    self._prune(dead)
+
+    def _dead_end(self, node: PageNode) -> bool:
+        """Whether ``node`` is an idle leaf of the tree that no hit can end at (its windows' pages gone)."""
+        return (
+            node.parent is not None
+            and self.tree.nodes.get(node.page) is node
+            and not node.children
+            and not self.pool.refs[node.page]
+            and not self.windows.valid_end(node)
+        )
+
+    def _prune(self, node: PageNode) -> None:
+        """Evict ``node`` if it is a dead end: it could never be hit."""
+        if self._dead_end(node):
+            self._evict_leaf(node)
 
     def _evict_leaf(self, node: PageNode) -> None:
-        """Evict an idle leaf with its window parts; its parent, left a leaf with no valid end (its window
-        pages are gone), goes too."""
+        """Evict an idle leaf with its window parts; its parent, left a dead end, goes too."""
         while True:
             parent = node.parent
             self.windows.left_tree(node.page)
             self.tree.evict_leaf(node, self.pool.refs)
             self.idle -= 1
             self.pool.free([node.page])
-            node = parent
-            if (
-                node.parent is None
-                or node.children
-                or self.pool.refs[node.page]
-                or self.windows.valid_end(node)
-            ):
+            if not self._dead_end(parent):
                 return
+            node = parent
 
     def _grow(self, table: PageTable, tokens: int) -> None:
         """Pages for positions [0, tokens) of ``table``; raises OutOfPages (table unchanged)."""
@@ -425,18 +428,9 @@ class KVManager:
     def evict_idle(self) -> int:
         """Evict every idle cached page (``reset_prefix_cache``), and every idle window page; returns how
         many table pages."""
-        if self.windows:
+        if self.windows:  # idle window pages first: idle leaves then have none left to account for
             while (part := self.windows.oldest_idle()) is not None:
-                for dead in self.windows.evict(part[1], part[2]):
-                    if dead.page in self.tree.nodes and not dead.children and not self.pool.refs[dead.page]:
-                        self._evict_leaf(dead)
-            before = self.idle
-            for page, node in list(self.tree.nodes.items()):
-                if not self.pool.refs[page] and not node.children:
-                    self.tree.went_idle(page)
-            while (leaf := self.tree.oldest_idle_leaf(self.pool.refs)) is not None:
-                self._evict_leaf(leaf)
-            return before - self.idle
+                self.windows.evict(part[1], part[2])  # (the dead ends it reports go with the rest)
         gone = self.tree.clear_idle(self.pool.refs)
         self.idle -= len(gone)
         self.pool.free(gone)
@@ -456,16 +450,9 @@ class KVManager:
         self.idle += len(cached)
         self.pool.free([p for p in dropped if p not in self.tree])
         if self.windows:  # a leaf nobody holds whose windows' pages are gone can never be hit: it goes
-            nodes, refs = self.tree.nodes, self.pool.refs
             for p in cached:
-                node = nodes.get(p)
-                if (
-                    node is not None
-                    and not node.children
-                    and not refs[p]
-                    and not self.windows.valid_end(node)
-                ):
-                    self._evict_leaf(node)
+                if (node := self.tree.nodes.get(p)) is not None:
+                    self._prune(node)
 
     # ---- forks and copies ----------------------------------------------------------------------------
     def fork(self, dst: PageTable, src: PageTable, upto: int, shared_pages: int, reserved: list[int]) -> None:
@@ -546,32 +533,7 @@ class KVManager:
             assert node.parent.children.get(node.hash) is node
         self._check_writers(tables)
         if self.windows:
-            self._check_windows(tables, holders)
-
-    def _check_windows(self, tables: list[PageTable], holders: list[int]) -> None:
-        """Every window group's page is held exactly by the tables whose window reads it, present while
-        held, idle only beside a cached page, counted; no idle leaf of the tree is a dead end."""
-        pool, tree, windows = self.pool, self.tree, self.windows
-        idle = 0
-        for g, w in windows.windows.items():
-            held = [0] * len(pool.refs)
-            for t in tables:
-                lo = t.window_from.get(g, 0)
-                assert lo <= windows.first_page(t.computed, w) or lo <= len(t.pages), "window ahead"
-                for p in t.pages[lo:]:
-                    held[p] += 1
-            assert held == pool.part_refs[g], f"group {g}'s page holds differ from the tables' windows"
-            for p in range(len(pool.refs)):
-                present = pool.group_pages[g][p] >= 0
-                if held[p]:
-                    assert present, f"group {g}'s page beside {p} is held but gone"
-                elif present and (holders[p] or p in tree):
-                    assert p in tree, f"group {g}'s page beside {p} is kept for nothing"
-                    idle += 1
-        assert idle == windows.idle, f"idle window pages: counted {windows.idle}, found {idle}"
-        for page, node in tree.nodes.items():
-            if not node.children and not holders[page]:
-                assert windows.valid_end(node), f"idle leaf {page} can never be hit: its windows are gone"
+            self.windows.check(tables, holders)
 
     def _check_writers(self, tables: list[PageTable]) -> None:
         """Every page in flight (in the tree, not computed) has exactly one live writer: the table that

@@ -28,6 +28,11 @@ from hydragen.kv.pool import PagePool
 from hydragen.kv.radix import PageNode, PrefixTree, tick
 
 
+def first_window_page(position: int, window: int | None, page_size: int) -> int:
+    """The first page a token at ``position`` or later can still read through ``window`` (None: page 0)."""
+    return 0 if window is None else max(0, (position - window + 1) // page_size)
+
+
 class WindowPages:
     def __init__(self, pool: PagePool, tree: PrefixTree):
         self.pool, self.tree, self.page_size = pool, tree, pool.page_size
@@ -40,8 +45,7 @@ class WindowPages:
         return bool(self.windows)
 
     def first_page(self, position: int, window: int) -> int:
-        """The first page a token at ``position`` or later can still read through a window of ``window``."""
-        return max(0, (position - window + 1) // self.page_size)
+        return first_window_page(position, window, self.page_size)
 
     # ---- holds ---------------------------------------------------------------------------------------
     def retain(self, group: int, page: int) -> None:
@@ -69,12 +73,15 @@ class WindowPages:
         else:
             self.pool.free_part(group, page)
 
+    def _reach(self, pages: list[int], position: int) -> dict[int, int]:
+        """Per window group, the first of ``pages`` a table computing from ``position`` reads."""
+        return {g: min(self.first_page(position, w), len(pages)) for g, w in self.windows.items()}
+
     def start(self, window_from: dict[int, int], pages: list[int], position: int) -> None:
         """A table starts on ``pages`` (a prefix hit) and computes from ``position``: it holds each window
         group's pages from the first its window reads."""
-        for g, w in self.windows.items():
-            lo = min(self.first_page(position, w), len(pages))
-            window_from[g] = lo
+        window_from.update(self._reach(pages, position))
+        for g, lo in window_from.items():
             for p in pages[lo:]:
                 self.retain(g, p)
 
@@ -131,9 +138,12 @@ class WindowPages:
             n -= 1
         return n
 
-    def idle_in(self, window_from: dict[int, int], pages: list[int]) -> int:
-        """Idle parts a table starting on ``pages`` would hold again (no longer evictable)."""
-        return sum(1 for g in self.windows for p in pages[window_from.get(g, 0) :] if self._since[g][p])
+    def idle_in(self, pages: list[int], position: int) -> int:
+        """Idle parts a table starting on ``pages`` and computing from ``position`` would hold again (no
+        longer evictable): what ``start`` would retain."""
+        return sum(
+            1 for g, lo in self._reach(pages, position).items() for p in pages[lo:] if self._since[g][p]
+        )
 
     # ---- eviction ---------------------------------------------------------------------------------------
     def oldest_idle(self) -> tuple[int, int, int] | None:
@@ -173,6 +183,34 @@ class WindowPages:
                 out.append(n)
             stack += n.children.values()
         return out
+
+    def check(self, tables, holders: list[int]) -> None:
+        """Assert (tests, ``KVManager.check``) that every window group's page is held exactly by the page
+        tables whose window reads it (``holders``: how many tables hold each table page), present while
+        held, idle only beside a cached page, counted; and that no idle leaf of the tree is a dead end."""
+        pool, tree = self.pool, self.tree
+        idle = 0
+        for g, w in self.windows.items():
+            held = [0] * len(pool.refs)
+            for t in tables:
+                lo = t.window_from.get(g, 0)
+                # never past the first page its next token reads (where it computes from: past its hit)
+                reads_from = self.first_page(max(t.computed, t.own_from * self.page_size), w)
+                assert lo <= min(reads_from, len(t.pages)), f"group {g}'s window is ahead of its table"
+                for p in t.pages[lo:]:
+                    held[p] += 1
+            assert held == pool.part_refs[g], f"group {g}'s page holds differ from the tables' windows"
+            for p in range(len(pool.refs)):
+                present = pool.group_pages[g][p] >= 0
+                if held[p]:
+                    assert present, f"group {g}'s page beside {p} is held but gone"
+                elif present and (holders[p] or p in tree):
+                    assert p in tree, f"group {g}'s page beside {p} is kept for nothing"
+                    idle += 1
+        assert idle == self.idle, f"idle window pages: counted {self.idle}, found {idle}"
+        for page, node in tree.nodes.items():
+            if not node.children and not holders[page]:
+                assert self.valid_end(node), f"idle leaf {page} can never be hit: its windows are gone"
 
     def unreachable(self) -> int:
         """Tree pages no hit can ever use: no valid end at or below them (a metric; walks the tree)."""
