@@ -242,6 +242,29 @@ PRESETS |= {
 }
 
 
+# Mistral 7B v0.1: mistralai/Mistral-7B-v0.1's config.json shape, the Mistral with a real 4,096-token window in
+# every layer (v0.2 and later dropped it); llama.cpp's converter writes it as a llama GGUF.
+PRESETS |= {
+    "mistral-7b": dict(
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        hidden_act="silu",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        sliding_window=4096,
+        max_position_embeddings=32768,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+
 def config_for_random_weights(spec: str | Path) -> tuple[dict[str, Any], str]:
     """A Hugging Face config dict from a preset name, a config.json file or a model directory.
 

@@ -90,6 +90,7 @@ def runtime_shape(path: Path) -> dict:
     heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, vocab_size=512)
     context = dict(max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False)
+    config = {k: v for k, v in config.items() if k != "layer_types"}  # per layer: the model's count, not one
     return config | heads | sizes | context
 
 
