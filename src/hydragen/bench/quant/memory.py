@@ -91,6 +91,8 @@ def runtime_shape(path: Path) -> dict:
     sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, vocab_size=512)
     context = dict(max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False)
     config = {k: v for k, v in config.items() if k != "layer_types"}  # per layer: the model's count, not one
+    if "query_pre_attn_scalar" in config:  # Gemma: the scale llama.cpp derives for these heads
+        heads["query_pre_attn_scalar"] = heads["head_dim"]
     return config | heads | sizes | context
 
 
