@@ -242,8 +242,8 @@ PRESETS |= {
 }
 
 
-# Mistral 7B v0.1: mistralai/Mistral-7B-v0.1's config.json shape, the Mistral with a real 4,096-token window in
-# every layer (v0.2 and later dropped it); llama.cpp's converter writes it as a llama GGUF.
+# Mistral 7B v0.1: mistralai/Mistral-7B-v0.1's config.json shape, the Mistral with a real 4,096-token window
+# in every layer (v0.2 and later dropped it); llama.cpp's converter writes it as a llama GGUF.
 PRESETS |= {
     "mistral-7b": dict(
         model_type="mistral",
@@ -264,6 +264,7 @@ PRESETS |= {
         eos_token_id=2,
     ),
 }
+
 
 def config_for_random_weights(spec: str | Path) -> tuple[dict[str, Any], str]:
     """A Hugging Face config dict from a preset name, a config.json file or a model directory.

@@ -7,11 +7,15 @@ path, a Llama the fused C++ stack); then the model is loaded (weights only, no K
 and run once, and its share is the resident memory after minus the runtime before. The target: model share
 <= 1.15 x the file's size. The peak is measured in a second fresh process, loading nothing else: the peak
 RSS of the load (VmHWM, which counts the file's mapped pages too) over the RSS after importing hydragen and
-loading the C++ ops (issue 39's "runtime"), with the same target.
+loading the C++ ops (issue 39's "runtime"), with the same target. Where llama-cpp-python is installed, a
+third fresh process loads the file with llama.cpp as the decode benchmark's peer does (its default mmap) and
+decodes three tokens: its load time, its first tokens' time (a mapped file is read in then, where hydragen
+reads it while loading), and its resident memory and peak over its runtime, beside hydragen's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -47,7 +51,37 @@ def rss_probe(model: str, runtime_model: str) -> dict:
     net, _, path = load_model(model, cpu, torch.float32)
     load_s = time.perf_counter() - t0
     run_once(net)
-    return {"runtime MB": runtime, "after load MB": _status_mb(), "load s": load_s, "path": str(path)}
+    first_s = time.perf_counter() - t0 - load_s
+    return {
+        "runtime MB": runtime,
+        "after load MB": _status_mb(),
+        "load s": load_s,
+        "first run s": first_s,
+        "path": str(path),
+    }
+
+
+def llamacpp_probe(model: str) -> dict:
+    """In this (fresh) process: llama.cpp (llama-cpp-python, its default mmap of the file) loading ``model``
+    and a context, then decoding three tokens, as the decode benchmark's peer does: the load's time, the
+    first tokens' (llama.cpp reads the mapped weights in then), and resident memory before and after."""
+    import llama_cpp  # noqa: F401  (with the peer's imports: the runtime the model's share is counted over)
+
+    from hydragen.bench.peers.llamacpp_peer import Peer
+
+    before = _status_mb()
+    t0 = time.perf_counter()
+    peer = Peer(model, max_prompt=8, max_new=1, max_n=1)
+    load_s = time.perf_counter() - t0
+    peer._decode([1, 2, 3], [0, 1, 2], [0, 0, 0], [False, False, True])
+    first_s = time.perf_counter() - t0 - load_s
+    return {
+        "runtime MB": before,
+        "after load MB": _status_mb(),
+        "peak MB": _status_mb("VmHWM"),
+        "load s": load_s,
+        "first run s": first_s,
+    }
 
 
 def peak_probe(model: str) -> dict:
@@ -109,7 +143,7 @@ def memory_row(model, label: str) -> dict:
     peak = in_fresh_process(f"q.peak_probe({str(path)!r})")
     file_mb = path.stat().st_size / 2**20
     model_mb = probe["after load MB"] - probe["runtime MB"]
-    return {
+    row = {
         "model": label,
         "file MB": file_mb,
         "runtime MB": probe["runtime MB"],
@@ -120,4 +154,14 @@ def memory_row(model, label: str) -> dict:
         "peak during load MB": peak["peak MB"],
         "peak / file": (peak["peak MB"] - peak["imported MB"]) / file_mb,
         "load s": probe["load s"],
+        "first run s": probe["first run s"],
+    }
+    if importlib.util.find_spec("llama_cpp") is None:
+        return row
+    theirs = in_fresh_process(f"q.llamacpp_probe({str(path)!r})")  # a crash fails the part: it says why
+    return row | {
+        "llama.cpp model / file": (theirs["after load MB"] - theirs["runtime MB"]) / file_mb,
+        "llama.cpp peak / file": (theirs["peak MB"] - theirs["runtime MB"]) / file_mb,
+        "llama.cpp load s": theirs["load s"],
+        "llama.cpp first run s": theirs["first run s"],
     }
