@@ -38,7 +38,8 @@ past it (drafts being verified) are never cached, and ``truncate`` drops their K
 
 **Sliding windows** (``kv/window_pages.py``). A model with sliding-window KV groups holds, in each table,
 those groups' pages only from ``window_from[g]`` on: the rest went back to the pool, or stay as idle
-parts for prefix hits. Counts of what an allocation can get are then in pages of any group
+parts for prefix hits, except the window at the end of its prefix hit (``anchor``), which it holds to the
+end. Counts of what an allocation can get are then in pages of any group
 (``available``), a match is cut back to where every window's keys exist, and eviction weighs idle leaves
 and idle parts by one LRU clock.
 """
@@ -66,6 +67,7 @@ class PageTable:
     salt: str | None = None  # the request's cache salt: seeds the hash chain (tenants never share pages)
     hashes: list[int] = field(default_factory=list)  # chained hashes of the context's first full pages
     window_from: dict[int, int] = field(default_factory=dict)  # per window group: its first page held
+    anchor: int = 0  # pages of its prefix hit, whose last window it holds until it ends (window_pages.py)
 
 
 class KVManager:
@@ -269,6 +271,7 @@ class KVManager:
         table.computed = 0
         if self.windows:
             self.windows.start(table.window_from, pages, len(pages) * self.page_size)
+            table.anchor = self.windows.anchor(pages)
         self.ready(table)
 
     def reserve(self, pages: int) -> tuple[int, ...] | None:
@@ -394,7 +397,8 @@ class KVManager:
         self.tree.touch(table.pages[: table.published])
         if self.windows:
             self.windows.drop(table.window_from, table.pages)
-            table.window_from = {}
+            self.windows.drop_anchor(table.pages, table.anchor)
+            table.window_from, table.anchor = {}, 0
         self._drop(table.pages)
         table.pages, table.computed, table.published, table.own_from = [], 0, 0, 0  # hashes stay: same tokens
 
@@ -479,7 +483,7 @@ class KVManager:
                 torch.tensor(src_slots, device=dev, dtype=torch.long),
             )
         self._retain(shared)
-        old, old_from = dst.pages, dst.window_from
+        old, old_from, old_anchor = dst.pages, dst.window_from, dst.anchor
         dst.pages = shared + list(reserved)
         dst.computed = upto
         dst.published = min(shared_pages, src.published)
@@ -494,6 +498,8 @@ class KVManager:
                     elif i >= shared_pages and i < lo:
                         self.windows.release(g, p)  # a fresh page wholly before its window
             self.windows.drop(old_from, old)
+            self.windows.drop_anchor(old, old_anchor)
+            dst.anchor = 0
         self._drop(old)
 
     # ---- checks -----------------------------------------------------------------------------------------

@@ -87,6 +87,31 @@ def test_released_window_pages_stay_for_hits_and_a_hit_ends_where_the_window_exi
     kv.check([b])
 
 
+def test_a_table_on_a_hit_holds_the_hits_window_until_it_ends():
+    """A request that starts on a shared prefix keeps that prefix's last window held while it runs, though its
+    own window moves on: the next request sharing the prefix hits all of it however hard the cache is
+    evicted meanwhile (without the anchor the window's parts were idle, and evicted first)."""
+    kv = manager()
+    system = list(range(100, 132))  # 8 pages; a hit at its end reads positions 25-31: pages 6 and 7
+    a = PageTable()
+    run(kv, a, system + [1, 2, 3, 4])
+    kv.release(a, system + [1, 2, 3, 4])
+    b = PageTable()
+    mine = system + list(range(200, 240))  # 10 pages past the hit: its window leaves the prompt behind
+    run(kv, b, mine)
+    assert b.anchor == 8 and b.window_from[1] > 8
+    held = kv.pool.part_refs[1]
+    assert [held[p] for p in b.pages[4:8]] == [0, 0, 1, 1]
+    kv.evict_idle()  # every idle part and idle page goes; the prompt's pages are b's
+    kv.check([b])
+    assert kv.cached_pages(PageTable(), system + [9] * 5) == 8
+    anchored = b.pages[6:8]
+    kv.release(b, mine)  # the anchor's parts are now idle, kept for hits like any released part
+    kv.check([])
+    assert [held[p] for p in anchored] == [0, 0] and kv.windows.idle >= 2
+    assert kv.cached_pages(PageTable(), system + [9] * 5) == 8
+
+
 def a_pages(kv: KVManager, tokens: list[int]) -> list[int]:
     """The cached pages of ``tokens``, in order."""
     probe = PageTable()
