@@ -27,6 +27,7 @@ from hydragen.model.linear import (
     PackedEmbedding,
     PackedProjection,
     Projection,
+    QkvHeads,
     mlp_tail,
     rms_norm,
     rotate_leading,
@@ -124,11 +125,16 @@ class DecoderModel(nn.Module):
             h = layers(h.contiguous(), rope)
             return rms_norm(h, self.norm, eps) if final_norm else h
         # QK-norm goes between the projection and the rotary, and the projection's fused rotary rotates whole
-        # heads: with either, q and k are rotated after the projection.
+        # heads: with either, q and k are rotated after the projection: by a packed projection's epilogue (a
+        # bias too: the layer stack's function), else op by op.
         apart = c.qk_norm or c.rotary_dims != c.head_dim
         for i, layer in enumerate(self.layers):
             layer_rope = local_rope if self._local_rope[i] else rope
-            if apart:
+            if isinstance(layer.qkv, PackedProjection) and (apart or layer.qkv.bias is not None):
+                heads = QkvHeads(c.head_dim, *layer.split[:2], *_head_norms(layer))
+                qkv = layer.qkv(h, norm=layer.attn_norm, eps=eps, rope=layer_rope, heads=heads)
+                q, k, v = qkv.split(layer.split, dim=-1)
+            elif apart:
                 q, k, v = layer.qkv(h, norm=layer.attn_norm, eps=eps).split(layer.split, dim=-1)
                 if c.qk_norm:  # norm each head of q and k, then rotate
                     q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, eps).view(t, -1)
@@ -279,6 +285,10 @@ class DecoderModel(nn.Module):
         leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:
             raise ValueError(f"checkpoint has unexpected tensors, e.g. {leftovers[:3]}")
+
+
+def _head_norms(layer: DecoderLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return getattr(layer, "q_norm", None), getattr(layer, "k_norm", None)
 
 
 def _rope_for(rope, x: torch.Tensor):

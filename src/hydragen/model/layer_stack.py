@@ -3,9 +3,10 @@
 ``DecoderModel.forward`` runs a layer as three C++ calls plus attention, from a Python loop. At batch 1 on a
 small model the Python between those calls (module dispatch, the attention callback, splitting q/k/v, the
 KV write) is about a tenth of a decode step. ``native/csrc/quant_layers.cpp`` computes the same stages with
-the same functions (qkv with norm and rotary, the KV write into the pool, step attention, o, gate/up with
-SwiGLU, down) in one parallel region for all the layers, each thread taking a share of every stage, so its
-output is the loop's bit for bit; the loop stays for everything else (float or CUDA weights, biases,
+the same functions (qkv with norm, then its epilogue: bias, QK-norm and rotary, the KV write into the pool,
+step attention, o, gate/up with SwiGLU, down) in one parallel region for all the layers, each thread taking
+a share of every stage, so its output is the loop's bit for bit; the loop stays for everything else (float
+or CUDA weights, biases outside q/k/v, Gemma's sandwich norms, GeGLU and second rotary table,
 tensor-parallel shards, the torch and Triton attention paths).
 
 ``HYDRAGEN_FUSED_LAYERS=0`` turns it off (the per-op path; how the tests and the benchmark compare them).
@@ -29,13 +30,16 @@ LayersFn = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int]], torc
 @dataclass(frozen=True)
 class PackedStack:
     """The model's layers as the C++ op takes them: every part of every projection, flattened in the order
-    qkv, o, gate_up, down per layer (``counts``: how many parts each has), and the two norms per layer."""
+    qkv, o, gate_up, down per layer (``counts``: how many parts each has), the two norms per layer, and where
+    the model has them each layer's q/k/v bias (Qwen2) and its q and k head norms (QK-norm: Qwen3)."""
 
     weights: list[torch.Tensor]
     qtypes: list[int]
     rows: list[int]
     counts: list[int]
     norms: list[torch.Tensor]
+    qkv_biases: list[torch.Tensor]
+    head_norms: list[torch.Tensor]
     act_bits: int
     isa: int
 
@@ -46,20 +50,29 @@ def enabled() -> bool:
 
 def packed_stack(model) -> PackedStack | None:
     """The layers flattened for the op, or None when the model's family does not declare that the op
-    computes it exactly (``Family.fused_stack``: the op knows only Llama's layer, and would silently skip
-    anything else, such as Qwen3's QK-norm), or any layer cannot take it (a float or biased projection,
-    16-bit norms, or a tensor-parallel shard that all-reduces o and down before the residual)."""
+    computes it exactly (``Family.fused_stack``: the op knows Llama's layer with a q/k/v bias, QK-norm and
+    partial rotary, and would silently skip anything else, such as Gemma's sandwich norms), or any layer
+    cannot take it (a float projection, a bias outside q/k/v, 16-bit norms, or a tensor-parallel shard that
+    all-reduces o and down before the residual)."""
     family = getattr(model, "family", None)
     if family is None or not family.fused_stack:
         return None
     if not getattr(model, "fuse_residual", False) or len(model.layers) == 0:
         return None
-    weights, qtypes, rows, counts, norms = [], [], [], [], []
+    if not model._plain_tail or model.local_rotary is not None:  # the family's declaration, checked
+        return None
+    weights, qtypes, rows, counts, norms, biases, head_norms = [], [], [], [], [], [], []
     settings = set()
     for layer in model.layers:
         projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if not all(isinstance(p, PackedProjection) and p.bias is None for p in projections):
+        if not all(isinstance(p, PackedProjection) for p in projections):
             return None
+        if any(p.bias is not None for p in projections[1:]):
+            return None
+        if layer.qkv.bias is not None:
+            biases.append(layer.qkv.bias.data.float().contiguous())
+        if model.cfg.qk_norm:
+            head_norms += [layer.q_norm.data.float().contiguous(), layer.k_norm.data.float().contiguous()]
         for p in projections:
             weights += p.weights
             qtypes += p.qtypes
@@ -70,10 +83,10 @@ def packed_stack(model) -> PackedStack | None:
             if norm.dtype != torch.float32 or norm.device.type != "cpu":
                 return None
             norms.append(norm.data.contiguous())
-    if len(settings) != 1:  # loaded under one environment: always one setting
+    if len(settings) != 1 or len(biases) not in (0, len(model.layers)):  # one environment; all or none
         return None
     ((act_bits, isa),) = settings
-    return PackedStack(weights, qtypes, rows, counts, norms, act_bits, isa)
+    return PackedStack(weights, qtypes, rows, counts, norms, biases, head_norms, act_bits, isa)
 
 
 def stack_layers(
@@ -124,7 +137,8 @@ def stack_layers(
         cos, sin, cols = rope
         return ops.quant_layers(
             h, cos, sin, cols, stack.weights, stack.qtypes, stack.rows, stack.counts, stack.norms,
-            c.rms_norm_eps, pool_k, pool_v, slots, groups, rows, c.num_heads, c.num_kv_heads, *fields, parts,
+            stack.qkv_biases, stack.head_norms, c.rms_norm_eps, pool_k, pool_v, slots, groups, rows,
+            c.num_heads, c.num_kv_heads, *fields, parts,
             max_tokens, firsts, of_layer, scales, caps, step_work.TILE_MIN_ROWS, step_work.TILE_MIN_KEYS,
             stack.act_bits, stack.isa,
         )  # fmt: skip

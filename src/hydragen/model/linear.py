@@ -13,6 +13,8 @@ updated in place). Two implementations share that call:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,20 @@ from hydragen.native import quant
 
 # rope: (cos, signed sin) [T, head_dim] tables and how many leading output columns to rotate
 Rope = tuple[torch.Tensor, torch.Tensor, int]
+
+
+@dataclass(frozen=True)
+class QkvHeads:
+    """How a q/k/v projection's output splits into heads, and its QK-norm weights (Qwen3, Gemma 3) when the
+    model has them: what a packed projection's epilogue needs to add the bias, norm each head of q and k
+    and rotate each head's leading columns (all of them, or Phi-4-mini's 96 of 128) in one C++ call, the
+    one the layer stack makes (native/csrc/quant_matmul.cpp, ``hq::QkvEpilogue``)."""
+
+    head_dim: int
+    q_cols: int
+    k_cols: int
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,8 +149,13 @@ class PackedProjection(nn.Module):
         residual: torch.Tensor | None = None,
         rope: Rope | None = None,
         swiglu: bool = False,
+        heads: QkvHeads | None = None,
     ) -> torch.Tensor:
+        """``heads``: this is a q/k/v projection, and its bias, QK-norm and ``rope`` run as its epilogue
+        (``QkvHeads``; not with ``residual`` or ``swiglu``)."""
         dtype = x.dtype
+        if heads is not None:
+            return self._qkv(x, norm, eps, rope, heads).to(dtype)
         if self.bias is not None:  # (Qwen2's q/k/v) the bias goes before the epilogue: only norm is fused
             y = self(x, norm=norm, eps=eps) + self.bias
             y = y if rope is None else rotate_leading(y, rope)
@@ -165,6 +186,21 @@ class PackedProjection(nn.Module):
             self.act_bits,
             self.isa,
         )
+
+    def _qkv(self, x: torch.Tensor, norm, eps: float, rope: Rope | None, heads: QkvHeads) -> torch.Tensor:
+        y = _quant_linear(
+            x.float().contiguous(), self.weights, self.qtypes, self.rows, _f32(norm), eps, None, None, None,
+            0, False, self.act_bits, self.isa,
+        )  # fmt: skip
+        cos, sin = (None, None) if rope is None else (_f32(rope[0]), _f32(rope[1]))
+        q_norm, k_norm = _f32(heads.q_norm), _f32(heads.k_norm)
+        return torch.ops.hydragen.qkv_epilogue(
+            y, self.bias, q_norm, k_norm, eps, heads.head_dim, heads.q_cols, heads.k_cols, cos, sin
+        )
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
 
 
 class PackedEmbedding(nn.Module):

@@ -12,8 +12,8 @@ layer (RMSNorm, SwiGLU, no biases) stored differently, with LongRoPE and, on Phi
   original length, and for prompts longer than it; transformers gives shorter sequences of a long-context
   model the short set (model/rope.py, ``longrope_scaling``, has the why).
 * **Partial rotary** (Phi-4-mini: ``partial_rotary_factor`` 0.75, RoPE on 96 of each head's 128 dims): q and
-  k are rotated after their projection, on the per-op path; the fused C++ layer stack rotates whole heads,
-  so this family does not run it (``fused_stack`` False).
+  k are rotated in the projection's epilogue (``hq::QkvEpilogue``: each head's leading 96 columns), in the
+  fused C++ layer stack and on the per-op path alike.
 * **Sliding window** (Phi-3-mini-4k: 2,047 tokens in every layer over a 4,096 context): every layer attends
   exactly through it, over the whole context (``sliding_everywhere``). Phi-3.5-mini and Phi-4-mini declare
   262,144, beyond their context: nothing changes.
@@ -105,9 +105,7 @@ FAMILY = Family(
     layer_tensors={**LLAMA_LAYER_TENSORS, "qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"},
     gguf_layer_tensors={"attn_qkv": "qkv", "ffn_up": "gate_up"},  # phi3's ffn_up holds gate and up
     fused_tensors={"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")},
-    # The C++ stack rotates whole heads: Phi-4-mini's partial rotary needs the per-op path (a Phi-3 without
-    # it is Llama's layer, but the flag is the family's)
-    fused_stack=False,
+    fused_stack=True,
     config=_config,
     gguf_config=_gguf_config,
     gguf_metadata=_gguf_metadata,

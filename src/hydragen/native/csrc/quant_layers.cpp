@@ -1,7 +1,8 @@
 // hydragen::quant_layers: every decoder layer of a model whose projections are all packed (GGUF kept
 // quantized, float32 activations), in one call and one parallel region. Per layer it computes what
-// LlamaModel.forward computes with the runner's attention callback, with the same functions:
-//   qkv = quant_linear(h, norm = attn_norm, rope);  pool_k/v[layer][slots] = k, v;
+// DecoderModel.forward computes with the runner's attention callback, with the same functions:
+//   qkv = quant_linear(h, norm = attn_norm), then its epilogue (bias, QK-norm, rotary: hq::QkvEpilogue);
+//   pool_k/v[layer][slots] = k, v;
 //   o = step_attention(q, pool_k[layer], pool_v[layer], the step's work items, scale and soft-cap);
 //   h += o_proj(o);  h += down(swiglu(gate_up(norm(h))))
 // so its result is bit for bit the per-op path's (tests/unit/model/test_quant_model.py, at 1, 2 and 3
@@ -125,7 +126,8 @@ using StoreRow = void (*)(const float*, void*, int64_t);
 
 at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t rope_cols,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, at::IntArrayRef counts,
-                        at::TensorList norms, double eps, const at::Tensor& pool_k, const at::Tensor& pool_v,
+                        at::TensorList norms, at::TensorList qkv_biases, at::TensorList head_norms, double eps,
+                        const at::Tensor& pool_k, const at::Tensor& pool_v,
                         at::TensorList group_slots, at::IntArrayRef layer_group, at::IntArrayRef layer_row,
                         int64_t num_heads, int64_t num_kv_heads, at::TensorList runs,
                         at::TensorList pieces, at::TensorList blocks, at::TensorList tok_ptr, at::TensorList tok_parts,
@@ -140,6 +142,10 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
               "quant_layers: h must be a contiguous 2-D float32 tensor");
   TORCH_CHECK(act_bits == 8 || act_bits == 15, "quant_layers: act_bits must be 8 or 15, got ", act_bits);
   const int64_t layers = static_cast<int64_t>(counts.size()) / 4;
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
+              "quant_layers: qkv_biases holds none or one bias per layer");
+  TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
+              "quant_layers: head_norms holds none or a q and a k norm per layer");
   // The step's attention metadata per distinct layer mask (a window's has tok_first), and each layer's (with its
   // own scale and soft-cap).
   const size_t metas = runs.size();
@@ -185,12 +191,15 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
                 "quant_layers: layer ", layer, " names KV group ", layer_group[layer], " row ", layer_row[layer],
                 " of ", slot_of_group.size(), " groups and ", pool_k.size(0), " rows");
   }
-  hq::check_rope_tables(rope_cos, rope_sin, t, rope_cols, qkv_cols, "quant_layers");
+  hq::check_rope_tables(rope_cos, rope_sin, t, rope_cols, qkv_cols, "quant_layers", d);
+  TORCH_CHECK(rope_cols == qdim + kvdim, "quant_layers: the rotary covers q and k (", qdim + kvdim,
+              " columns), not ", rope_cols);
 
   // Every projection planned (and checked) before any thread starts.
   struct LayerPlan {
     hq::LinearPlan qkv, o, gate_up, down;
     const float *attn_norm, *mlp_norm;
+    hq::QkvEpilogue epilogue;
   };
   std::vector<LayerPlan> plan(layers);
   size_t next = 0;  // the next part in weights/qtypes/rows
@@ -221,6 +230,29 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
     }
     p.attn_norm = norms[2 * layer].const_data_ptr<float>();
     p.mlp_norm = norms[2 * layer + 1].const_data_ptr<float>();
+    hq::QkvEpilogue& e = p.epilogue;
+    e.eps = eps;
+    e.head_dim = d;
+    e.q_cols = qdim;
+    e.k_cols = kvdim;
+    e.cos = rope_cos.const_data_ptr<float>();
+    e.sin = rope_sin.const_data_ptr<float>();
+    e.rot = rope_cos.size(1);
+    if (!qkv_biases.empty()) {
+      const at::Tensor& bias = qkv_biases[layer];
+      TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == qkv_cols,
+                  "quant_layers: qkv biases must be contiguous float32 vectors of ", qkv_cols);
+      e.bias = bias.const_data_ptr<float>();
+    }
+    if (!head_norms.empty()) {
+      for (int j = 0; j < 2; ++j) {
+        const at::Tensor& norm = head_norms[2 * layer + j];
+        TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.numel() == d,
+                    "quant_layers: head norms must be contiguous float32 vectors of ", d);
+      }
+      e.q_norm = head_norms[2 * layer].const_data_ptr<float>();
+      e.k_norm = head_norms[2 * layer + 1].const_data_ptr<float>();
+    }
   }
   TORCH_CHECK(next == weights.size(), "quant_layers: more weights given than counts name");
 
@@ -245,8 +277,6 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   float* np = normed.data_ptr<float>();
   float* gup = gate_up.data_ptr<float>();
   float* actp = act.data_ptr<float>();
-  const float* cos = rope_cos.const_data_ptr<float>();
-  const float* sin = rope_sin.const_data_ptr<float>();
   StoreRow store = &store_row<float>;
   if (pool_type == at::kHalf) store = &store_row<c10::Half>;
   if (pool_type == at::kBFloat16) store = &store_row<c10::BFloat16>;
@@ -293,7 +323,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         if (!barrier.wait()) break;
         matmul(p.qkv, np, qkvp, false, 4 * layer);
         if (!barrier.wait()) break;
-        hq::rope_range(qkvp, qkv_cols, my_rows.begin, my_rows.end, rope_cols, cos, sin, rope_cos.size(1));
+        hq::qkv_epilogue_range(qkvp, qkv_cols, my_rows.begin, my_rows.end, p.epilogue);
         const int64_t* slot = slot_of_group[layer_group[layer]];
         const int64_t pool_row = layer_row[layer];
         for (int64_t r = my_rows.begin; r < my_rows.end; ++r) {  // the engine gives each token its own slot
@@ -349,7 +379,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
   m.def(
       "quant_layers(Tensor h, Tensor rope_cos, Tensor rope_sin, int rope_cols, Tensor[] weights, int[] qtypes, "
-      "int[] rows, int[] counts, Tensor[] norms, float eps, Tensor pool_k, Tensor pool_v, Tensor[] group_slots, "
+      "int[] rows, int[] counts, Tensor[] norms, Tensor[] qkv_biases, Tensor[] head_norms, float eps, Tensor pool_k, Tensor pool_v, Tensor[] group_slots, "
       "int[] layer_group, int[] layer_row, "
       "int num_heads, int num_kv_heads, Tensor[] runs, Tensor[] pieces, Tensor[] blocks, Tensor[] tok_ptr, "
       "Tensor[] tok_parts, int[] num_parts, int[] max_item_tokens, Tensor[] tok_first, int[] layer_meta, "

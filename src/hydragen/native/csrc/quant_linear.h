@@ -56,16 +56,34 @@ void quantize_acts(const float* x, int64_t m0, int64_t m1, int64_t k, int bits, 
 void run_tasks(const LinearPlan& plan, const QuantizedActs& qa, const float* xf, float* y, bool accumulate,
                int64_t begin, int64_t end);
 
-// Checks the rotary tables (cos, sin [rows, head dim], float32, contiguous) for the first rope_cols of cols
-// output columns; errors name `op`.
+// Checks the rotary tables (cos, sin [rows, rotated dims], float32, contiguous) for the first rope_cols of cols
+// output columns, in heads of `head` columns (0: the tables' width) whose leading columns rotate; errors name
+// `op`.
 void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t rows, int64_t rope_cols, int64_t cols,
-                       const char* op);
+                       const char* op, int64_t head = 0);
 
 // Rows [m0, m1) of the model's neighbours of a projection: RMSNorm (sum of squares in double), rotary embedding
 // of the first `cols` columns (rotate-half, tables [rows, d]), SwiGLU (silu(first half) * second half).
 void rms_norm_range(const float* x, const float* w, double eps, int64_t m0, int64_t m1, int64_t k, float* out);
+// `head` (0: d) is a head's width when only its leading d columns rotate (partial rotary: Phi-4-mini's 96 of 128).
 void rope_range(float* y, int64_t ld, int64_t m0, int64_t m1, int64_t cols, const float* cos, const float* sin,
-                int64_t d);
+                int64_t d, int64_t head = 0);
+
+// What follows a q/k/v projection before attention, in the model's order: the bias (Qwen2), RMSNorm over each
+// head of q and of k (QK-norm: Qwen3), then the rotary on the leading `rot` columns of every head of q and k.
+// A null pointer skips its stage. A row is ld floats: q_cols of q, k_cols of k, then v. The per-op path (the
+// qkv_epilogue op) and the layer stack both run this, so they agree bit for bit.
+struct QkvEpilogue {
+  const float* bias = nullptr;    // [ld]
+  const float* q_norm = nullptr;  // [head_dim]
+  const float* k_norm = nullptr;  // [head_dim]
+  double eps = 0.0;
+  int64_t head_dim = 0, q_cols = 0, k_cols = 0;
+  const float* cos = nullptr;  // [rows, rot]
+  const float* sin = nullptr;
+  int64_t rot = 0;
+};
+void qkv_epilogue_range(float* y, int64_t ld, int64_t m0, int64_t m1, const QkvEpilogue& e);
 void swiglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* out);
 
 }  // namespace hq

@@ -362,20 +362,44 @@ void rms_norm_range(const float* x, const float* w, double eps, int64_t m0, int6
   }
 }
 
-// y[:, :cols] rotated per head of d columns: x * cos + rotate_half(x) * signed_sin.
+// y[:, :cols] rotated per head: the leading d columns of every head of `head` (d when 0) columns,
+// x * cos + rotate_half(x) * signed_sin; the rest of a head passes through.
 void rope_range(float* y, int64_t ld, int64_t m0, int64_t m1, int64_t cols, const float* cos, const float* sin,
-                int64_t d) {
+                int64_t d, int64_t head) {
   const int64_t half = d / 2;
+  const int64_t step = head > 0 ? head : d;
   float tmp[kMaxRopeDim];
   for (int64_t m = m0; m < m1; ++m) {
     const float* c = cos + m * d;
     const float* s = sin + m * d;
-    for (int64_t h0 = 0; h0 < cols; h0 += d) {
+    for (int64_t h0 = 0; h0 < cols; h0 += step) {
       float* x = y + m * ld + h0;
       for (int64_t i = 0; i < d; ++i) tmp[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
       std::memcpy(x, tmp, d * sizeof(float));
     }
   }
+}
+
+void qkv_epilogue_range(float* y, int64_t ld, int64_t m0, int64_t m1, const QkvEpilogue& e) {
+  if (e.bias != nullptr) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* row = y + m * ld;
+      for (int64_t i = 0; i < ld; ++i) row[i] += e.bias[i];
+    }
+  }
+  const int64_t d = e.head_dim;
+  const auto norm_heads = [&](const float* w, int64_t col0, int64_t cols) {
+    if (w == nullptr) return;
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t c = col0; c < col0 + cols; c += d) {  // a head is a row of d: normalised in place
+        float* head = y + m * ld + c;
+        rms_norm_range(head, w, e.eps, 0, 1, d, head);
+      }
+    }
+  };
+  norm_heads(e.q_norm, 0, e.q_cols);
+  norm_heads(e.k_norm, e.q_cols, e.k_cols);
+  if (e.cos != nullptr) rope_range(y, ld, m0, m1, e.q_cols + e.k_cols, e.cos, e.sin, e.rot, d);
 }
 
 // out[m] = silu(y[m, :half]) * y[m, half:], with silu as ATen's CPU kernel computes it: x / (1 + exp(-x)) on
@@ -493,12 +517,15 @@ int64_t isa_level(int64_t requested) {
 namespace hq {
 
 void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t rows, int64_t rope_cols, int64_t cols,
-                       const char* op) {
+                       const char* op, int64_t head) {
+  const int64_t width = cos.dim() == 2 ? cos.size(1) : 0;
+  const int64_t step = head > 0 ? head : width;
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == rows && cos.sizes() == sin.sizes() &&
-                  cos.size(1) > 0 && cos.size(1) <= kMaxRopeDim && rope_cols >= 0 && rope_cols % cos.size(1) == 0 &&
-                  rope_cols <= cols,
-              op, ": rope tables must be contiguous float32 [rows, head_dim <= 512] dividing rope_cols");
+                  width > 0 && width % 2 == 0 && width <= kMaxRopeDim && width <= step && rope_cols >= 0 &&
+                  rope_cols % step == 0 && rope_cols <= cols,
+              op, ": rope tables must be contiguous float32 [rows, even width <= 512 and <= the head] and heads ",
+              "must divide rope_cols");
 }
 
 LinearPlan plan_linear(at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, int64_t m_rows,
@@ -642,6 +669,43 @@ at::Tensor quant_mlp_tail(const at::Tensor& attn, const at::Tensor& h, at::Tenso
   return h;
 }
 
+// The qkv_epilogue op: the per-op path's stage between a packed q/k/v projection and attention, in place.
+at::Tensor qkv_epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
+                        int64_t head_dim, int64_t q_cols, int64_t k_cols, const c10::optional<at::Tensor>& rope_cos,
+                        const c10::optional<at::Tensor>& rope_sin) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous(),
+              "qkv_epilogue: y must be a contiguous 2-D float32 tensor");
+  const int64_t rows = y.size(0), ld = y.size(1);
+  TORCH_CHECK(head_dim > 0 && q_cols >= 0 && k_cols >= 0 && q_cols % head_dim == 0 && k_cols % head_dim == 0 &&
+                  q_cols + k_cols <= ld,
+              "qkv_epilogue: q_cols and k_cols must be whole heads of ", head_dim, " within the ", ld, " columns");
+  QkvEpilogue e;
+  e.eps = eps;
+  e.head_dim = head_dim;
+  e.q_cols = q_cols;
+  e.k_cols = k_cols;
+  const auto vector = [](const c10::optional<at::Tensor>& t, int64_t n, const char* what) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, "qkv_epilogue: ", what,
+                " must be a contiguous float32 vector of ", n);
+    return t->const_data_ptr<float>();
+  };
+  e.bias = vector(bias, ld, "bias");
+  e.q_norm = vector(q_norm, head_dim, "q_norm");
+  e.k_norm = vector(k_norm, head_dim, "k_norm");
+  TORCH_CHECK(rope_cos.has_value() == rope_sin.has_value(), "qkv_epilogue: rope needs cos and sin tables");
+  if (rope_cos.has_value()) {
+    check_rope_tables(*rope_cos, *rope_sin, rows, q_cols + k_cols, ld, "qkv_epilogue", head_dim);
+    e.cos = rope_cos->const_data_ptr<float>();
+    e.sin = rope_sin->const_data_ptr<float>();
+    e.rot = rope_cos->size(1);
+  }
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) { qkv_epilogue_range(yp, ld, m0, m1, e); });
+  return y;
+}
+
 int64_t quant_isa() { return isa_level(0); }
 
 }  // namespace
@@ -655,5 +719,9 @@ TORCH_LIBRARY_FRAGMENT(hydragen, m) {
       "quant_mlp_tail(Tensor attn, Tensor h, Tensor[] o_w, int[] o_t, int[] o_r, Tensor norm, float eps, "
       "Tensor[] gu_w, int[] gu_t, int[] gu_r, Tensor[] d_w, int[] d_t, int[] d_r, int act_bits, int isa) -> Tensor");
   m.impl("quant_mlp_tail", c10::DispatchKey::CPU, &quant_mlp_tail);
+  m.def(
+      "qkv_epilogue(Tensor(a!) y, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, int head_dim, int q_cols, "
+      "int k_cols, Tensor? rope_cos, Tensor? rope_sin) -> Tensor(a!)");
+  m.impl("qkv_epilogue", c10::DispatchKey::CPU, &qkv_epilogue);
   m.def("quant_isa() -> int", &quant_isa);
 }
