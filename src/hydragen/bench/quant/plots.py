@@ -74,7 +74,10 @@ def plots(data: dict, out: Path) -> list[Path]:
             plot_lines(series, out / "quant_decode.png", title, _points_label(data["decode"]),
                        "decode tokens/s", logx=True, logy=True, quick=quick)
         )  # fmt: skip
-    if data.get("real"):
+    models = list(dict.fromkeys(r.get("model") for r in data.get("real") or []))
+    if len(models) > 1 and any(r["engine"] == "llama.cpp" for r in data["real"]):
+        paths.append(_real_ratios(data, models, out / "quant_real.png", quick))
+    elif data.get("real"):
         series = {}
         for r in data["real"]:
             name = f"{r.get('model', data['runs']['real']['params'].get('real_size'))}: {r['engine']}"
@@ -87,6 +90,35 @@ def plots(data: dict, out: Path) -> list[Path]:
                        "decode tokens/s", logx=True, logy=True, quick=quick)
         )  # fmt: skip
     return paths
+
+
+def _real_ratios(data: dict, models: list, path: Path, quick: bool) -> Path:
+    """Several real-size models: hydragen's decode rate over llama.cpp's (paired, within a round) per model,
+    a bar per n, the level line at 1: which families and batch sizes it leads, at a glance."""
+    from hydragen.bench.core.plots import pyplot
+
+    plt = pyplot()
+    ns = sorted({r["n"] for r in data["real"]})
+    ours = {(r["model"], r["n"]): r for r in data["real"] if r["engine"].startswith("hydragen (")}
+    fig, ax = plt.subplots(figsize=(1.6 * len(models) + 2, 4.2), dpi=120)
+    width = 0.8 / len(ns)
+    for j, n in enumerate(ns):
+        xs = [i + (j - (len(ns) - 1) / 2) * width for i in range(len(models))]
+        ys = [float(ours[m, n]["vs llama.cpp, paired"]) if (m, n) in ours else 0.0 for m in models]
+        bars = ax.bar(xs, ys, width, label=f"n = {n}")
+        ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=8, padding=2)
+    ax.axhline(1.0, color="0.3", linestyle=":", linewidth=1.2, label="level with llama.cpp")
+    ax.set_xticks(range(len(models)), [str(m).split(":")[0] for m in models], fontsize=9)
+    ax.set_ylabel("hydragen / llama.cpp decode tok/s (paired)")
+    title = f"Real-size random models, same GGUF Q4_K_M file ({_plot_words(data['runs']['real'])})"
+    ax.set_title(("QUICK RUN: " if quick else "") + title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _points_label(rows: list[dict]) -> str:
