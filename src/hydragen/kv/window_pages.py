@@ -20,8 +20,8 @@ it ends (``anchor``/``drop_anchor``), where its own window moves on after a few 
 point other requests share (a system prompt, a document, a conversation so far), and the next request that
 shares it needs exactly that window. Without the anchor, a tight cache evicted those idle parts while the
 requests that used them still ran: a shared-system-prompt workload hit 0.442 at 48 pages where the same
-model with every layer full hit 0.863; anchored, it hits 0.863 too (bench/windows/hit_rate.py). It costs at most one window of the sliding groups per running
-table, shared by every table anchored at the same end.
+model with every layer full hit 0.863; anchored, it hits 0.863 too (bench/windows/hit_rate.py). It costs
+at most one window of the sliding groups per running table, shared by every table anchored at the same end.
 
 The KV manager owns the tables and the tree; this class owns the window parts' holds (``pool.part_refs``)
 and the idle parts, and is called at each point where a table gains, moves past or drops pages.

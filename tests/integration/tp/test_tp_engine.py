@@ -117,6 +117,29 @@ def test_tp2_matches_tp1_on_gemma(tmp_path, name) -> None:
                 assert (a - b).abs().max().item() < tolerance, model
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_tp2_matches_tp1_on_qwen_from_a_quantized_gguf(tiny_models, tmp_path, name) -> None:
+    """Qwen2's q/k/v biases and Qwen3's QK-norm under TP = 2 on a GGUF kept quantized: each rank's q/k/v
+    epilogue (its share of the bias, its own heads normalised and rotated) gives one process's tokens."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from hydragen.model.config import ModelConfig
+    from hydragen.model.gguf_write import checkpoint_maker, write_gguf
+
+    src = Path(tiny_models[name])
+    cfg = ModelConfig.from_hf(json.loads((src / "config.json").read_text()))
+    sd = load_file(src / "model.safetensors")
+    path = str(write_gguf(tmp_path / f"{name}.gguf", cfg, "Q8_0", checkpoint_maker(sd, cfg)))
+    one = LLM(path, kv_cache_tokens=2048)
+    with LLM(path, kv_cache_tokens=2048, tensor_parallel_size=2) as two:
+        want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
+        got = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert _tokens(got) == _tokens(want)
+
+
 def test_prefix_cache_hits_across_requests_under_tp(llama_pair) -> None:
     one, two = llama_pair
     prompt = STEM + [50, 51, 52, 53]

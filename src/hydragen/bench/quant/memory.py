@@ -2,7 +2,7 @@
 against the GGUF's size.
 
 Each model loads in a fresh process. First the fixed runtime is measured there (Python, torch, hydragen, the
-C++ ops, a tiny one-layer model of the measured model's family loaded and run once: a Qwen3 runs the per-op
+C++ ops, a tiny one-layer model of the measured model's family loaded and run once: a Gemma runs the per-op
 path, a Llama the fused C++ stack); then the model is loaded (weights only, no KV cache)
 and run once, and its share is the resident memory after minus the runtime before. The target: model share
 <= 1.15 x the file's size. The peak is measured in a second fresh process, loading nothing else: the peak
