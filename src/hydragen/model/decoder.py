@@ -122,7 +122,7 @@ class DecoderModel(nn.Module):
             local_rope = (cos.view(t, -1), sin.view(t, -1), cols)
         eps = c.rms_norm_eps
         if layers is not None:
-            h = layers(h.contiguous(), rope)
+            h = layers(h.contiguous(), rope, local_rope)
             return rms_norm(h, self.norm, eps) if final_norm else h
         # QK-norm goes between the projection and the rotary, and the projection's fused rotary rotates whole
         # heads: with either, q and k are rotated after the projection: by a packed projection's epilogue (a
@@ -166,18 +166,23 @@ class DecoderModel(nn.Module):
         A norm after a projection needs the projection's whole output, so a tensor-parallel shard reduces
         first (``reduce``)."""
         c, eps = self.cfg, self.cfg.rms_norm_eps
+        # packed projections in float32 on the CPU: the norms and GeGLU by the layer stack's functions
+        native = isinstance(layer.o, PackedProjection) and h.dtype == torch.float32 and h.device.type == "cpu"
+        norm = _native_rms_norm if native else rms_norm
         attn = self.reduce(layer.o(o))
         if c.sandwich_norms:
-            attn = rms_norm(attn, layer.post_attn_norm, eps)
+            attn = norm(attn, layer.post_attn_norm, eps)
         h = h.add_(attn)
         silu = c.activation == "silu"
         mlp = layer.gate_up(h, norm=layer.mlp_norm, eps=eps, swiglu=silu)
-        if not silu:  # GeGLU: gelu (tanh approximation) of the gate times up
+        if not silu and native:
+            mlp = torch.ops.hydragen.geglu_rows(mlp.contiguous())
+        elif not silu:  # GeGLU: gelu (tanh approximation) of the gate times up
             gate, up = mlp.chunk(2, dim=-1)
             mlp = F.gelu(gate, approximate="tanh") * up
         out = self.reduce(layer.down(mlp))
         if c.sandwich_norms:
-            out = rms_norm(out, layer.post_mlp_norm, eps)
+            out = norm(out, layer.post_mlp_norm, eps)
         return h.add_(out)
 
     # Hooks a tensor-parallel shard overrides (hydragen.tp.sharded_model): a vocabulary shard's
@@ -285,6 +290,10 @@ class DecoderModel(nn.Module):
         leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:
             raise ValueError(f"checkpoint has unexpected tensors, e.g. {leftovers[:3]}")
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.hydragen.rms_norm_rows(x.contiguous(), weight.float().contiguous(), eps)
 
 
 def _head_norms(layer: DecoderLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -6,8 +6,7 @@ KV write) is about a tenth of a decode step. ``native/csrc/quant_layers.cpp`` co
 the same functions (qkv with norm, then its epilogue: bias, QK-norm and rotary, the KV write into the pool,
 step attention, o, gate/up with SwiGLU, down) in one parallel region for all the layers, each thread taking
 a share of every stage, so its output is the loop's bit for bit; the loop stays for everything else (float
-or CUDA weights, biases outside q/k/v, Gemma's sandwich norms, GeGLU and second rotary table,
-tensor-parallel shards, the torch and Triton attention paths).
+or CUDA weights, biases outside q/k/v, tensor-parallel shards, the torch and Triton attention paths).
 
 ``HYDRAGEN_FUSED_LAYERS=0`` turns it off (the per-op path; how the tests and the benchmark compare them).
 """
@@ -23,15 +22,18 @@ import torch
 from hydragen.attention.step_attention import CPP_DTYPES, distinct_metas
 from hydragen.model.linear import PackedProjection
 
-# layers(h [T, hidden], rope (cos, sin, cols)) -> h after every layer (updated in place)
-LayersFn = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int]], torch.Tensor]
+# layers(h [T, hidden], rope (cos, sin, cols), the windowed layers' rope) -> h after every layer (in place)
+Rope = tuple[torch.Tensor, torch.Tensor, int]
+LayersFn = Callable[[torch.Tensor, Rope, Rope], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class PackedStack:
     """The model's layers as the C++ op takes them: every part of every projection, flattened in the order
     qkv, o, gate_up, down per layer (``counts``: how many parts each has), the two norms per layer, and where
-    the model has them each layer's q/k/v bias (Qwen2) and its q and k head norms (QK-norm: Qwen3)."""
+    the model has them each layer's q/k/v bias (Qwen2), its q and k head norms (QK-norm: Qwen3, Gemma 3),
+    its norms on o's and down's outputs (Gemma's sandwich norms), the MLP's activation (0 SwiGLU, 1 GeGLU)
+    and which layers rotate by the windowed layers' own table (Gemma 3)."""
 
     weights: list[torch.Tensor]
     qtypes: list[int]
@@ -40,6 +42,9 @@ class PackedStack:
     norms: list[torch.Tensor]
     qkv_biases: list[torch.Tensor]
     head_norms: list[torch.Tensor]
+    post_norms: list[torch.Tensor]
+    activation: int
+    local_layers: list[int]
     act_bits: int
     isa: int
 
@@ -50,18 +55,17 @@ def enabled() -> bool:
 
 def packed_stack(model) -> PackedStack | None:
     """The layers flattened for the op, or None when the model's family does not declare that the op
-    computes it exactly (``Family.fused_stack``: the op knows Llama's layer with a q/k/v bias, QK-norm and
-    partial rotary, and would silently skip anything else, such as Gemma's sandwich norms), or any layer
-    cannot take it (a float projection, a bias outside q/k/v, 16-bit norms, or a tensor-parallel shard that
-    all-reduces o and down before the residual)."""
+    computes it exactly (``Family.fused_stack``: the op knows Llama's layer with a q/k/v bias, QK-norm,
+    partial rotary, Gemma's sandwich norms, GeGLU and local rotary table, and would silently skip anything
+    else), or any layer cannot take it (a float projection, a bias outside q/k/v, 16-bit norms, or a
+    tensor-parallel shard that all-reduces o and down before the residual)."""
     family = getattr(model, "family", None)
     if family is None or not family.fused_stack:
         return None
     if not getattr(model, "fuse_residual", False) or len(model.layers) == 0:
         return None
-    if not model._plain_tail or model.local_rotary is not None:  # the family's declaration, checked
-        return None
-    weights, qtypes, rows, counts, norms, biases, head_norms = [], [], [], [], [], [], []
+    cfg = model.cfg
+    weights, qtypes, rows, counts, norms, biases, head_norms, post_norms = [], [], [], [], [], [], [], []
     settings = set()
     for layer in model.layers:
         projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -71,8 +75,10 @@ def packed_stack(model) -> PackedStack | None:
             return None
         if layer.qkv.bias is not None:
             biases.append(layer.qkv.bias.data.float().contiguous())
-        if model.cfg.qk_norm:
+        if cfg.qk_norm:
             head_norms += [layer.q_norm.data.float().contiguous(), layer.k_norm.data.float().contiguous()]
+        if cfg.sandwich_norms:
+            post_norms += [layer.post_attn_norm.data.float().contiguous(), layer.post_mlp_norm.data.float()]
         for p in projections:
             weights += p.weights
             qtypes += p.qtypes
@@ -86,7 +92,12 @@ def packed_stack(model) -> PackedStack | None:
     if len(settings) != 1 or len(biases) not in (0, len(model.layers)):  # one environment; all or none
         return None
     ((act_bits, isa),) = settings
-    return PackedStack(weights, qtypes, rows, counts, norms, biases, head_norms, act_bits, isa)
+    local = [int(x) for x in model._local_rope] if model.local_rotary is not None else []
+    activation = {"silu": 0, "gelu_tanh": 1}[cfg.activation]
+    return PackedStack(
+        weights, qtypes, rows, counts, norms, biases, head_norms, [n.contiguous() for n in post_norms],
+        activation, local, act_bits, isa,
+    )  # fmt: skip
 
 
 def stack_layers(
@@ -133,11 +144,13 @@ def stack_layers(
     caps = [0.0 if c is None else float(c) for c in (softcaps or [None] * len(scales))]
     slots, groups, rows = list(slots), list(layer_group), list(layer_row)
 
-    def layers(h: torch.Tensor, rope) -> torch.Tensor:
+    def layers(h: torch.Tensor, rope, local_rope) -> torch.Tensor:
         cos, sin, cols = rope
+        local_cos, local_sin = (local_rope[0], local_rope[1]) if stack.local_layers else (None, None)
         return ops.quant_layers(
             h, cos, sin, cols, stack.weights, stack.qtypes, stack.rows, stack.counts, stack.norms,
-            stack.qkv_biases, stack.head_norms, c.rms_norm_eps, pool_k, pool_v, slots, groups, rows,
+            stack.qkv_biases, stack.head_norms, stack.post_norms, stack.activation, local_cos, local_sin,
+            stack.local_layers, c.rms_norm_eps, pool_k, pool_v, slots, groups, rows,
             c.num_heads, c.num_kv_heads, *fields, parts,
             max_tokens, firsts, of_layer, scales, caps, step_work.TILE_MIN_ROWS, step_work.TILE_MIN_KEYS,
             stack.act_bits, stack.isa,

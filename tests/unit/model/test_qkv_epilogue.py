@@ -1,7 +1,8 @@
 """The q/k/v projection's epilogue (native/csrc/quant_matmul.cpp, ``hq::QkvEpilogue``): the bias, RMSNorm over
-each head of q and k, and the rotary on each head's leading columns, against a float64 reference; and the
-families it lets into the one-call layer stack (Qwen2's biases, Qwen3's QK-norm, Phi-4-mini's partial
-rotary) giving the per-op path's tokens and logprobs bit for bit, where Gemma keeps the per-op path."""
+each head of q and k, and the rotary on each head's leading columns, against a float64 reference; Gemma's
+GeGLU and output norms against torch; and the families they let into the one-call layer stack (Qwen2's
+biases, Qwen3's QK-norm, Phi-4-mini's partial rotary, Gemma's sandwich norms, GeGLU and local rotary)
+giving the per-op path's tokens and logprobs bit for bit."""
 
 from __future__ import annotations
 
@@ -76,6 +77,21 @@ def test_the_epilogue_refuses_heads_that_do_not_fit() -> None:
         torch.ops.hydragen.qkv_epilogue(y, None, None, None, 1e-6, 16, 32, 16, wide, wide)
 
 
+def test_geglu_and_the_output_norm_are_torchs_to_float32_rounding() -> None:
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    y = 3 * torch.randn(7, 2 * 37, generator=g)  # 37: whole vectors and a scalar tail
+    gate, up = y.double().chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    got = torch.ops.hydragen.geglu_rows(y)
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6), float((got.double() - want).abs().max())
+    w = 1 + 0.1 * torch.randn(37, generator=g)
+    x = torch.randn(5, 37, generator=g)
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert torch.allclose(torch.ops.hydragen.rms_norm_rows(x, w, 1e-6).double(), ref, rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def family_ggufs(tmp_path_factory) -> dict[str, str]:
     """conftest's tiny Qwen2, Qwen3, Phi-4-mini and Gemma 3 in Q8_0 (every projection packed)."""
@@ -83,8 +99,10 @@ def family_ggufs(tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("epilogue")
     out = {}
-    for name in ("qwen2", "qwen3", "phi4_mini", "gemma3"):
-        spec = TINY[name] | (dict(query_pre_attn_scalar=TINY[name]["head_dim"]) if name == "gemma3" else {})
+    for name in ("qwen2", "qwen3", "phi4_mini", "gemma2", "gemma3"):
+        # Gemma as llama.cpp holds it (its scale is head_dim's), windows shorter than the prompts
+        gemma = dict(query_pre_attn_scalar=TINY[name].get("head_dim"), sliding_window=8)
+        spec = TINY[name] | (gemma if name.startswith("gemma") else {})
         path = save_tiny(spec, root / name)
         import json
         from pathlib import Path
@@ -95,10 +113,12 @@ def family_ggufs(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4_mini"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4_mini", "gemma2", "gemma3"])
 def test_the_families_it_fuses_run_every_layer_in_one_call_exactly(family_ggufs, name, monkeypatch) -> None:
-    """Qwen2 (q/k/v biases), Qwen3 (QK-norm) and Phi-4-mini (RoPE on 12 of 16 dims) take the one-call stack,
-    and their tokens and logprobs equal the per-op path's: prefill, decode, n > 1, a shared prefix."""
+    """Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-4-mini (RoPE on 12 of 16 dims), Gemma 2 (sandwich norms,
+    GeGLU, soft-caps, windows on alternate layers) and Gemma 3 (QK-norm, local layers on their own RoPE
+    table) take the one-call stack, and their tokens and logprobs equal the per-op path's: prefill, decode,
+    n > 1, a shared prefix several windows long."""
     from hydragen.engine import model_runner
 
     used = []
@@ -126,16 +146,3 @@ def test_the_families_it_fuses_run_every_layer_in_one_call_exactly(family_ggufs,
         got[flag] = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
         assert used and all(u == (flag == "1") for u in used)
     assert got["1"] == got["0"]
-
-
-def test_gemma_keeps_the_per_op_path(family_ggufs) -> None:
-    """Gemma's sandwich norms, GeGLU and second RoPE table are not in the stack: its family says so, and a
-    model that claimed it anyway would still be refused by its layer shape."""
-    import dataclasses
-
-    from hydragen.model.loader import load_model
-
-    net, _, _ = load_model(family_ggufs["gemma3"], torch.device("cpu"), torch.float32)
-    assert not net.family.fused_stack and layer_stack.packed_stack(net) is None
-    net.family = dataclasses.replace(net.family, fused_stack=True)
-    assert layer_stack.packed_stack(net) is None

@@ -7,7 +7,9 @@ soft-capped (``final_logit_softcapping``) and tied embeddings.
 Its norms compute x * (1 + w): a Hugging Face checkpoint holds w (the loader adds 1), llama.cpp's GGUF
 holds 1 + w. llama.cpp's files keep no ``query_pre_attn_scalar``: llama.cpp scales the 27B's scores by
 (hidden / heads) ** -0.5 and every other size's by head_dim ** -0.5, which are the released configs'
-values, and so does the reader. The per-op path runs it (the fused C++ stack knows Llama's layer only).
+values, and so does the reader. The one-call C++ layer stack runs it when its weights are packed: the
+sandwich norms and GeGLU are the stack's functions, which the per-op path calls too (``rms_norm_rows``,
+``geglu_rows``), so the two agree bit for bit.
 
 The writer (``model/gguf_write.py``) lays a Gemma 2 out as convert_hf_to_gguf.py's Gemma2Model does: the
 four norms as ``attn_norm``, ``post_attention_norm``, ``ffn_norm`` and ``post_ffw_norm``, stored as 1 + w;
@@ -182,6 +184,7 @@ FAMILY = Family(
     gguf_layer_tensors=dict(GEMMA_GGUF_TENSORS),
     role_shapes=dict(GEMMA_ROLE_SHAPES),
     hf_norm_offset=1.0,
+    fused_stack=True,  # sandwich norms and GeGLU in the stack, soft-caps per layer
     config=_config,
     gguf_config=_gguf_config,
     gguf_metadata=_gguf_metadata,

@@ -98,6 +98,7 @@ FAMILY = Family(
     gguf_layer_tensors={**GEMMA_GGUF_TENSORS, "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"},
     role_shapes=dict(GEMMA_ROLE_SHAPES),
     hf_norm_offset=1.0,
+    fused_stack=True,  # and QK-norm, and the local layers' own rotary table
     config=_config,
     gguf_config=_gguf_config,
     gguf_metadata=_gguf_metadata,

@@ -5,6 +5,8 @@
 //   pool_k/v[layer][slots] = k, v;
 //   o = step_attention(q, pool_k[layer], pool_v[layer], the step's work items, scale and soft-cap);
 //   h += o_proj(o);  h += down(swiglu(gate_up(norm(h))))
+// or, with Gemma's sandwich norms and GeGLU, h += norm(o_proj(o)); h += norm(down(geglu(gate_up(norm(h))))),
+// with the windowed layers' own rotary table where they have one (Gemma 3);
 // so its result is bit for bit the per-op path's (tests/unit/model/test_quant_model.py, at 1, 2 and 3
 // threads): every output row or tile is computed by one thread, whichever it is.
 //
@@ -126,7 +128,9 @@ using StoreRow = void (*)(const float*, void*, int64_t);
 
 at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t rope_cols,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef rows, at::IntArrayRef counts,
-                        at::TensorList norms, at::TensorList qkv_biases, at::TensorList head_norms, double eps,
+                        at::TensorList norms, at::TensorList qkv_biases, at::TensorList head_norms,
+                        at::TensorList post_norms, int64_t activation, const c10::optional<at::Tensor>& local_cos,
+                        const c10::optional<at::Tensor>& local_sin, at::IntArrayRef local_layers, double eps,
                         const at::Tensor& pool_k, const at::Tensor& pool_v,
                         at::TensorList group_slots, at::IntArrayRef layer_group, at::IntArrayRef layer_row,
                         int64_t num_heads, int64_t num_kv_heads, at::TensorList runs,
@@ -146,6 +150,13 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
               "quant_layers: qkv_biases holds none or one bias per layer");
   TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
               "quant_layers: head_norms holds none or a q and a k norm per layer");
+  TORCH_CHECK(post_norms.empty() || static_cast<int64_t>(post_norms.size()) == 2 * layers,
+              "quant_layers: post_norms holds none or an attention and an MLP output norm per layer");
+  TORCH_CHECK(activation == 0 || activation == 1, "quant_layers: activation is 0 (SwiGLU) or 1 (GeGLU)");
+  TORCH_CHECK(local_layers.empty() || static_cast<int64_t>(local_layers.size()) == layers,
+              "quant_layers: local_layers holds none or a flag per layer");
+  TORCH_CHECK(local_layers.empty() || (local_cos.has_value() && local_sin.has_value()),
+              "quant_layers: local layers need their rotary tables");
   // The step's attention metadata per distinct layer mask (a window's has tok_first), and each layer's (with its
   // own scale and soft-cap).
   const size_t metas = runs.size();
@@ -194,11 +205,16 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   hq::check_rope_tables(rope_cos, rope_sin, t, rope_cols, qkv_cols, "quant_layers", d);
   TORCH_CHECK(rope_cols == qdim + kvdim, "quant_layers: the rotary covers q and k (", qdim + kvdim,
               " columns), not ", rope_cols);
+  if (!local_layers.empty()) {
+    hq::check_rope_tables(*local_cos, *local_sin, t, rope_cols, qkv_cols, "quant_layers (local)", d);
+    TORCH_CHECK(local_cos->size(1) == rope_cos.size(1), "quant_layers: both rotary tables rotate as many dims");
+  }
 
   // Every projection planned (and checked) before any thread starts.
   struct LayerPlan {
     hq::LinearPlan qkv, o, gate_up, down;
     const float *attn_norm, *mlp_norm;
+    const float *post_attn = nullptr, *post_mlp = nullptr;  // sandwich norms: on o's and down's outputs
     hq::QkvEpilogue epilogue;
   };
   std::vector<LayerPlan> plan(layers);
@@ -235,9 +251,19 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
     e.head_dim = d;
     e.q_cols = qdim;
     e.k_cols = kvdim;
-    e.cos = rope_cos.const_data_ptr<float>();
-    e.sin = rope_sin.const_data_ptr<float>();
+    const bool local = !local_layers.empty() && local_layers[layer] != 0;
+    e.cos = (local ? *local_cos : rope_cos).const_data_ptr<float>();
+    e.sin = (local ? *local_sin : rope_sin).const_data_ptr<float>();
     e.rot = rope_cos.size(1);
+    if (!post_norms.empty()) {
+      for (int j = 0; j < 2; ++j) {
+        const at::Tensor& norm = post_norms[2 * layer + j];
+        TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.numel() == hidden,
+                    "quant_layers: post norms must be contiguous float32 vectors of ", hidden);
+      }
+      p.post_attn = post_norms[2 * layer].const_data_ptr<float>();
+      p.post_mlp = post_norms[2 * layer + 1].const_data_ptr<float>();
+    }
     if (!qkv_biases.empty()) {
       const at::Tensor& bias = qkv_biases[layer];
       TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == qkv_cols,
@@ -262,6 +288,7 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   at::Tensor normed = at::empty({t, hidden}, f32);
   at::Tensor gate_up = at::empty({t, 2 * ffn}, f32);
   at::Tensor act = at::empty({t, ffn}, f32);
+  at::Tensor side = at::empty({post_norms.empty() ? 0 : t, hidden}, f32);  // o's or down's output, to norm
   hq::QuantizedActs qa;
   const int bits = static_cast<int>(act_bits);
   hq::size_acts(t, std::max({hidden, qdim, ffn}), bits, qa);
@@ -277,6 +304,8 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
   float* np = normed.data_ptr<float>();
   float* gup = gate_up.data_ptr<float>();
   float* actp = act.data_ptr<float>();
+  float* sidep = side.data_ptr<float>();
+  const auto range_activation = activation == 1 ? &hq::geglu_range : &hq::swiglu_range;
   StoreRow store = &store_row<float>;
   if (pool_type == at::kHalf) store = &store_row<c10::Half>;
   if (pool_type == at::kBFloat16) store = &store_row<c10::BFloat16>;
@@ -314,6 +343,11 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
     const auto quantize = [&](const float* x, int64_t k, const hq::LinearPlan& next) {  // for next's packed parts
       if (next.any_packed) hq::quantize_acts(x, my_rows.begin, my_rows.end, k, bits, next.level, qa);
     };
+    // h += norm(side) on this thread's rows (sandwich norms): no barrier after, the next stage reads its own rows
+    const auto add_normed = [&](const float* w) {
+      hq::rms_norm_range(sidep, w, eps, my_rows.begin, my_rows.end, hidden, sidep);
+      for (int64_t i = my_rows.begin * hidden; i < my_rows.end * hidden; ++i) hp[i] += sidep[i];
+    };
     try {
       for (int64_t layer = 0; layer < layers; ++layer) {
         const LayerPlan& p = plan[layer];
@@ -349,8 +383,9 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         const float* attn_out = attention.out().const_data_ptr<float>();
         quantize(attn_out, qdim, p.o);
         if (!barrier.wait()) break;
-        matmul(p.o, attn_out, hp, true, 4 * layer + 1);
+        matmul(p.o, attn_out, p.post_attn ? sidep : hp, p.post_attn == nullptr, 4 * layer + 1);
         if (!barrier.wait()) break;
+        if (p.post_attn != nullptr) add_normed(p.post_attn);
         // h += down(swiglu(gate_up(norm(h))))
         hq::rms_norm_range(hp, p.mlp_norm, eps, my_rows.begin, my_rows.end, hidden, np);
         quantize(np, hidden, p.gate_up);
@@ -358,11 +393,12 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
         matmul(p.gate_up, np, gup, false, 4 * layer + 2);
         if (!barrier.wait()) break;
         const int64_t half = p.gate_up.n_total / 2;
-        hq::swiglu_range(gup, my_rows.begin, my_rows.end, half, actp);
+        range_activation(gup, my_rows.begin, my_rows.end, half, actp);
         quantize(actp, half, p.down);
         if (!barrier.wait()) break;
-        matmul(p.down, actp, hp, true, 4 * layer + 3);
+        matmul(p.down, actp, p.post_mlp ? sidep : hp, p.post_mlp == nullptr, 4 * layer + 3);
         if (!barrier.wait()) break;
+        if (p.post_mlp != nullptr) add_normed(p.post_mlp);
       }
     } catch (...) {
 #pragma omp critical(hydragen_quant_layers)
@@ -379,7 +415,8 @@ at::Tensor quant_layers(const at::Tensor& h, const at::Tensor& rope_cos, const a
 TORCH_LIBRARY_FRAGMENT(hydragen, m) {
   m.def(
       "quant_layers(Tensor h, Tensor rope_cos, Tensor rope_sin, int rope_cols, Tensor[] weights, int[] qtypes, "
-      "int[] rows, int[] counts, Tensor[] norms, Tensor[] qkv_biases, Tensor[] head_norms, float eps, Tensor pool_k, Tensor pool_v, Tensor[] group_slots, "
+      "int[] rows, int[] counts, Tensor[] norms, Tensor[] qkv_biases, Tensor[] head_norms, Tensor[] post_norms, "
+      "int activation, Tensor? local_cos, Tensor? local_sin, int[] local_layers, float eps, Tensor pool_k, Tensor pool_v, Tensor[] group_slots, "
       "int[] layer_group, int[] layer_row, "
       "int num_heads, int num_kv_heads, Tensor[] runs, Tensor[] pieces, Tensor[] blocks, Tensor[] tok_ptr, "
       "Tensor[] tok_parts, int[] num_parts, int[] max_item_tokens, Tensor[] tok_first, int[] layer_meta, "

@@ -85,5 +85,7 @@ struct QkvEpilogue {
 };
 void qkv_epilogue_range(float* y, int64_t ld, int64_t m0, int64_t m1, const QkvEpilogue& e);
 void swiglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* out);
+// GeGLU (Gemma): gelu with the tanh approximation of the first half, times the second.
+void geglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* out);
 
 }  // namespace hq

@@ -423,6 +423,30 @@ void swiglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* o
   }
 }
 
+// out[m] = gelu_tanh(y[m, :half]) * y[m, half:] (Gemma's GeGLU): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
+// x^3))), on whole vectors, the scalar formula for the rest. The per-op path (the geglu op) and the layer
+// stack both call this, so they agree bit for bit; against torch's gelu they differ by float32 rounding.
+void geglu_range(const float* y, int64_t m0, int64_t m1, int64_t half, float* out) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  const Vec one(1.0f), point5(0.5f), beta(kBeta), kappa(kKappa);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* gate = y + m * 2 * half;
+    const float* up = gate + half;
+    float* o = out + m * half;
+    int64_t i = 0;
+    for (; i + Vec::size() <= half; i += Vec::size()) {
+      const Vec x = Vec::loadu(gate + i);
+      const Vec inner = beta * (x + kappa * x * x * x);
+      (point5 * x * (one + inner.tanh()) * Vec::loadu(up + i)).store(o + i);
+    }
+    for (; i < half; ++i) {
+      const float x = gate[i];
+      o[i] = 0.5f * x * (1.0f + std::tanh(kBeta * (x + kKappa * x * x * x))) * up[i];
+    }
+  }
+}
+
 }  // namespace hq
 
 namespace {
@@ -706,6 +730,32 @@ at::Tensor qkv_epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bi
   return y;
 }
 
+// The per-op path's RMSNorm after a projection (Gemma's sandwich norms), as the layer stack computes it.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rms_norm_rows: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == x.size(1),
+              "rms_norm_rows: w must be a contiguous float32 vector of ", x.size(1));
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t k = x.size(1);
+  at::parallel_for(0, x.size(0), 16, [&](int64_t m0, int64_t m1) {
+    rms_norm_range(x.const_data_ptr<float>(), w.const_data_ptr<float>(), eps, m0, m1, k, out.data_ptr<float>());
+  });
+  return out;
+}
+
+// The per-op path's GeGLU after gate_up, as the layer stack computes it.
+at::Tensor geglu_rows(const at::Tensor& y) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(1) % 2 == 0,
+              "geglu_rows: y must be a contiguous 2-D float32 tensor of gate and up halves");
+  const int64_t half = y.size(1) / 2;
+  at::Tensor out = at::empty({y.size(0), half}, y.options());
+  at::parallel_for(0, y.size(0), 16, [&](int64_t m0, int64_t m1) {
+    geglu_range(y.const_data_ptr<float>(), m0, m1, half, out.data_ptr<float>());
+  });
+  return out;
+}
+
 int64_t quant_isa() { return isa_level(0); }
 
 }  // namespace
@@ -723,5 +773,9 @@ TORCH_LIBRARY_FRAGMENT(hydragen, m) {
       "qkv_epilogue(Tensor(a!) y, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, int head_dim, int q_cols, "
       "int k_cols, Tensor? rope_cos, Tensor? rope_sin) -> Tensor(a!)");
   m.impl("qkv_epilogue", c10::DispatchKey::CPU, &qkv_epilogue);
+  m.def("rms_norm_rows(Tensor x, Tensor w, float eps) -> Tensor");
+  m.impl("rms_norm_rows", c10::DispatchKey::CPU, &rms_norm_rows);
+  m.def("geglu_rows(Tensor y) -> Tensor");
+  m.impl("geglu_rows", c10::DispatchKey::CPU, &geglu_rows);
   m.def("quant_isa() -> int", &quant_isa);
 }
