@@ -51,6 +51,44 @@ def test_read_from_gguf_metadata(tmp_path):
     assert read_generation_defaults(path).values == {"temperature": 0.25, "top_k": 40, "top_p": 0.5}
 
 
+def test_the_loaders_parse_of_a_gguf_header_serves_the_defaults(tmp_path, monkeypatch):
+    """Loading a GGUF parses its header once: the sampling defaults (and the tokenizer) read the metadata
+    the loader kept, where a second parse cost 0.66 s on the embedded model; a changed file is parsed
+    again."""
+    import os
+
+    from hydragen.model import gguf as hydragen_gguf
+
+    path = tmp_path / "m.gguf"
+
+    def write(temp: float) -> None:
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_float32("general.sampling.temp", temp)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    from hydragen.model.loader import resolve_model_path
+
+    parses = []
+    real = hydragen_gguf.open_gguf
+    monkeypatch.setattr(hydragen_gguf, "open_gguf", lambda p: parses.append(p) or real(p))
+    embedded = resolve_model_path(None)
+    hydragen_gguf.open_gguf_tensors(embedded)  # the loader's parse
+    read_generation_defaults(embedded)
+    assert len(parses) == 1
+    write(0.25)
+    assert read_generation_defaults(path).values == {"temperature": 0.25}
+    assert read_generation_defaults(path).values == {"temperature": 0.25}
+    assert len(parses) == 2
+    write(0.5)
+    os.utime(path, ns=(1, 1))  # a rewrite within the clock's resolution still changes the key
+    assert read_generation_defaults(path).values == {"temperature": 0.5}
+    assert len(parses) == 3
+
+
 def test_llm_applies_them_when_no_params_are_given(tiny_models, tmp_path, capsys):
     """temperature 0 in generation_config.json: a call without SamplingParams decodes greedily, whatever the
     seed would draw; generation_config="hydragen" keeps SamplingParams' own defaults."""
