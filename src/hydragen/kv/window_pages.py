@@ -88,17 +88,20 @@ class WindowPages:
     def start(self, window_from: dict[int, int], pages: list[int], position: int) -> None:
         """A table starts on ``pages`` (a prefix hit) and computes from ``position``: it holds each window
         group's pages from the first its window reads."""
-        window_from.update(self._reach(pages, position))
-        for g, lo in window_from.items():
+        window_from.update(self._retain_reach(pages, position))
+
+    def _retain_reach(self, pages: list[int], position: int) -> dict[int, int]:
+        """Hold, in each window group, ``pages`` from the first one reached from ``position``; that reach."""
+        reach = self._reach(pages, position)
+        for g, lo in reach.items():
             for p in pages[lo:]:
                 self.retain(g, p)
+        return reach
 
     def anchor(self, pages: list[int]) -> int:
         """A table starting on the hit ``pages`` holds the window at their end a second time, to its end:
         the parts a later hit at the same end reads. Returns the anchor (``PageTable.anchor``)."""
-        for g, lo in self._reach(pages, len(pages) * self.page_size).items():
-            for p in pages[lo:]:
-                self.retain(g, p)
+        self._retain_reach(pages, len(pages) * self.page_size)
         return len(pages)
 
     def anchored(self, pages: list[int], anchor: int) -> dict[int, list[int]]:

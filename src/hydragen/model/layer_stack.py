@@ -78,7 +78,7 @@ def packed_stack(model) -> PackedStack | None:
         if cfg.qk_norm:
             head_norms += [layer.q_norm.data.float().contiguous(), layer.k_norm.data.float().contiguous()]
         if cfg.sandwich_norms:
-            post_norms += [layer.post_attn_norm.data.float().contiguous(), layer.post_mlp_norm.data.float()]
+            post_norms += [n.data.float().contiguous() for n in (layer.post_attn_norm, layer.post_mlp_norm)]
         for p in projections:
             weights += p.weights
             qtypes += p.qtypes
@@ -95,9 +95,8 @@ def packed_stack(model) -> PackedStack | None:
     local = [int(x) for x in model._local_rope] if model.local_rotary is not None else []
     activation = {"silu": 0, "gelu_tanh": 1}[cfg.activation]
     return PackedStack(
-        weights, qtypes, rows, counts, norms, biases, head_norms, [n.contiguous() for n in post_norms],
-        activation, local, act_bits, isa,
-    )  # fmt: skip
+        weights, qtypes, rows, counts, norms, biases, head_norms, post_norms, activation, local, act_bits, isa
+    )
 
 
 def stack_layers(

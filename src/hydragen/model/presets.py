@@ -246,9 +246,9 @@ PRESETS |= {
 # in every layer (v0.2 and later dropped it); llama.cpp's converter writes it as a llama GGUF.
 PRESETS |= {
     "mistral-7b": dict(
+        _LLAMA2,  # its norms, activation, untied head and token ids
         model_type="mistral",
         architectures=["MistralForCausalLM"],
-        hidden_act="silu",
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
@@ -257,11 +257,7 @@ PRESETS |= {
         sliding_window=4096,
         max_position_embeddings=32768,
         rope_theta=10000.0,
-        rms_norm_eps=1e-5,
         vocab_size=32000,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
     ),
 }
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hydragen import LLM, SamplingParams
 from hydragen.model import layer_stack
 from hydragen.model.config import ModelConfig
 from hydragen.model.gguf_write import checkpoint_maker, write_gguf
 from hydragen.native import quant
 from tests.conftest import TINY, save_tiny
+from tests.unit.model.test_quant_model import assert_one_call_is_the_per_op_path
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="hydragen's C++ ops are unavailable")
 
@@ -119,30 +119,5 @@ def test_the_families_it_fuses_run_every_layer_in_one_call_exactly(family_ggufs,
     GeGLU, soft-caps, windows on alternate layers) and Gemma 3 (QK-norm, local layers on their own RoPE
     table) take the one-call stack, and their tokens and logprobs equal the per-op path's: prefill, decode,
     n > 1, a shared prefix several windows long."""
-    from hydragen.engine import model_runner
-
-    used = []
-    real = model_runner.stack_layers
-
-    def counted(*args, **kwargs):
-        layers = real(*args, **kwargs)
-        used.append(layers is not None)
-        return layers
-
-    monkeypatch.setattr(model_runner, "stack_layers", counted)
-    llm = LLM(family_ggufs[name], kv_cache_tokens=1024)
+    llm = assert_one_call_is_the_per_op_path(family_ggufs[name], list(range(5, 50)), 10, monkeypatch)
     assert layer_stack.packed_stack(llm.engine.runner.model) is not None
-    params = SamplingParams(
-        n=3, temperature=0.8, top_p=0.95, seed=7, max_tokens=10, ignore_eos=True, logprobs=3
-    )
-    shared = list(range(5, 50))
-    prompts = [shared + [61, 62], shared + [70], [9, 8, 7]]
-    got = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("HYDRAGEN_FUSED_LAYERS", flag)
-        llm.reset_prefix_cache()
-        used.clear()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        got[flag] = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
-        assert used and all(u == (flag == "1") for u in used)
-    assert got["1"] == got["0"]

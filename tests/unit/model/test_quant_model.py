@@ -351,22 +351,29 @@ def test_every_layer_in_one_call_is_the_per_op_path_bit_for_bit(tiny_ggufs, sche
     """model/layer_stack.py: the C++ layer loop makes the per-op path's calls in its order, so tokens and
     logprobs are identical with it on and off, for prefill, decode, n > 1 and a shared prefix; the engine
     takes it whenever every projection is packed, and the loop otherwise."""
+    llm = assert_one_call_is_the_per_op_path(tiny_ggufs[scheme], list(range(5, 60)), 12, monkeypatch)
+    assert layer_stack.packed_stack(llm.engine.runner.model) is not None
+
+
+def assert_one_call_is_the_per_op_path(model, shared: list[int], max_tokens: int, monkeypatch) -> LLM:
+    """Tokens and logprobs of ``model`` (n = 3 sampled, two prompts sharing ``shared`` and a short one)
+    with the layers in one call and one op at a time are equal, and each step took the path asked for.
+    Returns the engine."""
     from hydragen.engine import model_runner
 
     used = []
     real = model_runner.stack_layers
 
-    def counted(*args):
-        layers = real(*args)
+    def counted(*args, **kwargs):
+        layers = real(*args, **kwargs)
         used.append(layers is not None)
         return layers
 
     monkeypatch.setattr(model_runner, "stack_layers", counted)
-    llm = LLM(tiny_ggufs[scheme], kv_cache_tokens=1024)
+    llm = LLM(model, kv_cache_tokens=1024)
     params = SamplingParams(
-        n=3, temperature=0.8, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, logprobs=3
+        n=3, temperature=0.8, top_p=0.95, seed=7, max_tokens=max_tokens, ignore_eos=True, logprobs=3
     )
-    shared = list(range(5, 60))
     prompts = [shared + [61, 62], shared + [70], [9, 8, 7]]
     got = {}
     for flag in ("1", "0"):
@@ -377,7 +384,7 @@ def test_every_layer_in_one_call_is_the_per_op_path_bit_for_bit(tiny_ggufs, sche
         got[flag] = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
         assert used and all(u == (flag == "1") for u in used)
     assert got["1"] == got["0"]
-    assert layer_stack.packed_stack(llm.engine.runner.model) is not None
+    return llm
 
 
 @pytest.mark.parametrize("threads", [1, 3])

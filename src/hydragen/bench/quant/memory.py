@@ -63,8 +63,9 @@ def rss_probe(model: str, runtime_model: str) -> dict:
 
 def llamacpp_probe(model: str) -> dict:
     """In this (fresh) process: llama.cpp (llama-cpp-python, its default mmap of the file) loading ``model``
-    and a context, then decoding three tokens, as the decode benchmark's peer does: the load's time, the
-    first tokens' (llama.cpp reads the mapped weights in then), and resident memory before and after."""
+    and a context, then a three-token prompt and one token, as the decode benchmark's peer does: the load's
+    time, the first tokens' (llama.cpp reads the mapped weights in then), and resident memory before and
+    after."""
     import llama_cpp  # noqa: F401  (with the peer's imports: the runtime the model's share is counted over)
 
     from hydragen.bench.peers.llamacpp_peer import Peer
@@ -73,7 +74,7 @@ def llamacpp_probe(model: str) -> dict:
     t0 = time.perf_counter()
     peer = Peer(model, max_prompt=8, max_new=1, max_n=1)
     load_s = time.perf_counter() - t0
-    peer._decode([1, 2, 3], [0, 1, 2], [0, 0, 0], [False, False, True])
+    peer.generate([1, 2, 3], 1, 1)
     first_s = time.perf_counter() - t0 - load_s
     return {
         "runtime MB": before,
