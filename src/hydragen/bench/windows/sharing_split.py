@@ -20,13 +20,13 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from pathlib import Path
 
 import torch
 
 from hydragen.bench.core.common import write_table
+from hydragen.bench.e2e.decode_throughput import synthetic_prompt
 
 RESULT_NAME = "sharing_split"
 
@@ -60,8 +60,7 @@ def measure(model: str, n: int, prompt_len: int, tokens: int, sharing: bool) -> 
         return out
 
     net.forward = forward
-    rng = random.Random(0)
-    prompt = [rng.randrange(100, net.cfg.vocab_size) for _ in range(prompt_len)]
+    prompt = synthetic_prompt(net.cfg.vocab_size, prompt_len)
     params = SamplingParams(n=n, max_tokens=tokens, ignore_eos=True, seed=0, temperature=0.8, top_p=0.95)
     llm.generate([prompt[:32]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     for k in ("forward", "windowed", "full", "steps"):
