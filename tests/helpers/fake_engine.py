@@ -147,8 +147,44 @@ class FakeRunner:
             logits[i, next_token(list(w.seq.context[: w.start]) + path)] = 0.0
         return logits
 
-    def sample(self, logits: torch.Tensor, seqs, top=None):
+    def sample(self, logits: torch.Tensor, seqs, top=None, offsets=None):
         return logits.argmax(-1), None, {}
+
+    def step_seconds(self, rows: int) -> float:
+        """The fake model's step cost for the speculative cost rule (tests replace it)."""
+        return 1.0 + 0.01 * rows
+
+    def time_rows(self, rows: int, repeats: int = 1) -> float:
+        return self.step_seconds(rows)
+
+
+class ScriptedProposer:
+    """Drafts for the fake model (stands for the speculator's n-gram proposer): its true greedy continuation,
+    made wrong from a position that ``wrong_from(seq, k)`` picks (k: all right), so verification accepts
+    exactly a known prefix of them."""
+
+    def __init__(self, wrong_from=lambda seq, k: k):
+        self.wrong_from = wrong_from
+        self.proposed = 0
+
+    def propose(self, seqs, limits, siblings=False):
+        rows = []
+        for s, k in zip(seqs, limits, strict=True):
+            context, drafts = list(s.context), []
+            for _ in range(max(k, 0)):
+                drafts.append(next_token(context))
+                context.append(drafts[-1])
+            bad = self.wrong_from(s, len(drafts))
+            rows.append(drafts[:bad] + [(t + 1) % VOCAB for t in drafts[bad:]])
+        self.proposed += sum(map(len, rows))
+        width = max(map(len, rows), default=0)
+        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        return table, [len(r) for r in rows]
+
+    def forget(self, seq_ids) -> None:
+        pass
 
 
 def check_shared_runs(plan: StepPlan, page_size: int) -> None:

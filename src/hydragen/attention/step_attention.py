@@ -86,7 +86,7 @@ class StepAttentionMeta:
     seg_visible: Tensor  # int64 [NS]
     num_tokens: int
     work_runs: Tensor  # int64 [NW, 2]: the slot runs the items read
-    pieces: Tensor  # int64 [NP, 8]: item, first partial row, kpos; most expensive first
+    pieces: Tensor  # int64 [NP, 9]: item, first partial row, may_tile, kpos; most expensive first
     blocks: Tensor  # int64 [NB, 7]: item, kpos; most expensive first
     tok_ptr: Tensor  # int64 [T + 1]: token t's partial rows are tok_parts[tok_ptr[t]:tok_ptr[t+1]]
     tok_parts: Tensor  # int64 [R]

@@ -12,12 +12,14 @@ Two kinds:
 * **pieces** write an fp32 partial (output and log-sum-exp) per token, at partial row ``part_row`` on:
   non-causal units, grouped by token range (a node on scattered pages, or a chain of nodes read by the same
   sequences, is one piece per token tile, hence one partial per token); causal units as diagonal squares
-  plus the rectangle left of each; and, when a step is too small to keep every thread busy, long segments
-  and shared nodes cut into equal key chunks (a lone decode token's context: two chunks per thread), every
-  chunk a piece.
+  plus the rectangle left of each; when a step is too small to keep every thread busy, shared nodes cut
+  into equal key chunks; and every segment's keys before its last multiple of ``SEGMENT_CHUNK_KEYS``, one
+  piece per chunk of that many keys (read by attend(), never the tile kernel: ``may_tile`` 0).
   Wide pieces are tiled by tokens, long ones cut by keys, so one big node still spreads over every thread.
 * **blocks** cover every token exactly once, read what is left of its segment in place, fold in the partials
-  of every piece covering the token (the CSR ``tok_ptr``/``tok_parts``) and write the output.
+  of every piece covering the token (the CSR ``tok_ptr``/``tok_parts``), in key order, then their own keys
+  as one more partial, and write the output. A segment token's output is so the same fold of the same chunks
+  whatever the step holds: a draft verified as a token of a longer segment gets its decode row's bits.
 
 Items of each kind are sorted most expensive first, so threads taking them in order finish together.
 
@@ -41,13 +43,15 @@ from torch import Tensor
 TOKENS_PER_BLOCK = 8  # segment tokens per block: they share each K/V row the block reads
 PIECE_TOKENS = 32  # query tokens per piece: rows of one matrix product, and several pieces per wide node
 MAX_PIECE_KEYS = 2048  # longer key ranges are cut, so one long context still spreads over every thread
-# Segments and shared nodes are cut into key chunks only in steps with fewer blocks per thread than this.
+# Shared nodes are cut into key chunks only in steps with fewer blocks per thread than this.
 SPLIT_BLOCKS_PER_THREAD = 4
-# A split segment's keys are cut into this many chunks per thread, each of at least MIN_SPLIT_KEYS keys, all
-# of them pieces: one decode token's context is read by every thread in equal shares (n = 1, 512 keys: one
-# block per KV head left two of three heads to one thread), and its block only merges them.
+# A split node's keys are cut into this many chunks per thread, each of at least MIN_SPLIT_KEYS keys.
 SPLIT_CHUNKS_PER_THREAD = 2
 MIN_SPLIT_KEYS = 128
+# A segment's keys are cut at every multiple of this, in every step: the chunks but the last are pieces that
+# any thread may take (one long decode context is read by several threads), and every token folds the same
+# chunks in the same order whatever else the step holds, so its output does not depend on the step.
+SEGMENT_CHUNK_KEYS = 256
 # Pieces go through the tile kernel (matrix products over one KV head, native/csrc/tile_attention.h) from
 # this many query rows (tokens x g) and keys on: below, its row tiles are mostly padding, and the op's own
 # loop, which reads every KV head of a slot at once, is as fast (scripts/bench_tile_threshold.py; with two
@@ -55,14 +59,14 @@ MIN_SPLIT_KEYS = 128
 TILE_MIN_ROWS = 24
 TILE_MIN_KEYS = 32
 SMALL_STEP_PARTS = 256  # up to this many partial rows, the token -> rows index is built with plain lists
-PIECE_FIELDS = 8  # tok_lo, tok_hi, run_lo, run_hi, first, total, part_row, kpos
+PIECE_FIELDS = 9  # tok_lo, tok_hi, run_lo, run_hi, first, total, part_row, may_tile, kpos (kpos last)
 BLOCK_FIELDS = 7  # tok_lo, tok_hi, run_lo, run_hi, first, total, kpos
 
 
 @dataclass
 class StepWork:
     work_runs: Tensor  # int64 [NW, 2]; the segments' own runs come first, in order
-    pieces: Tensor  # int64 [NP, 8]: item, first partial row, kpos
+    pieces: Tensor  # int64 [NP, 9]: item, first partial row, may_tile (0: a segment's, never tiled), kpos
     blocks: Tensor  # int64 [NB, 7]: item, kpos
     tok_ptr: Tensor  # int64 [T + 1]: token t's partial rows are tok_parts[tok_ptr[t]:tok_ptr[t+1]]
     tok_parts: Tensor  # int64 [R]
@@ -210,7 +214,9 @@ class _WorkItems:
             return True
         return any(self.tok_first[t] - pos < min(first + t - t0, total) for t in range(t0, t1))
 
-    def _pieces(self, tok_lo: int, tok_hi: int, runs, first: int, total: int, pos: int = 0) -> None:
+    def _pieces(
+        self, tok_lo: int, tok_hi: int, runs, first: int, total: int, pos: int = 0, may_tile: int = 1
+    ) -> None:
         whole = None  # the runs' place in work_runs, for the tiles that read all of them
         for t0 in range(tok_lo, tok_hi, PIECE_TOKENS):
             t1 = min(t0 + PIECE_TOKENS, tok_hi)
@@ -223,7 +229,7 @@ class _WorkItems:
             else:
                 whole = whole or self._runs(runs)
                 r0, r1 = whole
-            self.pieces.append((t0, t1, r0, r1, f - cut, total - cut, self.rows, pos + cut))
+            self.pieces.append((t0, t1, r0, r1, f - cut, total - cut, self.rows, may_tile, pos + cut))
             self.rows += t1 - t0
 
     def add_shared(
@@ -253,23 +259,27 @@ class _WorkItems:
                 self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)], pos=pos)
 
     def add_segment(
-        self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, chunks: int, pos: int = 0
+        self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, chunks: int = 0, pos: int = 0
     ) -> None:
-        """Blocks covering every token of the segment; with ``chunks`` (> 0: a small step), its keys are cut
-        into that many chunks, every one a piece, so one long context is read by several threads. Under a
-        window the keys before the first any of its tokens sees go first (and each block's own, again)."""
+        """Blocks covering every token of the segment. Its keys are cut at every multiple of
+        SEGMENT_CHUNK_KEYS (counted from its first key), in every step, each chunk but the last a piece read
+        by attend() (never the tile kernel) and the last one the blocks': so a token's keys are folded in the
+        same chunks by the same arithmetic whatever the step holds, and a token of a longer segment (a draft
+        being verified) gets exactly the output it gets decoding alone (``chunks`` is not used: cuts that
+        depend on the step's size would break that). Under a window the keys before the first any of its
+        tokens sees go first (and each block's own, again)."""
         total = sum(b - a for a, b in runs)
         cut = 0 if self.tok_first is None else self._cut(tok_lo, tok_hi, total, pos)
         if cut:  # the segment's runs less its leading out-of-window keys, read as a whole segment's are
             runs, total, visible, pos = cut_runs(runs, cut, total), total - cut, visible - cut, pos + cut
             first_run = None
         seen_last = min(visible + tok_hi - tok_lo - 1, total)
-        bounds = _key_chunks(max(seen_last, 0), chunks) if chunks else [0, total]
-        if len(bounds) > 2:  # split: every chunk a piece, the block reads no keys of its own
-            bounds.append(total)
+        bounds = list(range(0, max(seen_last, 1), SEGMENT_CHUNK_KEYS)) + [total]
         for c0, c1 in zip(bounds[:-2], bounds[1:-1], strict=True):  # all but the last chunk: pieces
             j0 = max(0, c0 - visible + 1)  # tokens before this one see none of the chunk's keys
-            self._pieces(tok_lo + j0, tok_hi, cut_runs(runs, c0, c1), visible + j0 - c0, c1 - c0, pos + c0)
+            self._pieces(
+                tok_lo + j0, tok_hi, cut_runs(runs, c0, c1), visible + j0 - c0, c1 - c0, pos + c0, may_tile=0
+            )
         c0 = bounds[-2]
         rest = cut_runs(runs, c0, total) if c0 or first_run is None else None
         whole = self._runs(rest) if rest is not None else (first_run, first_run + len(runs))

@@ -26,6 +26,8 @@ EXTRA_BENCHMARKS = {
     "schema-defaults": "hydragen.bench.structured.schema_defaults",
     "quant": "hydragen.bench.quant.suite",
     "dp": "hydragen.bench.dp.routing",
+    "spec": "hydragen.bench.spec.workloads",
+    "spec-rows": "hydragen.bench.spec.verify_rows",
 }
 ALL_BENCHMARKS = {**BENCHMARKS, **EXTRA_BENCHMARKS}
 

@@ -58,6 +58,20 @@ def _mib(tokens: int, bytes_per_token: int) -> str:
     return f"{tokens * bytes_per_token / 2**20:.1f} MiB"
 
 
+def speculation_line(m: dict) -> str:
+    """What speculative decoding did, from ``SpecMetrics.summary()``."""
+    if not m["drafts"]:
+        share = m["speculated_step_share"]
+        return f"speculation: no drafts verified (none found, or none paid; {share:.0%} of steps)"
+    per = ", ".join(str(x) for x in m["accepted_per_position"])
+    return (
+        f"speculation: {m['drafts']} verifications of {m['draft_tokens']} drafted tokens, "
+        f"{m['accepted_tokens']} accepted ({m['acceptance_rate']:.0%}); "
+        f"{m['mean_accepted_length']:.2f} tokens per verification; "
+        f"{m['speculated_step_share']:.0%} of decode steps speculated; accepted per position: {per}"
+    )
+
+
 def summary_lines(
     *,
     model: str,
@@ -73,6 +87,7 @@ def summary_lines(
     bytes_per_token: int,
     sharing: bool,
     threads=None,
+    speculation: dict | None = None,
 ) -> list[str]:
     """The closing summary of `hydragen generate`: each number says what it counts, and numbers that
     cannot be compared (a rate over one token, a memory saving that sharing did not make) are left out."""
@@ -105,6 +120,8 @@ def summary_lines(
     elif n > 1:
         kv += " (this prompt is too short for a shared read to pay, so each completion reads its own copy)"
     lines.append(kv)
+    if speculation is not None:  # SpecMetrics.summary() of this run
+        lines.append(speculation_line(speculation))
     if threads is not None:  # a cpu_threads.ThreadGovernor
         lines.append(threads.describe())
         if (hint := threads.hint()) is not None:
@@ -167,6 +184,8 @@ def run_generate(args: argparse.Namespace) -> int:
         params = dataclasses.replace(params, max_tokens=context - len(ids))  # what the engine would stop at
     engine = llm.engine
     before = copy.copy(engine.stats)
+    speculator = engine.scheduler.speculator
+    spec_before = copy.deepcopy(speculator.metrics) if speculator is not None else None
     stream = args.n == 1
     rate = RateLine(args.n, enabled=not stream and not args.quiet and sys.stderr.isatty())
 
@@ -209,6 +228,7 @@ def run_generate(args: argparse.Namespace) -> int:
             bytes_per_token=llm.config.kv_bytes_per_token_per_elem * engine.pool.k.element_size(),
             sharing=config.prefix_sharing,
             threads=engine.threads,
+            speculation=None if speculator is None else speculator.metrics.since(spec_before).summary(),
         )
         print("\n".join(f"--- {line}" for line in lines), file=sys.stderr)
     return 0

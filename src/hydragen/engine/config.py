@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hydragen.errors import ConfigError
 from hydragen.reasoning.formats import REASONING_PARSERS
+from hydragen.spec.config import SpeculativeConfig, speculative_config
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_PAGE_SIZE = 16
@@ -107,6 +108,13 @@ class EngineConfig:
         "attention implementation: auto, fused (the compiled CPU op), torch, triton, none (measurement)",
         choices=ATTENTION,
     )
+    speculative_config: SpeculativeConfig | dict | str | None = setting(
+        None,
+        "speculative decoding without a draft model, as vLLM's dict (or its JSON): "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
+        "drafts are verified in the step's forward, each row drawn as decoding alone draws it (default: off)",
+        metavar="JSON",
+    )
     # ---- outputs ---------------------------------------------------------------------------------------
     jump_forward: bool = setting(
         True,
@@ -140,6 +148,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
         _check_positive(self, "tensor_parallel_size", "page_size", "max_num_seqs", "prefill_chunk")
         _check_positive(self, "prefill_budget")
         _check_optional_positive(self, "kv_cache_tokens", "share_limit")

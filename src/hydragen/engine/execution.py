@@ -5,8 +5,10 @@ computes. The forward runs the whole plan as one packed batch; if it raises, eac
 to find the culprits (``isolation.forward_each_request_alone``), and the result's plan is the rest. Every
 sampling row (a fork samples its leader's) is masked by its structured-output constraint and sampled in one
 call; rows that cannot be sampled fail their request alone. An item may ask for the logits of several of its
-last tokens (``Work.logit_rows``, drafts to verify): its last row is sampled as any other, and all its rows
-come back raw in ``StepResult.row_logits``.
+last tokens (``Work.logit_rows`` k + 1: its last k tokens are drafts to verify): every row is sampled, each
+at the step it would have had decoding alone, and the drafts are accepted while they equal those draws
+(``_runs``), so the tokens are exactly those of decoding without drafts. Its rows also come back raw in
+``StepResult.row_logits``.
 """
 
 from __future__ import annotations
@@ -40,29 +42,70 @@ def run_plan(runner, structured, plan: StepPlan) -> StepResult:
     if len(rows) != logits.shape[0]:  # an item asks for several rows: a second pass, only then
         rows, wide = _rows_of_wide_items(ran)
     every = logits
-    index = [rows[i] for _, i in samplers]
+    seqs, index, offsets = _sampling_rows(ran, samplers, rows, wide)
     if index != list(range(logits.shape[0])):  # always a copy when an item has several rows: they stay raw
         logits = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
-    seqs = [s for s, _ in samplers]
     top = max((p.logprobs for s in seqs if (p := s.params).logprobs is not None), default=None)
     structured.mask(logits, seqs)
-    tokens, lps, row_errors = runner.sample(logits, seqs, top)
+    sampled = runner.sample(logits, seqs, top, offsets) if wide else runner.sample(logits, seqs, top)
+    tokens, lps, row_errors = sampled
     for i, message in row_errors.items():
         req = seqs[i].request
         if req.request_id not in failing:
             failing.add(req.request_id)
             failed.append((req, message))
-    keep = [i for i, s in enumerate(seqs) if s.request.request_id not in failing]
-    token_list = tokens.tolist()
+    runs, run_logprobs = _runs(ran, samplers, tokens.tolist(), lps)
+    keep = [i for i, (s, _) in enumerate(samplers) if s.request.request_id not in failing]
     return StepResult(
         ran,
-        tuple(seqs[i] for i in keep),
-        tuple(token_list[i] for i in keep),
-        tuple(lps[i] if lps is not None and seqs[i].params.logprobs is not None else None for i in keep),
+        tuple(samplers[i][0] for i in keep),
+        tuple(runs[i] for i in keep),
+        tuple(run_logprobs[i] for i in keep),
         tuple(failed),
         tuple(dropped),
         _row_logits(ran, wide, every, failing) if wide else (),
     )
+
+
+def _sampling_rows(plan: StepPlan, samplers, rows: dict[int, int], wide: list[tuple[int, int]]):
+    """The rows to sample, one per sampler but every row of an item verifying drafts: (each row's sequence,
+    its row of the forward's logits, its step offset)."""
+    if not wide:
+        return [s for s, _ in samplers], [rows[i] for _, i in samplers], None
+    first = dict(wide)
+    seqs, index, offsets = [], [], []
+    for s, i in samplers:
+        w = plan.work[i]
+        if w.verifies and w.seq is s:  # drafts to verify: draft j's row samples step len(generated) + j
+            n = w.logit_rows
+            seqs += [s] * n
+            index += range(first[i], first[i] + n)
+            offsets += range(n)
+        else:
+            seqs.append(s)
+            index.append(rows[i])
+            offsets.append(0)
+    return seqs, index, offsets
+
+
+def _runs(plan: StepPlan, samplers, tokens: list[int], lps):
+    """Each sampler's tokens and their logprobs (None unless its request asked). One token, or for an item
+    verifying k drafts d_1..d_k with sampled rows t_0..t_k: t_0..t_j, where j is the first row whose draw
+    differs from the draft it checks (t_j is then the draw itself), or k when every draft matches. Each t_i
+    is what decoding alone would have drawn there, since d_1..d_i == t_0..t_{i-1} were its context."""
+    runs, out_lps, r = [], [], 0
+    for s, i in samplers:
+        w = plan.work[i]
+        n = w.logit_rows if w.verifies and w.seq is s else 1
+        drafts = w.tokens[len(w.tokens) - n + 1 :]
+        j = 0
+        while j < n - 1 and tokens[r + j] == drafts[j]:
+            j += 1
+        runs.append(tuple(tokens[r : r + j + 1]))
+        asked = lps is not None and s.params.logprobs is not None
+        out_lps.append(tuple(lps[r : r + j + 1]) if asked else None)
+        r += n
+    return runs, out_lps
 
 
 def _rows_of_wide_items(plan: StepPlan) -> tuple[dict[int, int], list[tuple[int, int]]]:

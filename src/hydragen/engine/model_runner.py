@@ -8,6 +8,8 @@ one call for the batch, seeded per sequence, so a sequence's draws never depend 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hydragen.attention.layer_spec import model_layer_specs
@@ -16,7 +18,7 @@ from hydragen.engine.isolation import map_rows, sample_rows
 from hydragen.engine.packing import PackedBatch, pack, triton_tables
 from hydragen.engine.sampler import SampleOutput, Sampler
 from hydragen.engine.sequence import SequenceState
-from hydragen.engine.step_plan import StepPlan
+from hydragen.engine.step_plan import StepPlan, Work
 from hydragen.errors import ConfigError
 from hydragen.kv.pool import PagePool
 from hydragen.model.layer_stack import stack_layers
@@ -100,6 +102,26 @@ class ModelRunner:
             return None
         return self.model.logits(hidden[batch.logit_rows], normalized=False)
 
+    def time_rows(self, rows: int, context: int = 64, repeats: int = 2) -> float:
+        """Seconds of a step of ``rows`` decode rows (the forward, and a softmax a row for its sampling), each
+        over ``context`` tokens of scratch KV, best of ``repeats`` after a warm-up: the speculative cost
+        rule's t(R), measured at start-up on pages nobody holds yet."""
+        pool = self.pool
+        pages = pool.take(pool.pages_for(context + 1))
+        try:
+            work = tuple(Work(None, tuple(pages), context, (0,), 1) for _ in range(rows))
+            plan = StepPlan(work, cuts=(0,) * rows)
+            best = float("inf")
+            for i in range(repeats + 1):  # the first run warms up
+                t0 = time.perf_counter()
+                logits = self.forward(self.pack(plan))
+                torch.softmax(logits, -1)
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+            return best
+        finally:
+            pool.free(pool.release(pages))
+
     def _triton_attention(
         self, row: int, q: torch.Tensor, batch: PackedBatch, scale: float, softcap=None, kind: int = 0
     ) -> torch.Tensor:
@@ -112,16 +134,25 @@ class ModelRunner:
         )
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[SequenceState], num_logprobs: int | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[SequenceState],
+        num_logprobs: int | None = None,
+        offsets: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[dict[int, float]] | None, dict[int, str]]:
-        """One token per decoding sequence (seeded per sequence: independent of the batch), its logprobs
-        when asked, and {row: error} for rows that could not be sampled.
+        """One token per row (row i is ``seqs[i]``'s; seeded per sequence: independent of the batch), its
+        logprobs when asked, and {row: error} for rows that could not be sampled. Row i draws the uniform of
+        its sequence's step len(generated) + ``offsets[i]``: a verified draft position's row (offset j: j
+        drafts before it) draws what decoding that position alone would draw.
 
         The batch is sampled in one call; if that raises or gives an impossible token, the rows are run
         again one at a time and only the failing ones are reported (``engine/isolation.py``).
         """
         temp, top_k, top_p, seeds, min_p, flags = self._sampling_tensors(seqs)
-        steps = torch.tensor([len(s.generated) for s in seqs], dtype=torch.long, device=self.device)
+        steps = [len(s.generated) for s in seqs]
+        if offsets is not None:
+            steps = [a + b for a, b in zip(steps, offsets, strict=True)]
+        steps = torch.tensor(steps, dtype=torch.long, device=self.device)
         row_args = (temp, top_k, top_p, seeds, steps)
         extra = (min_p, flags[3])
         vocab = logits.shape[1]

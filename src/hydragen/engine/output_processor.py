@@ -52,21 +52,25 @@ class OutputProcessor:
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, eos_ids, max_context
 
     def append_step(self, result: StepResult, structured) -> Appended:
-        """Append each sampler's token, and what its grammar forces after it (jump-forward), checking stops;
-        a sequence that ends has its held-back text flushed. A failure of one request's stage (stop check,
+        """Append each sampler's tokens (one, or its verified drafts and the draw after them), and what its
+        grammar forces after them (jump-forward), checking stops token by token; a sequence that ends has its
+        held-back text flushed. A failure of one request's stage (stop check,
         detokenization, structured outputs) fails that request alone."""
         out = Appended()
         failing: set[str] = set()
-        for s, token, logprobs in zip(result.samplers, result.tokens, result.logprobs, strict=True):
+        for s, run, logprobs in zip(result.samplers, result.tokens, result.logprobs, strict=True):
             req = s.request
             if req.request_id in failing or req.error is not None:
                 continue  # failed in this step already (its fork could not copy, a sibling's stage raised)
             try:
-                out.sampled += 1
                 if s.grammar is not None:
-                    out.forced += self._append_structured(s, token, logprobs, structured)
-                else:
-                    self.append(s, token, logprobs)
+                    out.sampled += 1
+                    out.forced += self._append_structured(s, run[0], logprobs and logprobs[0], structured)
+                else:  # one token, or verified drafts and the draw after them, each checked for a stop
+                    for j, token in enumerate(run):
+                        out.sampled += 1
+                        if self.append(s, token, logprobs[j] if logprobs is not None else None):
+                            break
                 if s.finished:
                     self.finish(s)
                     out.ended.append(s)

@@ -13,10 +13,12 @@ Every step it builds one frozen :class:`StepPlan`:
 3. **waiting sequences are admitted** (aged ones first, then the longest cached prefix first) while seats
    and pages last: the pages of their whole context are taken at admission, exactly as they will be laid
    out (cached full pages shared, the rest their own), so admission never over-promises;
-4. the work is put in depth-first order and the cost rule picks the shared runs (``sharing.py``).
+4. with speculative decoding on, decoding sequences take the drafts the speculator proposes and its cost
+   rule keeps (``spec/``), verified in this step's forward;
+5. the work is put in depth-first order and the cost rule picks the shared runs (``sharing.py``).
 
-After the forward, ``commit`` records what was computed, publishes full pages to the prefix tree and
-carries out the forks.
+After the forward, ``update`` records what was computed (the KV of rejected drafts is cut back), publishes
+full pages to the prefix tree and carries out the forks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from hydragen.engine.step_plan import Admission, Fork, StepPlan, StepResult, Wor
 from hydragen.errors import CannotFit
 from hydragen.kv.manager import KVManager
 from hydragen.kv.pool import OutOfPages
+from hydragen.spec.speculator import Speculator
 
 LPM_WINDOW = 128  # waiting sequences ranked by cached prefix per step (beyond it, arrival order)
 
@@ -63,8 +66,13 @@ class Scheduler:
         prefill_budget: int = 2048,
         max_wait_steps: int = 64,
         min_shared_reads: int = DEFAULT_MIN_SHARED_READS,
+        speculator: Speculator | None = None,
+        max_context: int | None = None,
     ):
+        """``speculator``: drafts for decoding sequences, verified in the step (None: off); ``max_context``:
+        the model's context length (drafts never reach past it)."""
         self.kv, self.sharing = kv, sharing
+        self.speculator, self.max_context = speculator, max_context
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.max_wait_steps = max_wait_steps
@@ -107,6 +115,8 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if s.seq_id not in gone)
         for s in sorted(held, key=lambda s: -s.sched.admitted):  # newest first: one that waits on pages
             self._release(s)  # another of them computes is admitted after it and lets go of them first
+        if self.speculator is not None:
+            self.speculator.forget(list(gone))
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -129,6 +139,8 @@ class Scheduler:
         self._admit(work, forks)
         live = lambda s: s.sched.status is Status.RUNNING  # noqa: E731  (a failure may have ended some)
         work = [w for w in work if live(w.seq)]
+        if self.speculator is not None:
+            work = self._speculate(work, {f.leader.seq_id for f in forks})
         self.abandon([f for f in forks if not (live(f.seq) and live(f.leader))])
         forks = [f for f in forks if live(f.seq) and live(f.leader)]
         ordered = order(work, self.page_size)
@@ -147,7 +159,10 @@ class Scheduler:
         self.abandon(list(result.dropped_forks))
         plan, kv = result.plan, self.kv
         for w in plan.work:
-            kv.computed_to(w.seq.kv, w.end)
+            if not w.verifies:
+                kv.computed_to(w.seq.kv, w.end)
+        if any(w.verifies for w in plan.work):
+            self._settle_drafts(result)
         failed = []
         for f in plan.forks:
             self._open_forks.pop(f, None)
@@ -191,6 +206,58 @@ class Scheduler:
             s, tuple(t.pages[: kv.pages_for(start + k)]), start, tuple(s.tokens(start, start + k)),
             1 if start + k == context_len else 0,
         )  # fmt: skip
+
+    # ---- speculative decoding ------------------------------------------------------------------------
+    def _speculate(self, work: list[Work], leaders: set[int]) -> list[Work]:
+        """Decode items grow by the drafts the speculator proposes and its cost rule keeps, each with its
+        logits row, on pages taken now; a sequence whose draft pages are not free decodes as ever (drafts
+        never preempt anyone). A fork's leader (``leaders``) does not speculate: its followers take exactly
+        the KV it has now."""
+        picks = [
+            i for i, w in enumerate(work)
+            if w.logit_rows == 1 and len(w.tokens) == 1 and w.seq.generated and w.seq.grammar is None
+            and w.end == w.seq.context_len and w.start >= len(w.seq.prompt_ids)
+            and w.seq.seq_id not in leaders
+        ]  # fmt: skip
+        if not picks:
+            return work
+        seqs = [work[i].seq for i in picks]
+        context = self.max_context or 1 << 62
+        room = [min(s.params.max_tokens - len(s.generated), context - s.context_len) - 1 for s in seqs]
+        rows = sum(len(w.tokens) for w in work)
+        drafts = self.speculator.propose(seqs, room, rows)
+        kv = self.kv
+        for i, d in zip(picks, drafts, strict=True):
+            if not d:
+                continue
+            w = work[i]
+            t = w.seq.kv
+            end = w.end + len(d)
+            if kv.allocate(t, end):
+                work[i] = Work(
+                    w.seq, tuple(t.pages[: kv.pages_for(end)]), w.start, (*w.tokens, *d), 1 + len(d)
+                )
+        return work
+
+    def _settle_drafts(self, result: StepResult) -> None:
+        """After a verification: the KV of the accepted drafts stays, the rest is cut back (its pages go
+        back); the speculator learns what each verification accepted."""
+        kv = self.kv
+        taken = {s.seq_id: len(run) for s, run in zip(result.samplers, result.tokens, strict=True)}
+        outcomes = []
+        for w in result.plan.work:
+            if not w.verifies:
+                continue
+            s, verified = w.seq, w.start + 1
+            kv.computed_to(s.kv, w.end, verified)
+            run = taken.get(s.seq_id)
+            if s.sched.status is not Status.RUNNING:
+                continue
+            accepted = run - 1 if run else 0
+            kv.truncate(s.kv, verified + accepted)
+            if run:
+                outcomes.append((s.seq_id, len(w.tokens) - 1, accepted))
+        self.speculator.observe(outcomes)
 
     def _secure(self, s: SequenceState, attempt):
         """Run ``attempt`` (which may raise OutOfPages), preempting the newest running sequence (possibly

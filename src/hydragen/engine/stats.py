@@ -98,6 +98,7 @@ class EngineSnapshot:
     page_size: int
     stats: EngineStats
     unreachable_pages: int = 0  # cached pages no hit can use (a sliding window's pages gone), <= 2 s old
+    speculation: object | None = None  # a copy of the speculator's SpecMetrics (None: speculation off)
 
     @classmethod
     def of(cls, engine) -> EngineSnapshot:
@@ -112,4 +113,5 @@ class EngineSnapshot:
             engine.pool.page_size,
             engine.stats.copy(),
             engine.kv.unreachable_pages(max_age=2.0),
+            None if (spec := engine.scheduler.speculator) is None else spec.metrics.copy(),
         )

@@ -51,6 +51,13 @@ class Work:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
+    @property
+    def verifies(self) -> bool:
+        """A chain of drafts to verify: the next token's input then k drafts, each with its row. Every row is
+        sampled and the drafts are accepted while they equal the draws (``engine/execution.py``); a tree, or
+        an item whose rows do not cover all its tokens, samples its last row only."""
+        return 1 < self.logit_rows == len(self.tokens) and self.parents is None
+
 
 def tree_depths(parents: tuple[int, ...], tokens: int) -> list[int]:
     """Each draft-tree token's depth (0 for a child of the context), or a ValueError unless there is one
@@ -154,8 +161,11 @@ class StepResult:
 
     plan: StepPlan  # without the work and forks of requests whose forward failed
     samplers: tuple[SequenceState, ...] = ()  # the sequences that sampled, in the order of ``tokens``
-    tokens: tuple[int, ...] = ()
-    logprobs: tuple[dict[int, float] | None, ...] = ()  # per sampler, when its request asked for them
+    # Per sampler, its new tokens: one, or for an item verifying drafts the drafts accepted and the token
+    # drawn after them (engine/execution.py), in order.
+    tokens: tuple[tuple[int, ...], ...] = ()
+    # Per sampler, when its request asked for them, one {token: logprob} per token of its run.
+    logprobs: tuple[tuple[dict[int, float], ...] | None, ...] = ()
     failed: tuple[tuple[Request, str], ...] = ()  # requests that failed running, and why
     dropped_forks: tuple[Fork, ...] = ()  # forks of those requests (their reserved pages go back)
     # For a verifier: per work item asking for more than one logits row (``Work.logit_rows`` n > 1), in

@@ -1,9 +1,9 @@
 """Compile hydragen's C++ CPU ops on first use and cache the build on disk.
 
 The ops (``torch.ops.hydragen.step_attention``, the sampling ops ``sample_truncated`` and ``sample_step``,
-and the quantized-matmul ops of ``native/quant.py``) are built into one library with
-``-march=native`` for the machine they run on, so they ship as source (``native/csrc/``) and are compiled
-by ``torch.utils.cpp_extension`` the first time one is needed. The build lives under
+speculative decoding's ``ngram_propose`` and the quantized-matmul ops of ``native/quant.py``) are built into
+one library with ``-march=native`` for the machine they run on, so they ship as source (``native/csrc/``)
+and are compiled by ``torch.utils.cpp_extension`` the first time one is needed. The build lives under
 ``$HYDRAGEN_CACHE_DIR`` (else ``$HYDRAGEN_CACHE``, else ``~/.cache/hydragen``) in a folder keyed by a hash
 of the sources, the torch version, the flags and the CPU, so an edit, an upgrade or a different machine
 sharing the home directory never loads a stale or foreign binary. When no compiler works the ops are
@@ -32,6 +32,7 @@ _SOURCE_NAMES = (
     "quant_pack.cpp",
     "quant_matmul.cpp",
     "quant_layers.cpp",  # every layer in one region, through quant_linear.h and step_attention.h
+    "ngram.cpp",  # speculative decoding's prompt-lookup drafts
 )
 SOURCES = tuple(_CSRC / name for name in _SOURCE_NAMES)
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # included by the sources: copied beside them and part of the key
@@ -208,6 +209,12 @@ def sample_step_op() -> Callable | None:
     """``torch.ops.hydragen.sample_step``, or None when the ops are unavailable."""
     ops = load_ops()
     return None if ops is None else ops.sample_step
+
+
+def ngram_propose_op() -> Callable | None:
+    """``torch.ops.hydragen.ngram_propose``, or None when the ops are unavailable."""
+    ops = load_ops()
+    return None if ops is None else ops.ngram_propose
 
 
 def vec_capability() -> str | None:

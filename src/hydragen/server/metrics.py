@@ -123,6 +123,13 @@ class SnapshotRows:
 
     def collect(self) -> Iterator[Metric]:
         for name, kind, help_text, value in self.rows:
+            if isinstance(value, tuple):  # (label name, {label value: value}): one family, a sample a label
+                label, values = value
+                family = FAMILY_KINDS[kind](name, help_text, labels=[label])
+                for key, v in values.items():
+                    family.add_metric([str(key)], float(v))
+                yield family
+                continue
             yield FAMILY_KINDS[kind](name, help_text, value=float(value))
 
 

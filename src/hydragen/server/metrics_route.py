@@ -90,4 +90,29 @@ def metrics_text(client: EngineClient, metrics: LatencyMetrics) -> str:
         ),
         ("hydragen_preemptions_total", "counter", "sequences preempted for memory", st.preemptions),
     ]
+    if snap.speculation is not None:
+        rows += speculation_rows(snap.speculation)
     return exposition(rows, metrics)
+
+
+def speculation_rows(m) -> list[tuple]:
+    """Speculative decoding's counters under vLLM's names (``vllm:spec_decode_*``, here ``hydragen_``)."""
+    per = dict(enumerate(m.accepted_per_position))
+    return [
+        ("hydragen_spec_decode_num_drafts", "counter", "verifications of drafted tokens", m.drafts),
+        ("hydragen_spec_decode_num_draft_tokens", "counter", "drafted tokens verified", m.draft_tokens),
+        ("hydragen_spec_decode_num_accepted_tokens", "counter", "drafted tokens accepted", m.accepted_tokens),
+        (
+            "hydragen_spec_decode_num_accepted_tokens_per_pos",
+            "counter",
+            "drafted tokens accepted at each draft position (0: the first draft)",
+            ("position", per),
+        ),
+        (
+            "hydragen_spec_decode_steps",
+            "counter",
+            "steps with decoding sequences that could speculate",
+            m.steps,
+        ),
+        ("hydragen_spec_decode_speculated_steps", "counter", "steps verifying drafts", m.speculated_steps),
+    ]

@@ -154,9 +154,11 @@ def make_qkv(num_tokens, slots, hq, hkv, d, dtype, seed=1):
 
 # How the build cuts the step into work items. "fine" cuts units into 4-token tiles, causal units into
 # diagonal squares + rectangles, segments and units into 8-key chunks, so every kind of item occurs in a
-# small step; "tile" / "own" force every piece through the tile kernel (matrix products per KV head) / the
-# op's own loop.
-FINE = dict(PIECE_TOKENS=4, MAX_PIECE_KEYS=8, TOKENS_PER_BLOCK=3, SPLIT_BLOCKS_PER_THREAD=10**6)
+# small step; "tile" / "own" force every unit's piece through the tile kernel (matrix products per KV head) /
+# the op's own loop (a segment's pieces always take the loop).
+FINE = dict(
+    PIECE_TOKENS=4, MAX_PIECE_KEYS=8, SEGMENT_CHUNK_KEYS=8, TOKENS_PER_BLOCK=3, SPLIT_BLOCKS_PER_THREAD=10**6
+)
 CUTS = {
     "default": {},
     "fine-tile": dict(FINE, TILE_MIN_ROWS=0, TILE_MIN_KEYS=0),
@@ -290,18 +292,18 @@ def test_no_units_plain_paged_decode(impl, cuts):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("keys", [600, 129, 3000])
+@pytest.mark.parametrize("keys", [600, 129, 512, 3000])
 def test_one_decode_token_is_read_by_every_thread(impl, keys):
-    """A lone decode token (n = 1): its context is cut into equal key chunks, all of them pieces (two per
-    thread while each keeps MIN_SPLIT_KEYS keys), and the block only merges them."""
+    """A lone decode token (n = 1): its context is cut at every multiple of SEGMENT_CHUNK_KEYS, each chunk but
+    the last a piece any thread may take, the last read by its block, which merges them all."""
     gen = torch.Generator().manual_seed(3)
     pages = Pages(200, 16, gen)
     segments = [(0, 1, pages.runs(keys), keys)]
     meta = StepAttentionMeta.build([], segments, 1, "cpu")
-    threads = torch.get_num_threads()
-    chunks = max(-(-keys // step_work.MAX_PIECE_KEYS), min(2 * threads, keys // step_work.MIN_SPLIT_KEYS), 1)
-    assert meta.pieces.shape[0] == (chunks if chunks > 1 else 0)
-    assert meta.blocks.shape[0] == 1 and int(meta.blocks[0, 5]) == (0 if chunks > 1 else keys)
+    chunk = step_work.SEGMENT_CHUNK_KEYS
+    pieces = (keys - 1) // chunk
+    assert meta.pieces.shape[0] == pieces and all(p[5] == chunk for p in meta.pieces.tolist())
+    assert meta.blocks.shape[0] == 1 and int(meta.blocks[0, 5]) == keys - pieces * chunk
     q, k, v = make_qkv(1, 200 * 16, 9, 3, 64, torch.float32, seed=4)
     out = step_attention(q, k, v, meta, 0.125, impl=impl)
     torch.testing.assert_close(out.double(), oracle(q, k, v, [], segments, 0.125), atol=2e-6, rtol=1e-5)

@@ -231,7 +231,7 @@ def test_a_shared_unit_is_still_read_once_with_a_bound_per_row(impl, tile, monke
     assert all(u[2:] == (0, 8, 0) for u in meta.unit_list)
     assert meta.unit_positions()[0] == 16 and sum(u[1] - u[0] for u in meta.unit_list) == 24
     pieces = meta.pieces.tolist()
-    assert len(pieces) == 1 and pieces[0][:2] == [0, 8] and pieces[0][5:] == [24, 0, 16]  # 24 keys from 16
+    assert len(pieces) == 1 and pieces[0][:2] == [0, 8] and pieces[0][5:] == [24, 0, 1, 16]  # 24 keys from 16
     q, k, v = make_qkv(meta.num_tokens, slots, 8, 2, 32, torch.float32)
     out = step_attention(q, k, v, meta, 0.2, impl=impl)
     want = masked_attention(q, k, v, window_mask(plan, slots, 30), 0.2)

@@ -58,7 +58,8 @@ def test_sample_is_one_logits_row():
 def test_an_item_with_several_rows_gets_them_all():
     """A sequence verifying three drafts (the last one wrong) next to an ordinary decode: the first gets
     four rows, each computed on its own context (the argmax is the fake model's next token after that
-    prefix), and samples its last as any item does; the decode samples as ever and gets no rows."""
+    prefix), and every row is sampled: the two right drafts are its tokens, then the draw that rejected the
+    third; the decode samples as ever and gets no rows."""
     eng = fake_engine(32, 4)
     decoding(eng, PROMPTS)
     a, b = eng.scheduler.running
@@ -72,7 +73,7 @@ def test_an_item_with_several_rows_gets_them_all():
     assert rows.argmax(-1).tolist() == [next_token(context + draft[:j]) for j in range(4)]
     assert rows.argmax(-1).tolist()[:2] == draft[:2] and rows[2].argmax() != draft[2]
     assert result.samplers == (a, b)
-    assert result.tokens == (next_token(context + draft), next_token(list(b.context)))
+    assert result.tokens == ((*draft[:2], next_token(context + draft[:2])), (next_token(list(b.context)),))
 
 
 def test_rows_not_at_the_end_of_the_item_and_items_without_rows():
@@ -120,7 +121,7 @@ def test_a_failing_request_next_to_an_item_with_several_rows():
     ((seq, rows),) = result.row_logits
     assert seq is a
     assert rows.argmax(-1).tolist() == [next_token(list(a.context) + draft[:j]) for j in range(3)]
-    assert result.samplers == (a,) and result.tokens == (next_token(list(a.context) + draft),)
+    assert result.samplers == (a,) and result.tokens == ((*draft, next_token(list(a.context) + draft)),)
 
 
 def test_too_many_rows_for_an_item_is_refused():
@@ -203,7 +204,7 @@ def test_a_draft_tree_inside_a_shared_run_gets_each_node_s_row():
     tokens = tree.tokens
     want = [next_token(context[:-1] + [tokens[i] for i in path(TREE, j)]) for j in range(len(TREE))]
     assert seq is a and rows.argmax(-1).tolist() == want
-    assert result.tokens == (want[-1], next_token(list(b.context)))
+    assert result.tokens == ((want[-1],), (next_token(list(b.context)),))  # a tree: its last row is sampled
 
 
 def test_truncate_after_a_draft_tree_leaves_the_cache_as_if_it_never_ran():

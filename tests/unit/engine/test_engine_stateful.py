@@ -1,14 +1,16 @@
 """A randomized stateful test of the scheduler and KV manager, through the real engine with a fake model
-(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), forced appends to
+(``fake_engine.py``): hypothesis drives arrivals (n > 1, shared and unaligned prefixes), speculative decoding
+(drafts right up to a varying position, verified in the step, the rest cut back), forced appends to
 one sample or to every sample of a request alike (the text may hold EOS), aborts, and injected faults: a
 request whose forward fails, a fork whose KV copy fails, a step that raises before its commit (Ctrl-C, or
 every request failing alone; then everything is aborted, as ``LLM.generate`` and the server do, or the
 engine goes on), on page sizes 1, 4 and 16, pools from a few pages up and seat limits from 1.
 
 After every step: every page is free, cached or held, and its refcount equals the page tables holding it;
-every page in flight has exactly one live writer; with sliding-window KV groups, each table holds exactly its
-windows' pages of them, idle ones only beside cached pages, and no idle leaf is a dead end; every plan's
-context was really in the pages it named,
+every page in flight has exactly one live writer; every cached page continues a context some sequence
+really had (no rejected or unverified draft is ever published); with sliding-window KV groups, each table
+holds exactly its windows' pages of them, idle ones only beside cached pages, and no idle leaf is a dead
+end; every plan's context was really in the pages it named,
 its shared runs and cuts agree with the page tables, and the packed step's attention reads exactly each
 token's context (checked by the fake runner at forward time); every running request makes progress within
 a bounded number of steps. At the end: every request finished with exactly the tokens the fake model gives,
@@ -35,6 +37,7 @@ from tests.helpers.fake_engine import (
     EOS,
     VOCAB,
     PlanViolation,
+    ScriptedProposer,
     all_tables,
     check_reads,
     expected_output,
@@ -50,6 +53,7 @@ RUN = dict.fromkeys(
     [
         "examples", "steps", "preemptions", "forks", "forks of siblings forced alike", "failed fork copies",
         "raised steps", "forced appends", "forced appends to every sample", "aborts", "failed",
+        "drafts verified", "drafts accepted", "drafts rejected",
     ],
     0,
 )  # fmt: skip
@@ -66,8 +70,20 @@ class EngineMachine(RuleBasedStateMachine):
         seats=st.sampled_from([1, 2, 3, 256]),
         kv_groups=st.sampled_from([(), (), (0, 1), (0, 1, 1), (0, 1, 2)]),  # a table page per KV group
         window=st.sampled_from([None, None, 1, 3, 6, 17]),  # groups 1..: sliding (their pages released)
+        speculate=st.sampled_from([0, 0, 1, 3, 6]),  # drafts verified per decode (0: off)
     )
-    def setup(self, page_size, pages, sharing, min_shared_reads, chunk, seats, kv_groups=(), window=None):
+    def setup(
+        self,
+        page_size,
+        pages,
+        sharing,
+        min_shared_reads,
+        chunk,
+        seats,
+        kv_groups=(),
+        window=None,
+        speculate=0,
+    ):
         specs = ()
         if kv_groups and window is not None:  # group 0 full; group g >= 1 slides over window * g tokens
             specs = [AttentionSpec(1.0, window=None if g == 0 else window * g) for g in kv_groups]
@@ -83,7 +99,17 @@ class EngineMachine(RuleBasedStateMachine):
             max_num_seqs=seats,
             kv_groups=kv_groups,
             layer_specs=specs,
+            speculative_config=(
+                {"method": "ngram", "num_speculative_tokens": speculate, "cost_rule": False}
+                if speculate
+                else None
+            ),
         )
+        if speculate:  # drafts right up to a position that depends on the sequence and its length
+            self.engine.scheduler.speculator.proposer = ScriptedProposer(
+                lambda seq, k: (seq.seq_id * 7 + seq.context_len * 3) % (k + 2)
+            )
+        self.contexts: set[tuple[int, ...]] = set()  # every verified context seen (prefixes at page ends)
         self.mirror = ReplicaState(approx_capacity=1)  # a router's view, built from KV events alone
         self.engine.publish_kv_events(
             lambda events: [self.mirror.apply(e) for e in to_wire(events, page_size)]
@@ -255,6 +281,23 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.mirror.cached == {node.hash for node in tree.nodes.values()}, (
                 "KV events lost a change"
             )
+            self.nothing_unverified_is_published()
+
+    def nothing_unverified_is_published(self):
+        """Every cached page continues a prefix some sequence really had (prompt and appended tokens): a
+        draft that verification rejected, or one not verified yet, never reaches the prefix tree."""
+        ps = self.engine.kv.page_size
+        for _, _, _, req in self.requests.values():
+            for s in req.seqs:
+                context = s.context
+                self.contexts.update(tuple(context[:end]) for end in range(ps, len(context) + 1, ps))
+        tree = self.engine.tree
+        for node in tree.nodes.values():
+            chain, n = [], node
+            while n is not tree.root:
+                chain[:0] = n.tokens
+                n = n.parent
+            assert tuple(chain) in self.contexts, "a page the prefix tree holds is not a verified context"
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -277,6 +320,11 @@ class EngineMachine(RuleBasedStateMachine):
         RUN["examples"] += 1
         RUN["preemptions"] += eng.stats.preemptions
         RUN["failed fork copies"] += eng.runner.pool.failed_copies
+        if eng.scheduler.speculator is not None:
+            m = eng.scheduler.speculator.metrics
+            RUN["drafts verified"] += m.drafts
+            RUN["drafts accepted"] += m.accepted_tokens
+            RUN["drafts rejected"] += m.draft_tokens - m.accepted_tokens
         eng.kv.check([])
         usage = eng.kv_usage()
         assert usage["used"] == usage["cached"], usage

@@ -254,7 +254,7 @@ struct Item {
   int64_t tok_lo, tok_hi, run_lo, run_hi, first, total, kpos;
 };
 
-constexpr int64_t kPieceFields = 8;  // item, part_row, kpos (step_work.PIECE_FIELDS)
+constexpr int64_t kPieceFields = 9;  // item, part_row, may_tile, kpos (step_work.PIECE_FIELDS)
 constexpr int64_t kBlockFields = 7;  // item, kpos (step_work.BLOCK_FIELDS)
 
 inline Item item_at(const int64_t* row, int64_t fields) {
@@ -271,7 +271,7 @@ struct Bounds {
 // Per-thread scratch for the largest item, kept by each worker thread between calls (grown, never shrunk):
 // a decode step calls the op once per layer, and fresh buffers cost more than a short item's arithmetic.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, alpha;
+  std::vector<float> q, acc, s, m, l, alpha, own;
   std::vector<int64_t> lim, beg;
 
   void fit(int64_t rows, int64_t d) {
@@ -280,6 +280,7 @@ struct Scratch {
     };
     grow(q, rows * d);
     grow(acc, rows * d);
+    grow(own, d);
     grow(s, rows * kBlockKeys);
     grow(m, rows);
     grow(l, rows);
@@ -524,22 +525,33 @@ void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out,
                    const Partials& part, Scratch& w) {
   attend(q, k, v, st, runs, it, h, nh, g, d, scale, bd, w);
   const int64_t gh = g * nh, rows = (it.tok_hi - it.tok_lo) * gh;
+  float* own = w.own.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.tok_lo + r / gh, head = h * g + r % gh;
     float* a = w.acc.data() + r * d;
-    float m = w.m[r], l = w.l[r];
-    for (int64_t e = tok_ptr[t]; e < tok_ptr[t + 1]; ++e) {
-      const int64_t idx = tok_parts[e] * hq + head;
-      const float lse = part.lse[idx];
-      if (lse == kNegInf) continue;
+    // The block's own keys come last, as one more partial normalised exactly as own_piece writes one: a
+    // token's output is then the same fold over the same key chunks (the pieces', in key order, then its
+    // own) whether its last chunk was read here or by a piece, which is what makes a verified draft's row
+    // (a token of a longer segment) bit-for-bit a decode row's.
+    const float l_own = w.l[r];
+    const float inv_own = l_own != 0.f ? 1.f / l_own : 0.f;
+    for (int64_t i = 0; i < d; ++i) own[i] = a[i] * inv_own;
+    const float lse_own = l_own != 0.f ? w.m[r] + std::log(l_own) : kNegInf;
+    std::fill(a, a + d, 0.f);
+    float m = kNegInf, l = 0.f;
+    const auto fold = [&](float lse, const float* o) {
       const float m_new = std::max(m, lse);
       const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
       const float beta = std::exp(lse - m_new);
-      const float* o = part.o + idx * d;
       scale_add_rows(a, alpha, &beta, &o, 1, d);
       l = l * alpha + beta;
       m = m_new;
+    };
+    for (int64_t e = tok_ptr[t]; e < tok_ptr[t + 1]; ++e) {
+      const int64_t idx = tok_parts[e] * hq + head;
+      if (part.lse[idx] != kNegInf) fold(part.lse[idx], part.o + idx * d);
     }
+    if (lse_own != kNegInf) fold(lse_own, own);
     q_t* dst = out + (t * hq + head) * d;
     const float inv = l != 0.f ? 1.f / l : 0.f;  // l is 0 where no key is seen, NaN where a NaN was read
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<q_t>(a[i] * inv);
@@ -587,7 +599,7 @@ void piece_item(const hsa::StepAttention& a, int64_t i) {
   const int64_t nt = it.tok_hi - it.tok_lo;
   const int64_t keys = std::min(it.first + nt - 1, it.total);
   const Partials part{a.part_o_.data_ptr<float>(), a.part_lse_.data_ptr<float>()};
-  if (a.tile_min_rows_ >= 0 && nt * a.g_ >= a.tile_min_rows_ && keys >= a.tile_min_keys_) {
+  if (row[7] && a.tile_min_rows_ >= 0 && nt * a.g_ >= a.tile_min_rows_ && keys >= a.tile_min_keys_) {
     tile_piece<q_t, scalar_t>(a, it, row[6], i % a.hkv_, part);
   } else if (i % a.hkv_ == 0) {
     own_piece<q_t, scalar_t>(a.q_.const_data_ptr<q_t>(), reinterpret_cast<const scalar_t*>(a.kp_),
