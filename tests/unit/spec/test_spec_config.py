@@ -48,3 +48,11 @@ def test_the_cli_flag_round_trips():
     flags = engine_flags(config)
     i = flags.index("--speculative-config")
     assert EngineConfig(speculative_config=flags[i + 1]).speculative_config == config.speculative_config
+
+
+def test_tensor_parallelism_is_refused_by_name():
+    from hydragen.engine.parts import build_speculator
+
+    config = EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram"})
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not built yet"):
+        build_speculator(config, runner=None)

@@ -15,7 +15,8 @@ class LookupPeer:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens)
-        self.lookup = Llama(path, n_ctx=n_ctx, draft_model=draft, verbose=False)
+        # A draft model needs every position's logits (logits_all), as llama-cpp-python's own example sets.
+        self.lookup = Llama(path, n_ctx=n_ctx, draft_model=draft, logits_all=True, verbose=False)
         self.plain = Llama(path, n_ctx=n_ctx, verbose=False)
 
 

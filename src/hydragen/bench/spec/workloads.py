@@ -200,6 +200,55 @@ def measure(workloads, batches, settings, tokens: int, rounds: int) -> list[dict
     return rows
 
 
+EXACT_SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "t0.8 seeded": dict(temperature=0.8, top_p=0.95, seed=7),
+    "t0.8 n=2": dict(temperature=0.8, top_p=0.95, seed=7, n=2),
+    "stop strings": dict(temperature=0.8, top_p=0.95, seed=3, stop=["\n\n", "."]),
+}
+
+
+def exactness(workloads, prompts_per: int, tokens: int, batch: int) -> list[dict]:
+    """``prompts_per`` prompts of each workload, ``batch`` at a time, through speculation off and on (every
+    draft found verified: no cost rule, the most drafts): sequences whose tokens, finish reason and text
+    are identical, and the largest log-probability gap among sequences with the same tokens."""
+    from hydragen import LLM, SamplingParams
+
+    off = LLM(kv_cache_tokens=262144)
+    on = LLM(kv_cache_tokens=262144, speculative_config={**SPEC, "cost_rule": False})
+    rows = []
+    for workload in workloads:
+        if workload == "samples":
+            continue  # its prompts are one prompt: "t0.8 n=2" covers sisters
+        prompts = _ids(off, prompts_of(workload, prompts_per))
+        for name, setting in EXACT_SETTINGS.items():
+            extra = {"structured_outputs": params_of(workload, "greedy", 1).structured_outputs}
+            params = SamplingParams(max_tokens=tokens, logprobs=1, **setting, **extra)
+            spec = on.engine.scheduler.speculator
+            before = spec.metrics.copy()
+            same = total = 0
+            gap = 0.0
+            for i in range(0, len(prompts), batch):
+                a = off.generate(prompts[i : i + batch], params, use_tqdm=False)
+                b = on.generate(prompts[i : i + batch], params, use_tqdm=False)
+                for x, y in zip(a, b, strict=True):
+                    for c, d in zip(x.outputs, y.outputs, strict=True):
+                        total += 1
+                        if (c.token_ids, c.finish_reason, c.text) != (d.token_ids, d.finish_reason, d.text):
+                            continue
+                        same += 1
+                        for u, v, t in zip(c.logprobs, d.logprobs, c.token_ids, strict=True):
+                            gap = max(gap, abs(u[t] - v[t]) if u[t] is not None else 0.0)
+            m = spec.metrics.since(before)
+            rows.append({"workload": workload, "sampling": name, "sequences": total, "identical": same,
+                         "largest logprob gap": gap, "drafts accepted": m.accepted_tokens})  # fmt: skip
+            say(f"exactness {workload} {name}: {same} of {total} identical, logprob gap {gap:.2e}, "
+                f"{m.accepted_tokens} drafts accepted")  # fmt: skip
+    off.close()
+    on.close()
+    return rows
+
+
 def peer_rows(workloads, settings, tokens: int) -> list[dict]:
     """llama.cpp with prompt lookup, one sequence at a time, on the embedded file (batch 1 rows)."""
     from hydragen.bench.peers import llamacpp_lookup
@@ -228,6 +277,9 @@ def peer_rows(workloads, settings, tokens: int) -> list[dict]:
             except PeerCrashed as e:
                 say(f"llama.cpp crashed: {e}")
                 return rows
+            except Exception as e:  # noqa: BLE001  the peer's own error: its rows are left out, ours stand
+                say(f"llama.cpp failed on {workload} {setting}: {type(e).__name__}: {e}")
+                continue
             rows.append({"workload": workload, "sampling": setting, "llama.cpp tok/s": plain,
                          "llama.cpp lookup tok/s": lookup})  # fmt: skip
             say(f"llama.cpp {workload} {setting}: {plain:.1f} tok/s, with prompt lookup {lookup:.1f}")
@@ -265,6 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="llama.cpp's lookup")
     p.add_argument("--quick", action="store_true", help="code and chat at batch 1, 16 tokens, no peer")
+    p.add_argument(
+        "--exactness", type=int, default=0, metavar="N",
+        help="instead: N prompts per workload, on against off, counting identical sequences",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     a = p.parse_args(argv)
     workloads = [w for w in a.workloads.split(",") if w]
@@ -283,6 +339,17 @@ def main(argv: list[str] | None = None) -> None:
     for name in workloads:
         if name not in WORKLOADS:
             raise SystemExit(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if a.exactness:
+        rows = exactness(workloads, a.exactness, 64 if a.tokens == 128 else a.tokens, 16)
+        notes = (
+            f"{a.exactness} prompts per workload, 16 at a time, 64 new tokens, logprobs=1; speculation off "
+            "against on with every draft found verified (cost_rule false). 'identical': token ids, finish "
+            "reason and text equal; the logprob gap is over the identical sequences' chosen tokens."
+        )
+        columns = ["workload", "sampling", "sequences", "identical", "largest logprob gap", "drafts accepted"]
+        publish(rows, columns, a.out, "spec_exactness", "Speculation on against off: identical outputs",
+                notes, plots=lambda data, out: [], params={"prompts": a.exactness})  # fmt: skip
+        return
     rows = measure(workloads, batches, settings, a.tokens, a.rounds)
     if a.peer:
         rows += peer_rows(workloads, settings, a.tokens)
