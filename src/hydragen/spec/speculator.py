@@ -9,6 +9,7 @@ no page table and no sequence.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from hydragen.spec.config import SpeculativeConfig
@@ -77,6 +78,7 @@ class Speculator:
         self.metrics = SpecMetrics(accepted_per_position=[0] * config.num_speculative_tokens)
         self._seen: dict[int, list[int]] = {}  # seq_id -> [accepted, verified positions]
         self._engine = [0, 0]  # the same, over every sequence
+        self._pays: dict[tuple, bool] = {}  # _may_pay's answers
 
     def propose(self, seqs: list, room: list[int], base_rows: int) -> list[tuple[int, ...]]:
         """Per sequence, the drafts to verify this step (at most ``room[i]``), in a step whose other work is
@@ -86,14 +88,30 @@ class Speculator:
         self.metrics.steps += 1
         k = self.config.num_speculative_tokens
         limits = [max(0, min(k, r)) for r in room]
+        accept = self._acceptance(seqs) if self.cost is not None else None
+        if accept is not None and not self._may_pay(len(seqs), max(limits), base_rows, max(accept)):
+            return [()] * len(seqs)  # not even every draft found at the best acceptance would pay: no lookup
         drafts, take = self.proposer.propose(seqs, limits, self.config.use_siblings)
-        if self.cost is not None and any(take):
-            take = choose(take, self._acceptance(seqs), base_rows, self.cost)
+        if accept is not None and any(take):
+            take = choose(take, accept, base_rows, self.cost)
         if not any(take):
             return [()] * len(seqs)
         self.metrics.speculated_steps += 1
         rows = drafts.tolist()
         return [tuple(rows[i][:n]) for i, n in enumerate(take)]
+
+    def _may_pay(self, batch: int, k: int, base_rows: int, accept: float) -> bool:
+        """Whether ``k`` drafts for each of ``batch`` sequences, all accepted with probability ``accept``
+        (the best estimate among them), would pay in a step of ``base_rows`` other rows: if not, no subset
+        of real drafts pays either (they are fewer and worth less), and the step skips the lookup. Remembered
+        per (batch, k, rows, accept rounded up to two places): the answer depends on nothing else."""
+        key = (batch, k, base_rows, math.ceil(accept * 100) / 100)  # rounded up: still an upper bound
+        known = self._pays.get(key)
+        if known is None:
+            if len(self._pays) > 4096:
+                self._pays.clear()
+            known = self._pays[key] = any(choose([k] * batch, [key[3]] * batch, base_rows, self.cost))
+        return known
 
     def _acceptance(self, seqs: list) -> list[float]:
         """Each sequence's estimated chance that a draft is accepted: its own counts, starting from the

@@ -920,3 +920,26 @@ print("ok")
 
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("keys", [100, 250, 254, 256, 257, 500, 512, 700])
+@pytest.mark.parametrize("drafts", [4, 8])
+def test_a_token_of_a_longer_segment_is_bit_for_bit_its_decode_row(keys, drafts):
+    """Speculative decoding verifies drafts as the tokens of one segment (the next input, then the drafts,
+    each seeing one more key): on the C++ op each token's output equals, bit for bit, the output of the same
+    query decoded alone over the same keys, also where the segment's keys cross a multiple of
+    SEGMENT_CHUNK_KEYS that the token's own keys do not reach (its last chunk then read by a piece)."""
+    if cpp_build.step_attention_op() is None:
+        pytest.skip("the C++ op is unavailable")
+    gen = torch.Generator().manual_seed(keys + drafts)
+    pages = Pages(200, 16, gen)
+    runs = pages.runs(keys + drafts)
+    q, k, v = make_qkv(drafts + 1, 200 * 16, 9, 3, 64, torch.float32, seed=keys)
+    chain = StepAttentionMeta.build([], [(0, drafts + 1, runs, keys)], drafts + 1, "cpu")
+    together = step_attention(q, k, v, chain, 0.125, impl="cpp")
+    for j in range(drafts + 1):
+        alone = StepAttentionMeta.build(
+            [], [(0, 1, step_work.cut_runs(runs, 0, keys + j), keys + j)], 1, "cpu"
+        )
+        row = step_attention(q[j : j + 1], k, v, alone, 0.125, impl="cpp")
+        assert torch.equal(row[0], together[j]), (keys, drafts, j)

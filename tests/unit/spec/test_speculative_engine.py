@@ -83,6 +83,7 @@ def test_a_steep_step_cost_turns_speculation_off():
     got, _ = outputs(eng, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert got == [[expected_output(p, {}, 10, True)] for p in PROMPTS]
     assert spec.metrics.drafts == 0 and spec.metrics.steps > 0
+    assert spec.proposer.proposed == 0  # nothing could pay: the lookup itself was skipped
 
 
 @pytest.fixture(scope="module")

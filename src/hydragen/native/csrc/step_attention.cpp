@@ -271,7 +271,7 @@ struct Bounds {
 // Per-thread scratch for the largest item, kept by each worker thread between calls (grown, never shrunk):
 // a decode step calls the op once per layer, and fresh buffers cost more than a short item's arithmetic.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, alpha, own;
+  std::vector<float> q, acc, s, m, l, alpha;
   std::vector<int64_t> lim, beg;
 
   void fit(int64_t rows, int64_t d) {
@@ -280,7 +280,6 @@ struct Scratch {
     };
     grow(q, rows * d);
     grow(acc, rows * d);
-    grow(own, d);
     grow(s, rows * kBlockKeys);
     grow(m, rows);
     grow(l, rows);
@@ -525,33 +524,44 @@ void segment_block(const q_t* q, const scalar_t* k, const scalar_t* v, q_t* out,
                    const Partials& part, Scratch& w) {
   attend(q, k, v, st, runs, it, h, nh, g, d, scale, bd, w);
   const int64_t gh = g * nh, rows = (it.tok_hi - it.tok_lo) * gh;
-  float* own = w.own.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.tok_lo + r / gh, head = h * g + r % gh;
     float* a = w.acc.data() + r * d;
-    // The block's own keys come last, as one more partial normalised exactly as own_piece writes one: a
-    // token's output is then the same fold over the same key chunks (the pieces', in key order, then its
-    // own) whether its last chunk was read here or by a piece, which is what makes a verified draft's row
-    // (a token of a longer segment) bit-for-bit a decode row's.
+    // The fold starts from the chunk that holds the token's last key, normalised exactly as own_piece writes
+    // a partial: its own keys here, or, when it has none here, the last piece it sees (a token of a longer
+    // segment, whose last chunk a piece read); then the other chunks in key order. So a token's output is
+    // the same fold of the same chunks whether its last chunk was read here or by a piece, which makes a
+    // verified draft's row (a token of a longer segment) bit for bit a decode row's.
     const float l_own = w.l[r];
     const float inv_own = l_own != 0.f ? 1.f / l_own : 0.f;
-    for (int64_t i = 0; i < d; ++i) own[i] = a[i] * inv_own;
     const float lse_own = l_own != 0.f ? w.m[r] + std::log(l_own) : kNegInf;
-    std::fill(a, a + d, 0.f);
+    int64_t first = -1;  // the piece to start from when the token has no keys of its own here
+    if (lse_own == kNegInf) {
+      for (int64_t e = tok_ptr[t + 1] - 1; e >= tok_ptr[t] && first < 0; --e) {
+        if (part.lse[tok_parts[e] * hq + head] != kNegInf) first = e;
+      }
+    }
     float m = kNegInf, l = 0.f;
-    const auto fold = [&](float lse, const float* o) {
+    if (lse_own != kNegInf) {
+      for (int64_t i = 0; i < d; ++i) a[i] = a[i] * inv_own;
+      m = lse_own, l = 1.f;
+    } else if (first >= 0) {
+      const int64_t idx = tok_parts[first] * hq + head;
+      std::copy(part.o + idx * d, part.o + (idx + 1) * d, a);
+      m = part.lse[idx], l = 1.f;
+    }
+    for (int64_t e = tok_ptr[t]; e < tok_ptr[t + 1]; ++e) {
+      const int64_t idx = tok_parts[e] * hq + head;
+      const float lse = part.lse[idx];
+      if (e == first || lse == kNegInf) continue;
       const float m_new = std::max(m, lse);
       const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
       const float beta = std::exp(lse - m_new);
+      const float* o = part.o + idx * d;
       scale_add_rows(a, alpha, &beta, &o, 1, d);
       l = l * alpha + beta;
       m = m_new;
-    };
-    for (int64_t e = tok_ptr[t]; e < tok_ptr[t + 1]; ++e) {
-      const int64_t idx = tok_parts[e] * hq + head;
-      if (part.lse[idx] != kNegInf) fold(part.lse[idx], part.o + idx * d);
     }
-    if (lse_own != kNegInf) fold(lse_own, own);
     q_t* dst = out + (t * hq + head) * d;
     const float inv = l != 0.f ? 1.f / l : 0.f;  // l is 0 where no key is seen, NaN where a NaN was read
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<q_t>(a[i] * inv);
