@@ -16,10 +16,12 @@ Two kinds:
   into equal key chunks; and every segment's keys before its last multiple of ``SEGMENT_CHUNK_KEYS``, one
   piece per chunk of that many keys (read by attend(), never the tile kernel: ``may_tile`` 0).
   Wide pieces are tiled by tokens, long ones cut by keys, so one big node still spreads over every thread.
-* **blocks** cover every token exactly once, read what is left of its segment in place, fold in the partials
-  of every piece covering the token (the CSR ``tok_ptr``/``tok_parts``), in key order, then their own keys
-  as one more partial, and write the output. A segment token's output is so the same fold of the same chunks
-  whatever the step holds: a draft verified as a token of a longer segment gets its decode row's bits.
+* **blocks** cover every token exactly once, read what is left of its segment in place, and fold the
+  token's chunks: first the one holding its last key (its own keys, normalised as a piece's partial, or the
+  last piece it sees when it has none here), then the partials of every other piece covering it (the CSR
+  ``tok_ptr``/``tok_parts``) in key order; and write the output. A segment token's output is so the same
+  fold of the same chunks whatever the step holds: a draft verified as a token of a longer segment gets its
+  decode row's bits.
 
 Items of each kind are sorted most expensive first, so threads taking them in order finish together.
 

@@ -106,6 +106,7 @@ REPEATS = [
     [
         dict(temperature=0, logprobs=2),
         dict(temperature=0.8, top_p=0.95, seed=11, logprobs=1, stop=["\n\n\n"]),
+        dict(temperature=0, stop=["banana, cherry, apple", "b + b", "France is Paris. The"]),
     ],
 )
 def test_the_embedded_model_gives_the_same_tokens_and_logprobs(embedded_pair, params):
@@ -119,4 +120,4 @@ def test_the_embedded_model_gives_the_same_tokens_and_logprobs(embedded_pair, pa
         (b,) = on.generate([prompt], p, use_tqdm=False)[0].outputs
         assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
         assert b.logprobs == a.logprobs  # dicts of floats: equal bit for bit
-    assert on.engine.scheduler.speculator.metrics.accepted_tokens > 10
+    assert on.engine.scheduler.speculator.metrics.accepted_tokens > 5
