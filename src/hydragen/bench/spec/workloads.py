@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens = 64 if a.tokens == 128 else a.tokens
         rows = exactness(workloads, a.exactness, tokens, 16)
         notes = (
-            f"{a.exactness} prompts per workload, 16 at a time, {tokens} new tokens, logprobs=1; speculation off "
+            f"{a.exactness} prompts per workload, 16 at a time, {tokens} new tokens, logprobs=1; speculation "
+            "off "
             "against on with every draft found verified (cost_rule false). 'identical': token ids, finish "
             "reason and text equal; the logprob gap is over the identical sequences' chosen tokens."
         )
