@@ -93,7 +93,7 @@ def cut_step(
     blocks = sum(-(-(seg[1] - seg[0]) // TOKENS_PER_BLOCK) for seg in segments)
     threads = torch.get_num_threads()
     small = blocks < SPLIT_BLOCKS_PER_THREAD * threads
-    chunks = SPLIT_CHUNKS_PER_THREAD * threads if small else 0  # key chunks of a long segment or node
+    chunks = SPLIT_CHUNKS_PER_THREAD * threads if small else 0  # key chunks of a long shared node
     # token range -> chains of runs it sees whole: [first key's position, runs, next position]. Without a
     # window every unit over the range joins one chain; with one, a unit joins a chain it continues.
     shared: dict[tuple[int, int], list[list]] = {}
@@ -113,7 +113,7 @@ def cut_step(
             work.add_shared(tok_lo, tok_hi, runs, chunks, pos)
     first_run = 0
     for segment, pos in zip(segments, seg_pos, strict=True):
-        work.add_segment(*segment, first_run=first_run, chunks=chunks, pos=pos)
+        work.add_segment(*segment, first_run=first_run, pos=pos)
         first_run += len(segment[2])
 
     num_parts = work.rows
@@ -240,8 +240,8 @@ class _WorkItems:
         """Runs every token of [tok_lo, tok_hi) sees whole. Units over the same tokens (a node split into
         several runs, a chain of nodes) are read as one concatenation (both kernels read keys through their
         runs), so they cost one partial per token and key chunk, not one per run. With ``chunks`` (a step too
-        small to keep every thread busy) long runs are cut into that many key chunks as a lone segment is: a
-        node read by four decode tokens is otherwise one item, read by one thread while the others wait.
+        small to keep every thread busy) long runs are cut into that many key chunks: a node read by four
+        decode tokens is otherwise one item, read by one thread while the others wait.
         Under a window the keys before the first any token sees go first, then the rest is chunked."""
         total = sum(b - a for a, b in runs)
         cut = self._cut(tok_lo, tok_hi, total, pos)
@@ -260,15 +260,13 @@ class _WorkItems:
             if a:
                 self.add_shared(tok_lo + a, tok_lo + b, [(kv_lo, kv_lo + a)], pos=pos)
 
-    def add_segment(
-        self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, chunks: int = 0, pos: int = 0
-    ) -> None:
+    def add_segment(self, tok_lo: int, tok_hi: int, runs, visible: int, first_run: int, pos: int = 0) -> None:
         """Blocks covering every token of the segment. Its keys are cut at every multiple of
         SEGMENT_CHUNK_KEYS (counted from its first key), in every step, each chunk but the last a piece read
         by attend() (never the tile kernel) and the last one the blocks': so a token's keys are folded in the
         same chunks by the same arithmetic whatever the step holds, and a token of a longer segment (a draft
-        being verified) gets exactly the output it gets decoding alone (``chunks`` is not used: cuts that
-        depend on the step's size would break that). Under a window the keys before the first any of its
+        being verified) gets exactly the output it gets decoding alone (cuts that depended on the step's size
+        would break that). Under a window the keys before the first any of its
         tokens sees go first (and each block's own, again)."""
         total = sum(b - a for a, b in runs)
         cut = 0 if self.tok_first is None else self._cut(tok_lo, tok_hi, total, pos)

@@ -185,7 +185,7 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = llm.engine
     before = copy.copy(engine.stats)
     speculator = engine.scheduler.speculator
-    spec_before = copy.deepcopy(speculator.metrics) if speculator is not None else None
+    spec_before = speculator.metrics.copy() if speculator is not None else None
     stream = args.n == 1
     rate = RateLine(args.n, enabled=not stream and not args.quiet and sys.stderr.isatty())
 

@@ -54,7 +54,7 @@ def run_plan(runner, structured, plan: StepPlan) -> StepResult:
         if req.request_id not in failing:
             failing.add(req.request_id)
             failed.append((req, message))
-    runs, run_logprobs = _runs(ran, samplers, tokens.tolist(), lps)
+    runs, run_logprobs = _runs(ran, samplers, tokens.tolist(), lps, bool(wide))
     keep = [i for i, (s, _) in enumerate(samplers) if s.request.request_id not in failing]
     return StepResult(
         ran,
@@ -88,11 +88,18 @@ def _sampling_rows(plan: StepPlan, samplers, rows: dict[int, int], wide: list[tu
     return seqs, index, offsets
 
 
-def _runs(plan: StepPlan, samplers, tokens: list[int], lps):
+def _runs(plan: StepPlan, samplers, tokens: list[int], lps, wide: bool):
     """Each sampler's tokens and their logprobs (None unless its request asked). One token, or for an item
     verifying k drafts d_1..d_k with sampled rows t_0..t_k: t_0..t_j, where j is the first row whose draw
     differs from the draft it checks (t_j is then the draw itself), or k when every draft matches. Each t_i
-    is what decoding alone would have drawn there, since d_1..d_i == t_0..t_{i-1} were its context."""
+    is what decoding alone would have drawn there, since d_1..d_i == t_0..t_{i-1} were its context. Without
+    ``wide`` items (no drafts this step) every sampler has one row, taken without looking at the work."""
+    if not wide:
+        runs = [(t,) for t in tokens]
+        if lps is None:
+            return runs, [None] * len(runs)
+        asked = (s.params.logprobs is not None for s, _ in samplers)
+        return runs, [(lp,) if a else None for lp, a in zip(lps, asked, strict=True)]
     runs, out_lps, r = [], [], 0
     for s, i in samplers:
         w = plan.work[i]

@@ -253,6 +253,7 @@ def test_cpp_equals_torch_on_a_random_tree(cuts):
 def test_token_rows_index_is_the_same_from_lists_and_tensors(monkeypatch):
     """The CSR of each token's partial rows, built with plain lists (small steps) and with tensor ops."""
     monkeypatch.setattr(step_work, "MAX_PIECE_KEYS", 8)
+    monkeypatch.setattr(step_work, "SEGMENT_CHUNK_KEYS", 8)  # the segments' keys in pieces too
     monkeypatch.setattr(step_work, "PIECE_TOKENS", 4)
     gen = torch.Generator().manual_seed(3)
     pages = Pages(200, 16, gen)
@@ -265,9 +266,9 @@ def test_token_rows_index_is_the_same_from_lists_and_tensors(monkeypatch):
             work.add_causal(kv_lo, kv_hi, tok_lo, tok_hi)
         else:
             work.add_shared(tok_lo, tok_hi, [(kv_lo, kv_hi)])
-    first_run, chunks = 0, step_work.SPLIT_CHUNKS_PER_THREAD * torch.get_num_threads()
+    first_run = 0
     for seg in segments:
-        work.add_segment(*seg, first_run=first_run, chunks=chunks)
+        work.add_segment(*seg, first_run=first_run)
         first_run += len(seg[2])
     assert work.rows > 32  # many rows, several per token
     small = step_work._token_rows_small(work.pieces, 32)
